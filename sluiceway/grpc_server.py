@@ -1,0 +1,55 @@
+"""What every sluiceway gRPC server shares: message-size limits, health service, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """gRPC channel/server options bounding one message to `max_message_bytes` bytes."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def new_server(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """An asyncio gRPC server with the standard `grpc.health.v1` service added (NOT_SERVING)."""
+    server = grpc.aio.server(options=channel_options(max_message_bytes))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server, health_servicer
+
+
+def bind(server: grpc.aio.Server, address: str) -> str:
+    """Binds `address` (host:port, port 0 = any free port, or unix:PATH); returns the bound address.
+
+    Raises RuntimeError when the address cannot be bound.
+    """
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise RuntimeError(f"cannot listen on {address}: {e}") from e
+    if address.startswith("unix:"):
+        return address
+    host = address.rsplit(":", 1)[0]
+    return f"{host}:{port}"
+
+
+def on_shutdown_signal(callback: Callable[[], None]) -> None:
+    """Calls `callback` (in the running event loop) on SIGINT or SIGTERM."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, callback)

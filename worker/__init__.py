@@ -1,0 +1,1 @@
+"""The worker process: model weights, KV pool, one forward pass and sampling per step."""

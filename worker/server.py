@@ -1,0 +1,148 @@
+"""The worker process: the `Worker` gRPC service over one `ModelRunner`.
+
+Keeps each sequence's record (tokens, block table, sampling options) between
+steps, so a step carries only ids and small integers. The model forward runs
+in a thread so the event loop keeps answering health checks meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import structlog
+
+from sluiceway.grpc_server import SERVING, bind, channel_options, new_server, on_shutdown_signal
+from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
+
+log = structlog.get_logger("worker")
+
+
+def sampling_options(p: scheduler_pb2.SequenceSamplingParams) -> SamplingOptions:
+    """Proto sampling parameters (already resolved by the router) as the runner's options."""
+    return SamplingOptions(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        repetition_penalty=p.repetition_penalty,
+        seed=p.seed if p.HasField("seed") else None,
+    )
+
+
+class StepExecutor:
+    """Applies a `StepRequest` to the per-sequence records and runs it on the model.
+
+    Raises ValueError for a step that names an unknown sequence or positions
+    beyond a sequence's record (a scheduler bug, reported as INVALID_ARGUMENT).
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.sequences: dict[int, SequenceData] = {}
+
+    def execute(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        t0 = time.perf_counter()
+        for seq_id in request.finished_seq_ids:
+            self.sequences.pop(seq_id, None)
+        for new in request.new_sequences:
+            self.sequences[new.seq_id] = self.runner.make_sequence(
+                new.seq_id, list(new.prompt_token_ids), sampling_options(new.sampling)
+            )
+        chunks: list[ScheduledChunk] = []
+        for s in request.scheduled:
+            seq = self.sequences.get(s.seq_id)
+            if seq is None:
+                raise ValueError(f"step {request.step_id} names unknown sequence {s.seq_id}")
+            seq.token_ids.extend(s.appended_token_ids)
+            seq.block_table.extend(s.new_block_ids)
+            if s.num_computed_tokens + s.num_new_tokens > len(seq.token_ids):
+                raise ValueError(
+                    f"sequence {s.seq_id}: positions up to "
+                    f"{s.num_computed_tokens + s.num_new_tokens} but {len(seq.token_ids)} tokens"
+                )
+            chunks.append(ScheduledChunk(seq, s.num_computed_tokens, s.num_new_tokens))
+        sampled = self.runner.execute(chunks) if chunks else []
+        return worker_pb2.StepResponse(
+            step_id=request.step_id,
+            sampled=[
+                worker_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob)
+                for t in sampled
+            ],
+            forward_seconds=time.perf_counter() - t0,
+        )
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, executor: StepExecutor) -> None:
+        self.executor = executor
+        # One thread: steps are sequential, and torch keeps its own intra-op threads.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+
+    async def ExecuteStep(
+        self, request: worker_pb2.StepRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.StepResponse:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, self.executor.execute, request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise  # unreachable: abort raises
+
+
+async def register(
+    scheduler_address: str,
+    advertise: str,
+    runner: ModelRunner,
+    model_id: str,
+    timeout_s: float = 60.0,
+) -> None:
+    """Announces this worker to the scheduler, retrying until it answers or `timeout_s` passes.
+
+    Raises grpc.aio.AioRpcError if the scheduler never answers.
+    """
+    request = scheduler_pb2.RegisterWorkerRequest(
+        address=advertise,
+        rank=0,
+        model_id=model_id,
+        num_kv_blocks=runner.num_kv_blocks,
+        block_size=runner.block_size,
+        max_model_len=runner.max_model_len,
+        vocab_size=runner.vocab_size,
+    )
+    async with grpc.aio.insecure_channel(scheduler_address, options=channel_options()) as ch:
+        stub = scheduler_pb2_grpc.SchedulerStub(ch)
+        await stub.RegisterWorker(request, timeout=timeout_s, wait_for_ready=True)
+
+
+async def serve(
+    address: str,
+    scheduler_address: str,
+    runner: ModelRunner,
+    model_id: str,
+    advertise: str | None = None,
+) -> None:
+    """Serves steps on `address` and registers with the scheduler; runs until SIGINT/SIGTERM.
+
+    `advertise` is the address the scheduler dials (default: the bound address).
+    """
+    server, health = new_server(max_message_bytes=64 * 1024 * 1024)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(StepExecutor(runner)), server)
+    bound = bind(server, address)
+    await server.start()
+    await register(scheduler_address, advertise or bound, runner, model_id)
+    await health.set("", SERVING)
+    log.info(
+        "worker_ready",
+        address=bound,
+        model_id=model_id,
+        num_kv_blocks=runner.num_kv_blocks,
+        dtype=str(runner.dtype),
+    )
+    stop = asyncio.Event()
+    on_shutdown_signal(stop.set)
+    await stop.wait()
+    log.info("worker_stopping")
+    await server.stop(grace=1.0)
