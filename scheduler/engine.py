@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
@@ -155,7 +155,7 @@ class Engine:
         self._wakeup.set()
         return seq
 
-    async def stream(self, seq: Sequence) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+    async def stream(self, seq: Sequence) -> AsyncGenerator[scheduler_pb2.TokenEvent, None]:
         """Yields the events of `seq` until it finishes; closing the iterator early aborts it.
 
         Raises WorkerUnavailable if the worker fails while `seq` is in flight.

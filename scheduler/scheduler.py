@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
-from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler.sequence import Sequence, SequenceStatus
 from sluiceway.v1 import inference_pb2
+
+if TYPE_CHECKING:
+    from sluiceway.v1.inference_pb2 import FinishReason
 
 
 @dataclass(slots=True)

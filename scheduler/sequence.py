@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sluiceway.internal.v1 import scheduler_pb2
 from sluiceway.v1 import inference_pb2
+
+if TYPE_CHECKING:
+    from sluiceway.v1.inference_pb2 import FinishReason
 
 
 class SequenceStatus(enum.Enum):
@@ -16,7 +20,6 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"  # done, aborted or failed; holds no block
 
 
-FinishReason = inference_pb2.FinishReason.ValueType
 
 
 @dataclass(slots=True, eq=False)

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(worker)
     _add_max_model_len(worker)
     _add_common(worker)
+    from sluiceway.bench import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -127,6 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sluiceway.client import generate_command
 
         return generate_command(args)
+    if args.command == "bench":
+        from sluiceway.bench import bench_command
+
+        return bench_command(args)
     if args.command == "serve":
         from sluiceway.launcher import serve_command
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -57,7 +58,7 @@ class Client:
         messages: list[tuple[str, str]] | None = None,
         prompt_token_ids: list[int] | None = None,
         request_id: str = "",
-        **sampling: object,
+        **sampling: Any,
     ) -> inference_pb2.GenerateRequest:
         """Builds a `GenerateRequest` from exactly one input and `SamplingParams` fields."""
         req = inference_pb2.GenerateRequest(
@@ -97,7 +98,7 @@ class Client:
 
 def generate_command(args: argparse.Namespace) -> int:
     """`sluiceway generate`: streams the answer to stdout; exit 1 with the gRPC status on error."""
-    sampling: dict[str, object] = {}
+    sampling: dict[str, Any] = {}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
         value = getattr(args, name)
         if value is not None:

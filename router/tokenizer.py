@@ -1,0 +1,100 @@
+"""The model's own tokenizer and chat template, as the router uses them.
+
+Loading goes through `transformers.AutoTokenizer` from a local folder only
+(never a model hub). Only fast tokenizers (backed by the `tokenizers`
+library) are accepted: the incremental detokenizer drives their Rust decoder
+directly.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+from router.errors import InvalidRequest
+
+__all__ = ["CHAT_ROLES", "encode_chat", "encode_prompt", "load_tokenizer"]
+
+#: Roles a chat message may carry (the public proto's `ChatMessage.role`).
+CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+
+
+def load_tokenizer(model_dir: pathlib.Path) -> Any:
+    """Loads the fast tokenizer of the HF model folder `model_dir`.
+
+    Reads only local files (`local_files_only=True`) and runs no remote code.
+
+    Returns:
+        a `transformers` fast tokenizer (it has `backend_tokenizer`, a
+        `tokenizers.Tokenizer`).
+
+    Raises:
+        OSError: `model_dir` holds no loadable tokenizer.
+        ValueError: the tokenizer found is not a fast one.
+    """
+    from transformers import AutoTokenizer  # heavy import: only where needed
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        pathlib.Path(model_dir), local_files_only=True, trust_remote_code=False
+    )
+    if (
+        not getattr(tokenizer, "is_fast", False)
+        or getattr(tokenizer, "backend_tokenizer", None) is None
+    ):
+        raise ValueError(
+            f"the tokenizer in {model_dir} is not a fast (tokenizers-backed) tokenizer: "
+            f"{type(tokenizer).__name__}"
+        )
+    return tokenizer
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a plain-text prompt.
+
+    Special tokens (a BOS, for tokenizers that add one) are added the way the
+    tokenizer does by default, as vLLM does for a completion prompt. An empty
+    `text` gives only those special tokens, possibly none: the caller
+    rejects an empty prompt (`validate_prompt_token_ids`).
+    """
+    return [int(i) for i in tokenizer.encode(text)]
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[tuple[str, str]]) -> list[int]:
+    """Token ids of chat `messages` ((role, content) pairs) after the model's chat template.
+
+    The template is rendered with `add_generation_prompt=True` (the prompt ends
+    with the header of the assistant turn to generate) and the text is
+    encoded with `add_special_tokens=False`, exactly like
+    `tokenizer.apply_chat_template(..., add_generation_prompt=True, tokenize=True)`:
+    the template itself writes BOS where the model wants one, so it is never
+    added a second time.
+
+    Raises:
+        InvalidRequest("messages", ...): no messages, the model has no chat
+            template, or the template refused the conversation (e.g. roles
+            that do not alternate, for templates that check it).
+        InvalidRequest("messages[i].role", ...): a role other than system,
+            user, assistant or tool.
+    """
+    if not messages:
+        raise InvalidRequest("messages", "must hold at least one message")
+    for i, (role, _content) in enumerate(messages):
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {role!r}"
+            )
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest(
+            "messages", "this model has no chat template; send a plain prompt instead"
+        )
+    from jinja2 import TemplateError  # a dependency of transformers' chat templates
+
+    conversation = [{"role": role, "content": content} for role, content in messages]
+    try:
+        ids = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except TemplateError as e:  # raise_exception(...) in the template, or a render error
+        raise InvalidRequest("messages", f"the chat template refused them: {e}") from e
+    return [int(i) for i in ids]

@@ -1,0 +1,219 @@
+"""Request validation: the public sampling parameters, checked and resolved.
+
+Unset fields take vLLM's defaults. Every rejection is an `InvalidRequest`
+naming the field in the public proto's words ("sampling.top_p",
+"sampling.stop[2]", "prompt_token_ids.ids[7]", "input") and the allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from router.errors import InvalidRequest
+from sluiceway.internal.v1 import scheduler_pb2
+from sluiceway.v1 import inference_pb2
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "GREEDY_TEMPERATURE_EPS",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_BYTES",
+    "ResolvedSampling",
+    "resolve_request",
+    "validate_prompt_token_ids",
+]
+
+#: Generated tokens at most when `max_tokens` is unset (vLLM's default).
+DEFAULT_MAX_TOKENS = 16
+#: Stop strings a request may carry at most.
+MAX_STOP_STRINGS = 16
+#: Length of one stop string at most, in UTF-8 bytes.
+MAX_STOP_STRING_BYTES = 256
+#: A temperature below this is greedy sampling (vLLM's `_SAMPLING_EPS`).
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class ResolvedSampling:
+    """Sampling parameters of one request with every default applied.
+
+    Attributes:
+        sampling: what travels to the scheduler once per sequence:
+            temperature (0 = greedy), top_p in (0, 1], top_k (0 = off),
+            repetition_penalty (1 = off), seed (set only when the request
+            set one).
+        max_tokens: generated tokens at most, >= 1, already capped so that
+            prompt_len + max_tokens <= max_model_len.
+        stop: stop strings, deduplicated, in request order (the router
+            matches them; they never reach the scheduler).
+        stop_token_ids: ids that end generation (the token itself is
+            generated): the request's, then the model's EOS ids unless
+            ignore_eos, deduplicated.
+    """
+
+    sampling: scheduler_pb2.SequenceSamplingParams
+    max_tokens: int
+    stop: list[str]
+    stop_token_ids: list[int]
+
+
+def _dedup(items: Iterable[int]) -> list[int]:
+    return list(dict.fromkeys(items))
+
+
+def resolve_request(
+    sampling: inference_pb2.SamplingParams | inference_pb2.GenerateRequest,
+    *,
+    prompt_len: int,
+    max_model_len: int,
+    vocab_size: int,
+    eos_token_ids: Sequence[int],
+) -> ResolvedSampling:
+    """Checks a request's sampling parameters and applies vLLM's defaults.
+
+    Args:
+        sampling: the request's `SamplingParams` (a whole `GenerateRequest` is
+            accepted too: its `sampling` field is used).
+        prompt_len: tokens in the prompt, after the chat template.
+        max_model_len: tokens the model may hold, prompt plus output.
+        vocab_size: token ids must be below this.
+        eos_token_ids: the model's end-of-sequence ids, added to the stop
+            token ids unless `ignore_eos`.
+
+    Defaults and normalisation: temperature 1.0 (below 1e-5 it is greedy:
+    0, with top_p 1 and top_k 0, as vLLM); top_p 1.0; top_k 0, where -1
+    also means off and a top_k >= vocab_size keeps every token so is off
+    too; repetition_penalty 1.0; max_tokens 16, capped at
+    max_model_len - prompt_len.
+
+    Raises:
+        InvalidRequest("sampling.temperature"): negative, NaN or infinite.
+        InvalidRequest("sampling.top_p"): outside (0, 1] (or NaN).
+        InvalidRequest("sampling.top_k"): below -1.
+        InvalidRequest("sampling.repetition_penalty"): <= 0, NaN or infinite.
+        InvalidRequest("sampling.max_tokens"): set to 0.
+        InvalidRequest("sampling.stop"): more than 16 stop strings.
+        InvalidRequest("sampling.stop[i]"): empty, or over 256 UTF-8 bytes.
+        InvalidRequest("sampling.stop_token_ids[i]"): an id >= vocab_size.
+        InvalidRequest("input"): prompt_len >= max_model_len (no room to
+            generate even one token).
+    """
+    if isinstance(sampling, inference_pb2.GenerateRequest):
+        sampling = sampling.sampling
+    sp = sampling
+
+    temperature = float(sp.temperature) if sp.HasField("temperature") else 1.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest(
+            "sampling.temperature",
+            f"must be a finite number >= 0 (0 = greedy); got {temperature}",
+        )
+    top_p = float(sp.top_p) if sp.HasField("top_p") else 1.0
+    if not 0.0 < top_p <= 1.0:  # NaN fails too
+        raise InvalidRequest("sampling.top_p", f"must be in (0, 1]; got {top_p}")
+    top_k = int(sp.top_k) if sp.HasField("top_k") else 0
+    if top_k < -1:
+        raise InvalidRequest(
+            "sampling.top_k", f"must be -1 or 0 (off), or >= 1 tokens; got {top_k}"
+        )
+    if top_k == -1 or top_k >= vocab_size:
+        top_k = 0
+    repetition_penalty = float(sp.repetition_penalty) if sp.HasField("repetition_penalty") else 1.0
+    if not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
+        raise InvalidRequest(
+            "sampling.repetition_penalty",
+            f"must be a finite number > 0 (1 = off); got {repetition_penalty}",
+        )
+    if temperature < GREEDY_TEMPERATURE_EPS:
+        temperature, top_p, top_k = 0.0, 1.0, 0
+
+    if sp.HasField("max_tokens"):
+        max_tokens = int(sp.max_tokens)
+        if max_tokens == 0:
+            raise InvalidRequest(
+                "sampling.max_tokens", f"must be >= 1 (unset = {DEFAULT_MAX_TOKENS}); got 0"
+            )
+    else:
+        max_tokens = DEFAULT_MAX_TOKENS
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise InvalidRequest(
+            "input",
+            f"the prompt has {prompt_len} tokens; max_model_len is {max_model_len}, "
+            f"so a prompt may have at most {max_model_len - 1}",
+        )
+    max_tokens = min(max_tokens, room)
+
+    if len(sp.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(
+            "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings; got {len(sp.stop)}"
+        )
+    for i, s in enumerate(sp.stop):
+        if not s:
+            raise InvalidRequest(f"sampling.stop[{i}]", "must not be empty")
+        n_bytes = len(s.encode("utf-8"))
+        if n_bytes > MAX_STOP_STRING_BYTES:
+            raise InvalidRequest(
+                f"sampling.stop[{i}]",
+                f"must be at most {MAX_STOP_STRING_BYTES} UTF-8 bytes; got {n_bytes}",
+            )
+    stop = list(dict.fromkeys(sp.stop))
+
+    for i, tid in enumerate(sp.stop_token_ids):
+        if tid >= vocab_size:
+            raise InvalidRequest(
+                f"sampling.stop_token_ids[{i}]", f"must be < vocab_size ({vocab_size}); got {tid}"
+            )
+    stop_token_ids = list(sp.stop_token_ids)
+    if not sp.ignore_eos:
+        stop_token_ids.extend(int(e) for e in eos_token_ids)
+
+    resolved = scheduler_pb2.SequenceSamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        repetition_penalty=repetition_penalty,
+    )
+    if sp.HasField("seed"):
+        resolved.seed = sp.seed
+    return ResolvedSampling(
+        sampling=resolved,
+        max_tokens=max_tokens,
+        stop=stop,
+        stop_token_ids=_dedup(stop_token_ids),
+    )
+
+
+def validate_prompt_token_ids(ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
+    """Checks prompt token ids before they go to a scheduler.
+
+    Args:
+        ids: the prompt's token ids (given by the client, or from the
+            tokenizer / chat template).
+        vocab_size: every id must be below this.
+        max_model_len: the prompt must leave room for one generated token,
+            so it may have at most max_model_len - 1 tokens.
+
+    Raises:
+        InvalidRequest("input"): the prompt is empty, or has
+            >= max_model_len tokens.
+        InvalidRequest("prompt_token_ids.ids[i]"): the first id >= vocab_size.
+    """
+    n = len(ids)
+    if n == 0:
+        raise InvalidRequest("input", "the prompt is empty (0 tokens); it needs at least 1")
+    if n >= max_model_len:
+        raise InvalidRequest(
+            "input",
+            f"the prompt has {n} tokens; max_model_len is {max_model_len}, "
+            f"so a prompt may have at most {max_model_len - 1}",
+        )
+    if max(ids) >= vocab_size:  # C-speed check first; find the index only on failure
+        for i, tid in enumerate(ids):
+            if tid >= vocab_size:
+                raise InvalidRequest(
+                    f"prompt_token_ids.ids[{i}]",
+                    f"must be < vocab_size ({vocab_size}); got {tid}",
+                )

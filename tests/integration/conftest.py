@@ -1,0 +1,111 @@
+"""A real stack (`sluiceway serve`: worker, scheduler and router processes) for the session."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sluiceway.client import Client
+
+START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Stack:
+    target: str
+    process: subprocess.Popen[str]
+    pids: dict[str, int]
+    log: list[str]
+
+    def client(self) -> Client:
+        return Client(self.target)
+
+
+def start_stack(*extra: str) -> Stack:
+    """Runs `sluiceway serve` on a free port and waits for its "serving" line.
+
+    Raises RuntimeError with the log if it exits or does not come up in time.
+    """
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "sluiceway.cli", "serve", "--port", str(port),
+        "--dtype", "float32", "--kv-cache-memory", "1GiB", "--log-format", "console",
+        *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    log: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line)
+            if "serving" in line and "pid" in line:
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not ready.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("sluiceway serve did not start:\n" + "".join(log[-50:]))
+    line = next(line for line in log if "serving" in line and "pid" in line)
+    pids = {name: int(pid) for name, pid in re.findall(r"(\w+) pid (\d+)", line)}
+    return Stack(f"127.0.0.1:{port}", proc, pids, log)
+
+
+def stop_stack(stack: Stack) -> int:
+    stack.process.send_signal(signal.SIGTERM)
+    return stack.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Stack]:
+    s = start_stack()
+    yield s
+    stop_stack(s)
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    from sluiceway.model_files import embedded_model_path
+
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def oracle(gguf_path: Path):  # type: ignore[no-untyped-def]
+    from tests.oracle import load_oracle
+
+    return load_oracle(gguf_path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():  # type: ignore[no-untyped-def]
+    from router.tokenizer import load_tokenizer
+    from sluiceway.model_files import resolve_model
+
+    return load_tokenizer(resolve_model(None))

@@ -1,0 +1,145 @@
+"""The whole stack over real gRPC: answers, oracle parity, batching invariance, block accounting."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from sluiceway.client import Client
+from sluiceway.v1 import inference_pb2
+from tests.integration.conftest import Stack
+from tests.oracle import greedy
+
+pytestmark = pytest.mark.slow
+
+LONG_PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based ink and a wooden screw press. "
+) * 12 + "Summarize the passage above in one sentence:"
+
+PARITY_PROMPTS: list[tuple[str, str]] = [
+    ("chat", "What is the capital of France?"),
+    ("chat", "Write a haiku about the sea."),
+    ("chat", "用一句话介绍一下长城。"),
+    ("chat", "List three prime numbers and explain why they are prime."),
+    ("plain", "The quick brown fox"),
+    ("plain", "def fibonacci(n):"),
+    ("plain", "北京是中国的首都，"),
+    ("plain", LONG_PROMPT),
+]
+
+
+def wait_for_free_blocks(client: Client, timeout_s: float = 5.0) -> inference_pb2.ModelInfo:
+    """GetModelInfo once every block is free again (or the last answer after the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = client.model_info()
+        if info.num_free_kv_blocks == info.num_kv_blocks or time.monotonic() > deadline:
+            return info
+        time.sleep(0.05)
+
+
+def test_three_processes_and_the_capital_of_france(stack: Stack) -> None:
+    assert set(stack.pids) == {"worker", "scheduler", "router"}
+    assert len(set(stack.pids.values())) == 3
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "sluiceway.cli", "generate", "--target", stack.target,
+            "--chat", "--temperature", "0", "What is the capital of France?",
+        ],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert "Paris" in out.stdout
+
+
+def test_greedy_tokens_equal_transformers(stack: Stack, oracle, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from router.tokenizer import encode_chat, encode_prompt
+
+    prompts = [
+        encode_chat(tokenizer, [("user", text)]) if kind == "chat" else encode_prompt(tokenizer, text)
+        for kind, text in PARITY_PROMPTS
+    ]
+    assert max(len(p) for p in prompts) > 300
+    with stack.client() as client:
+        for (kind, text), prompt_ids in zip(PARITY_PROMPTS, prompts, strict=True):
+            req = (
+                Client.request(messages=[("user", text)], temperature=0, ignore_eos=True, max_tokens=32)
+                if kind == "chat"
+                else Client.request(text, temperature=0, ignore_eos=True, max_tokens=32)
+            )
+            _, ids, last = client.generate(req, timeout=120)
+            assert last.usage.prompt_tokens == len(prompt_ids), text
+            assert ids == greedy(oracle, prompt_ids, 32), text
+            assert last.finish_reason == inference_pb2.FINISH_REASON_LENGTH
+
+
+def test_batching_changes_nothing(stack: Stack, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from sluiceway.sharegpt import sample_requests
+
+    requests = sample_requests(tokenizer, 32, seed=7, max_prompt_len=400)
+    reqs = [
+        Client.request(r.prompt, temperature=0, ignore_eos=True, max_tokens=24) for r in requests
+    ]
+    with stack.client() as client:
+        alone = [client.generate(r, timeout=120)[1] for r in reqs]
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            together = list(pool.map(lambda r: client.generate(r, timeout=300)[1], reqs))
+        assert [len(t) for t in together] == [24] * 32
+        mismatched = [i for i, (a, t) in enumerate(zip(alone, together, strict=True)) if a != t]
+        assert mismatched == []
+        info = wait_for_free_blocks(client)
+        assert info.num_free_kv_blocks == info.num_kv_blocks
+
+
+def test_client_cancel_mid_stream_frees_every_block(stack: Stack) -> None:
+    with stack.client() as client:
+        start = client.model_info()
+        assert start.num_free_kv_blocks == start.num_kv_blocks > 0
+        stream = client.generate_stream(
+            Client.request(LONG_PROMPT, temperature=0, ignore_eos=True, max_tokens=500)
+        )
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        assert client.model_info().num_free_kv_blocks < start.num_kv_blocks
+        stream.cancel()  # type: ignore[attr-defined]
+        info = wait_for_free_blocks(client, timeout_s=2.0)
+        assert info.num_free_kv_blocks == start.num_kv_blocks
+
+
+def test_stop_string_ends_the_stream_and_frees_blocks(stack: Stack) -> None:
+    with stack.client() as client:
+        text, _, last = client.generate(
+            Client.request("1, 2, 3, 4, 5, 6,", temperature=0, max_tokens=40, stop=[" 9"]),
+            timeout=60,
+        )
+        assert last.finish_reason == inference_pb2.FINISH_REASON_STOP
+        assert " 9" not in text and text.startswith(" 7, 8,")
+        info = wait_for_free_blocks(client)
+        assert info.num_free_kv_blocks == info.num_kv_blocks
+
+
+def test_invalid_argument_names_the_field(stack: Stack) -> None:
+    with stack.client() as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(Client.request("hi", temperature=-1.0), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "temperature" in (err.value.details() or "")
+        _, ids, _ = client.generate(Client.request("hi", max_tokens=3, temperature=0), timeout=60)
+        assert len(ids) == 3
+
+
+def test_model_info(stack: Stack) -> None:
+    with stack.client() as client:
+        info = client.model_info()
+    assert info.model_id == "SmolLM2-135M-Instruct"
+    assert info.vocab_size == 49152 and info.block_size == 16
+    assert info.max_model_len == 8192
+    assert list(info.eos_token_ids) == [2]
+    # 1 GiB of fp32 KV at 720 KiB per 16-token block
+    assert info.num_kv_blocks == (1 << 30) // (30 * 2 * 3 * 64 * 4 * 16)

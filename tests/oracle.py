@@ -1,0 +1,33 @@
+"""`transformers` as the oracle: the same weights, loaded by transformers' own GGUF loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def load_oracle(gguf_path: Path):  # type: ignore[no-untyped-def]
+    """SmolLM2 as `transformers` loads the GGUF itself (float32, eval mode; ~30 s)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@torch.inference_mode()
+def greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """Greedy tokens of `model`, never stopping at EOS (as `ignore_eos`)."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    tokens: list[int] = []
+    for _ in range(max_new_tokens):
+        tok = int(out.logits[0, -1].argmax())
+        tokens.append(tok)
+        if len(tokens) == max_new_tokens:
+            break
+        out = model(
+            torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True
+        )
+    return tokens

@@ -1,0 +1,178 @@
+"""The scheduler process over real gRPC, with a fake worker that samples a fixed token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+from scheduler.server import SchedulerService
+from sluiceway.grpc_server import bind, new_server
+from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from sluiceway.v1 import inference_pb2
+
+NUM_BLOCKS = 32
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    """Samples token 100 + len(record) for every sequence that reaches its end; records steps."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.records: dict[int, list[int]] = {}
+        self.steps: list[worker_pb2.StepRequest] = []
+        self.fail = fail
+
+    async def ExecuteStep(self, request, context):  # type: ignore[no-untyped-def]
+        if self.fail:
+            await context.abort(grpc.StatusCode.INTERNAL, "worker exploded")
+        self.steps.append(request)
+        for seq_id in request.finished_seq_ids:
+            self.records.pop(seq_id)
+        for new in request.new_sequences:
+            self.records[new.seq_id] = list(new.prompt_token_ids)
+        sampled = []
+        for s in request.scheduled:
+            rec = self.records[s.seq_id]
+            rec.extend(s.appended_token_ids)
+            if s.num_computed_tokens + s.num_new_tokens == len(rec):
+                sampled.append(worker_pb2.SampledToken(seq_id=s.seq_id, token_id=100 + len(rec)))
+        await asyncio.sleep(0.001)
+        return worker_pb2.StepResponse(step_id=request.step_id, sampled=sampled)
+
+
+@pytest.fixture
+def fake() -> FakeWorker:
+    return FakeWorker()
+
+
+async def _serve(fake: FakeWorker, config: SchedulerConfig):  # type: ignore[no-untyped-def]
+    worker_server, _ = new_server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(fake, worker_server)
+    worker_addr = bind(worker_server, "127.0.0.1:0")
+    await worker_server.start()
+    engine = Engine(config)
+    sched_server, _ = new_server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(
+        SchedulerService(engine, asyncio.Event()), sched_server
+    )
+    sched_addr = bind(sched_server, "127.0.0.1:0")
+    await sched_server.start()
+    engine.start()
+    channel = grpc.aio.insecure_channel(sched_addr)
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    await stub.RegisterWorker(
+        scheduler_pb2.RegisterWorkerRequest(
+            address=worker_addr, num_kv_blocks=NUM_BLOCKS, block_size=16, max_model_len=4096,
+            vocab_size=1000, model_id="fake",
+        )
+    )  # fmt: skip
+
+    async def close() -> None:
+        await channel.close()
+        await sched_server.stop(None)
+        await engine.stop()
+        await worker_server.stop(None)
+
+    return stub, close
+
+
+def add_request(n_prompt: int, max_tokens: int, rid: str = "r") -> scheduler_pb2.AddRequestRequest:
+    return scheduler_pb2.AddRequestRequest(
+        request_id=rid,
+        prompt_token_ids=list(range(1, n_prompt + 1)),
+        sampling=scheduler_pb2.SequenceSamplingParams(temperature=0),
+        max_tokens=max_tokens,
+        stop_token_ids=[2],
+    )
+
+
+async def free_blocks(stub: scheduler_pb2_grpc.SchedulerStub) -> int:
+    info = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
+    return info.num_free_kv_blocks
+
+
+def test_tokens_stream_back_and_blocks_return(fake: FakeWorker) -> None:
+    async def main() -> None:
+        stub, close = await _serve(fake, SchedulerConfig())
+        events = [e async for e in stub.AddRequest(add_request(20, 5))]
+        assert [list(e.token_ids) for e in events] == [[120], [121], [122], [123], [124]]
+        assert [e.finish_reason for e in events][-1] == inference_pb2.FINISH_REASON_LENGTH
+        assert await free_blocks(stub) == NUM_BLOCKS
+        await close()
+
+    asyncio.run(main())
+
+
+def test_cancelled_stream_frees_blocks_and_worker_forgets(fake: FakeWorker) -> None:
+    async def main() -> None:
+        stub, close = await _serve(fake, SchedulerConfig())
+        call = stub.AddRequest(add_request(40, 200))
+        it = call.__aiter__()
+        await it.__anext__()
+        await it.__anext__()
+        assert await free_blocks(stub) < NUM_BLOCKS
+        call.cancel()
+        for _ in range(100):
+            if await free_blocks(stub) == NUM_BLOCKS and not fake.records:
+                break
+            await asyncio.sleep(0.01)
+        assert await free_blocks(stub) == NUM_BLOCKS
+        # the next request runs normally after the abort
+        events = [e async for e in stub.AddRequest(add_request(3, 2))]
+        assert len(events) == 2
+        for _ in range(100):  # the step after the last one tells the worker to forget it
+            if not fake.records:
+                break
+            await asyncio.sleep(0.01)
+        assert fake.records == {}
+        assert fake.steps[-1].finished_seq_ids and not fake.steps[-1].scheduled
+        await close()
+
+    asyncio.run(main())
+
+
+def test_prompt_over_the_pool_is_invalid_argument(fake: FakeWorker) -> None:
+    async def main() -> None:
+        stub, close = await _serve(fake, SchedulerConfig())
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.AddRequest(add_request(NUM_BLOCKS * 16, 4)):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "KV blocks" in (err.value.details() or "")
+        await close()
+
+    asyncio.run(main())
+
+
+def test_worker_failure_ends_requests_with_unavailable() -> None:
+    async def main() -> None:
+        stub, close = await _serve(FakeWorker(fail=True), SchedulerConfig())
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.AddRequest(add_request(10, 4)):
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert await free_blocks(stub) == NUM_BLOCKS
+        await close()
+
+    asyncio.run(main())
+
+
+def test_concurrent_requests_share_steps(fake: FakeWorker) -> None:
+    async def main() -> None:
+        stub, close = await _serve(fake, SchedulerConfig(max_num_seqs=8))
+
+        async def collect(i: int) -> list[int]:
+            return [t async for e in stub.AddRequest(add_request(5 + i, 6, f"r{i}")) for t in e.token_ids]
+
+        outs = await asyncio.gather(*(collect(i) for i in range(8)))
+        for i, out in enumerate(outs):
+            n = 5 + i
+            assert out == [100 + n + k for k in range(6)]
+        assert max(len(s.scheduled) for s in fake.steps) == 8
+        assert await free_blocks(stub) == NUM_BLOCKS
+        await close()
+
+    asyncio.run(main())
