@@ -20,8 +20,6 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"  # done, aborted or failed; holds no block
 
 
-
-
 @dataclass(slots=True, eq=False)
 class Sequence:
     """One generation request.

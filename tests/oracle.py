@@ -27,7 +27,5 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # t
         tokens.append(tok)
         if len(tokens) == max_new_tokens:
             break
-        out = model(
-            torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True
-        )
+        out = model(torch.tensor([[tok]]), cache=out.cache, use_cache=True)
     return tokens

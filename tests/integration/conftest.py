@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -87,20 +86,6 @@ def stack() -> Iterator[Stack]:
     s = start_stack()
     yield s
     stop_stack(s)
-
-
-@pytest.fixture(scope="session")
-def gguf_path() -> Path:
-    from sluiceway.model_files import embedded_model_path
-
-    return embedded_model_path()
-
-
-@pytest.fixture(scope="session")
-def oracle(gguf_path: Path):  # type: ignore[no-untyped-def]
-    from tests.oracle import load_oracle
-
-    return load_oracle(gguf_path)
 
 
 @pytest.fixture(scope="session")

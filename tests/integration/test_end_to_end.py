@@ -61,14 +61,18 @@ def test_greedy_tokens_equal_transformers(stack: Stack, oracle, tokenizer) -> No
     from router.tokenizer import encode_chat, encode_prompt
 
     prompts = [
-        encode_chat(tokenizer, [("user", text)]) if kind == "chat" else encode_prompt(tokenizer, text)
+        encode_chat(tokenizer, [("user", text)])
+        if kind == "chat"
+        else encode_prompt(tokenizer, text)
         for kind, text in PARITY_PROMPTS
     ]
     assert max(len(p) for p in prompts) > 300
     with stack.client() as client:
         for (kind, text), prompt_ids in zip(PARITY_PROMPTS, prompts, strict=True):
             req = (
-                Client.request(messages=[("user", text)], temperature=0, ignore_eos=True, max_tokens=32)
+                Client.request(
+                    messages=[("user", text)], temperature=0, ignore_eos=True, max_tokens=32
+                )
                 if kind == "chat"
                 else Client.request(text, temperature=0, ignore_eos=True, max_tokens=32)
             )

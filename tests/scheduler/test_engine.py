@@ -165,7 +165,11 @@ def test_concurrent_requests_share_steps(fake: FakeWorker) -> None:
         stub, close = await _serve(fake, SchedulerConfig(max_num_seqs=8))
 
         async def collect(i: int) -> list[int]:
-            return [t async for e in stub.AddRequest(add_request(5 + i, 6, f"r{i}")) for t in e.token_ids]
+            return [
+                t
+                async for e in stub.AddRequest(add_request(5 + i, 6, f"r{i}"))
+                for t in e.token_ids
+            ]
 
         outs = await asyncio.gather(*(collect(i) for i in range(8)))
         for i, out in enumerate(outs):

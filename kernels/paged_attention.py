@@ -1,0 +1,406 @@
+"""Paged attention and the KV scatter in plain torch: the reference (oracle) and the CPU path.
+
+KV pool layout
+--------------
+The worker allocates one tensor for the whole pool, ``[num_layers, 2, num_blocks,
+num_kv_heads, block_size * head_dim]`` (see :func:`kv_pool_shape`), and hands layer ``i`` the
+contiguous view ``kv_cache = pool[i]``: ``kv_cache[0]`` holds keys, ``kv_cache[1]`` values.
+Within one (block, KV head):
+
+- **K is stored transposed**, ``[head_dim, block_size]``: element ``(t, d)`` of the block is at
+  ``d * block_size + t`` (:func:`key_blocks` gives the ``[num_blocks, Hkv, D, block_size]`` view);
+- **V is stored as is**, ``[block_size, head_dim]`` (:func:`value_blocks`:
+  ``[num_blocks, Hkv, block_size, D]``).
+
+(vLLM's first paged attention kernel used a transposed V for the same reason: the layout the
+dot products want.) A token's *slot* is ``block_id * block_size + offset``. One block of one
+layer is one contiguous run of K (and one of V), which is what a block copy between workers
+moves. Blocks hold stale or uninitialized data past a sequence's length; attention never lets
+it reach the output (scores there are masked, not added to).
+
+Flattened varlen batch
+----------------------
+A step runs the new tokens of several sequences back to back: ``query`` is ``[T, Hq, D]``;
+sequence ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]`` (its *chunk*), at
+positions ``context_lens[i] - query_len_i ... context_lens[i] - 1``. Each row attends to every
+cached token of its sequence before its chunk and causally within its chunk, so row ``j`` of
+the chunk sees keys ``0 .. context_lens[i] - query_len_i + j``. All of them are read through the
+pool (write the chunk's K/V with :func:`write_kv` first). Query head ``h`` reads KV head
+``h // (Hq // Hkv)`` (grouped-query attention).
+
+Decode sequences (one query token) are served together, with no gathered copy of K or V: the
+scores of every (sequence, query head, block) come from one ``embedding_bag`` that sums the
+``D`` rows of the transposed K block weighted by the query, then one masked softmax over the
+contexts padded to the longest, then one ``embedding_bag`` that sums V rows weighted by the
+probabilities. Prefill chunks (several query tokens) gather their blocks and run one
+``scaled_dot_product_attention`` each. :func:`build_attention_metadata` precomputes every index
+once per step; all layers share it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "AttentionMetadata",
+    "PrefillChunk",
+    "build_attention_metadata",
+    "dense_causal_attention",
+    "key_blocks",
+    "kv_pool_shape",
+    "paged_attention",
+    "value_blocks",
+    "write_kv",
+]
+
+
+def kv_pool_shape(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, int, int, int, int]:
+    """Shape of the whole KV pool: ``(num_layers, 2, num_blocks, num_kv_heads, block_size * head_dim)``."""
+    return (num_layers, 2, num_blocks, num_kv_heads, block_size * head_dim)
+
+
+def key_blocks(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Keys of one layer's cache as ``[num_blocks, Hkv, head_dim, block_size]`` (a view)."""
+    _, nb, hkv, width = kv_cache.shape
+    return kv_cache[0].view(nb, hkv, head_dim, width // head_dim)
+
+
+def value_blocks(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Values of one layer's cache as ``[num_blocks, Hkv, block_size, head_dim]`` (a view)."""
+    _, nb, hkv, width = kv_cache.shape
+    return kv_cache[1].view(nb, hkv, width // head_dim, head_dim)
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence of the step with more than one query token (a prefill chunk).
+
+    Attributes:
+        start, end: its rows ``[start, end)`` in the flattened batch.
+        context_len: tokens it attends to (cached prefix + this chunk).
+        blocks: ``[ceil(context_len / block_size)]`` int64, its block ids.
+        mask: ``[1, 1, q_len, context_len]`` bool (True = may attend), or ``None`` when the chunk
+            is the whole context so far (plain causal attention).
+    """
+
+    start: int
+    end: int
+    context_len: int
+    blocks: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs for one step, built once and shared by all layers.
+
+    The generic description (what a kernel would take):
+        query_start_loc: ``[S + 1]`` int64, row offsets of each sequence's chunk.
+        context_lens: ``[S]`` int64, tokens of each sequence in the pool once this step's K/V
+            are written (cached + new).
+        block_tables: ``[S, max_blocks]`` int64, physical block ids (padded rows repeat the
+            first block; only the first ``ceil(context_len / block_size)`` entries matter).
+        slot_mapping: ``[T]`` int64, the slot each new token's K/V is written to.
+        block_size: tokens per block.
+
+    Precomputed for the torch path (derived from the above; ``Sd`` decode sequences, ``Nb``
+    blocks in the longest decode context, ``Lp = Nb * block_size``):
+        decode_rows: rows of the flattened batch that are decode sequences (one query token),
+            as a ``slice`` when they are contiguous, else an int64 index tensor ``[Sd]``;
+            ``None`` when there are none.
+        decode_k_bags: ``[Sd * Hq * Nb, D]`` int32, for each (sequence, query head, block) the
+            ``D`` row ids of its transposed K block in ``key_blocks(...).reshape(-1, block_size)``.
+        decode_v_bags: ``[Sd * Hq, Lp]`` int32, for each (sequence, query head) the row ids of
+            its values in ``value_blocks(...).reshape(-1, D)``; padding re-reads position 0.
+        decode_invalid: ``[Sd, 1, 1, Lp]`` bool, True past a sequence's context.
+        decode_num_blocks: ``Nb``.
+        prefills: the prefill chunks, in batch order.
+    """
+
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+    num_kv_heads: int
+    num_heads: int
+    decode_rows: slice | torch.Tensor | None
+    decode_k_bags: torch.Tensor | None
+    decode_v_bags: torch.Tensor | None
+    decode_invalid: torch.Tensor | None
+    decode_num_blocks: int
+    prefills: list[PrefillChunk]
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of the flattened batch (``T``)."""
+        return int(self.slot_mapping.shape[0])
+
+
+def build_attention_metadata(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    *,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Describe one step's flattened varlen batch for :func:`paged_attention` and :func:`write_kv`.
+
+    Args:
+        query_lens: new tokens per sequence (``>= 1``), in flattened-batch order.
+        context_lens: tokens per sequence once this step's K/V are in the pool
+            (``>= query_len``).
+        block_tables: physical block ids per sequence, in order; must cover ``context_len``
+            tokens (``len(table) * block_size >= context_len``).
+        block_size: tokens per block.
+        num_heads: query heads ``Hq`` (a multiple of ``num_kv_heads``).
+        num_kv_heads: KV heads ``Hkv``.
+        head_dim: ``D``.
+        device: where the index tensors live (the model's device).
+
+    Returns:
+        The metadata; index tensors on ``device`` (int64, the decode bags int32: half the
+        index traffic; a pool has fewer than 2**31 rows).
+
+    Raises:
+        ValueError: on inconsistent lengths or a block table too short for its context.
+    """
+    n = len(query_lens)
+    if len(context_lens) != n or len(block_tables) != n:
+        raise ValueError(
+            "query_lens, context_lens and block_tables must have one entry per sequence"
+        )
+    if n == 0:
+        raise ValueError("a step needs at least one sequence")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    used = []
+    for q, c, bt in zip(query_lens, context_lens, block_tables, strict=True):
+        if q < 1 or c < q:
+            raise ValueError(f"bad chunk: query_len={q}, context_len={c}")
+        if len(bt) * block_size < c:
+            raise ValueError(
+                f"block table of {len(bt)} blocks cannot hold {c} tokens (block_size={block_size})"
+            )
+        used.append(-(-c // block_size))
+    max_blocks = max(used)
+
+    cpu = torch.device("cpu")
+    tables = torch.tensor(
+        [
+            list(bt[:u]) + [bt[0]] * (max_blocks - u)
+            for bt, u in zip(block_tables, used, strict=True)
+        ],
+        dtype=torch.int64,
+        device=cpu,
+    )
+    ctx = torch.tensor(list(context_lens), dtype=torch.int64, device=cpu)
+    qlens = torch.tensor(list(query_lens), dtype=torch.int64, device=cpu)
+    qsl = torch.zeros(n + 1, dtype=torch.int64, device=cpu)
+    torch.cumsum(qlens, 0, out=qsl[1:])
+
+    # slot mapping of the new tokens: positions [ctx - q, ctx) of each sequence
+    seq_of_row = torch.repeat_interleave(torch.arange(n, device=cpu), qlens)
+    pos_of_row = (
+        torch.arange(int(qsl[-1]), device=cpu) - qsl[:-1][seq_of_row] + (ctx - qlens)[seq_of_row]
+    )
+    slot_mapping = (
+        tables[seq_of_row, pos_of_row // block_size] * block_size + pos_of_row % block_size
+    )
+
+    decode_idx = [i for i, q in enumerate(query_lens) if q == 1]
+    decode_rows: slice | torch.Tensor | None = None
+    k_bags = v_bags = invalid = None
+    nb = 0
+    if decode_idx:
+        starts = [int(qsl[i]) for i in decode_idx]
+        if starts == list(range(starts[0], starts[0] + len(starts))):
+            decode_rows = slice(starts[0], starts[0] + len(starts))
+        else:
+            decode_rows = torch.tensor(starts, dtype=torch.int64, device=device)
+        sel = torch.tensor(decode_idx, dtype=torch.int64, device=cpu)
+        sd = len(decode_idx)
+        nb = max(used[i] for i in decode_idx)
+        blocks = tables[sel, :nb]  # [Sd, Nb]
+        heads = torch.arange(num_kv_heads, dtype=torch.int64, device=cpu)
+        # (block, head) pair ids: [Sd, Hkv, Nb]
+        pairs = blocks[:, None, :] * num_kv_heads + heads[None, :, None]
+        dims = torch.arange(head_dim, dtype=torch.int64, device=cpu)
+        k_bags = (
+            (pairs[:, :, None, :, None] * head_dim + dims)  # [Sd, Hkv, 1, Nb, D]
+            .expand(sd, num_kv_heads, group, nb, head_dim)
+            .reshape(-1, head_dim)
+            .to(device=device, dtype=torch.int32)
+        )
+        lp = nb * block_size
+        positions = torch.arange(lp, dtype=torch.int64, device=cpu)
+        valid = positions[None, :] < ctx[sel][:, None]  # [Sd, Lp]
+        pos = torch.where(valid, positions[None, :], 0)  # padding re-reads position 0
+        rows = (
+            pairs.gather(2, (pos // block_size)[:, None, :].expand(-1, num_kv_heads, -1))
+            * block_size
+            + (pos % block_size)[:, None, :]
+        )  # [Sd, Hkv, Lp]
+        v_bags = (
+            rows[:, :, None, :]
+            .expand(-1, -1, group, -1)
+            .reshape(-1, lp)
+            .to(device=device, dtype=torch.int32)
+        )
+        invalid = (~valid).view(sd, 1, 1, lp).to(device)
+
+    prefills: list[PrefillChunk] = []
+    for i, q in enumerate(query_lens):
+        if q == 1:
+            continue
+        c = context_lens[i]
+        chunk_mask = None
+        if c != q:
+            kpos = torch.arange(c, device=cpu)
+            qpos = torch.arange(c - q, c, device=cpu)
+            chunk_mask = (kpos[None, :] <= qpos[:, None]).view(1, 1, q, c).to(device)
+        prefills.append(
+            PrefillChunk(
+                int(qsl[i]), int(qsl[i + 1]), c, tables[i, : used[i]].to(device), chunk_mask
+            )
+        )
+
+    return AttentionMetadata(
+        query_start_loc=qsl.to(device),
+        context_lens=ctx.to(device),
+        block_tables=tables.to(device),
+        slot_mapping=slot_mapping.to(device),
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        num_heads=num_heads,
+        decode_rows=decode_rows,
+        decode_k_bags=k_bags,
+        decode_v_bags=v_bags,
+        decode_invalid=invalid,
+        decode_num_blocks=nb,
+        prefills=prefills,
+    )
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter new K/V into their slots of one layer's cache, in place.
+
+    Args:
+        key: ``[T, Hkv, D]``, the cache's dtype (may be a strided view).
+        value: ``[T, Hkv, D]``, the cache's dtype.
+        kv_cache: ``[2, num_blocks, Hkv, block_size * D]``, contiguous (layout in the module
+            docstring).
+        slot_mapping: ``[T]`` int64, ``block_id * block_size + offset`` per token; distinct.
+    """
+    d = key.shape[-1]
+    block_size = kv_cache.shape[-1] // d
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    key_blocks(kv_cache, d)[blocks, :, :, offsets] = key
+    value_blocks(kv_cache, d)[blocks, :, offsets] = value
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of a flattened varlen batch over the paged KV pool (see the module docstring).
+
+    Args:
+        query: ``[T, Hq, D]``, float32/bfloat16/float16 (the cache's dtype).
+        kv_cache: ``[2, num_blocks, Hkv, block_size * D]``, already holding this step's K/V.
+        metadata: from :func:`build_attention_metadata` for this batch.
+        scale: softmax scale; ``1 / sqrt(D)`` when ``None``.
+
+    Returns:
+        ``[T, Hq, D]`` in ``query``'s dtype. Softmax runs in float32.
+    """
+    _, hq, d = query.shape
+    hkv = kv_cache.shape[2]
+    block_size = metadata.block_size
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    out = torch.empty_like(query)
+    keys = key_blocks(kv_cache, d)
+    values = value_blocks(kv_cache, d)
+
+    if metadata.decode_rows is not None:
+        assert metadata.decode_k_bags is not None and metadata.decode_v_bags is not None
+        assert metadata.decode_invalid is not None
+        q = query[metadata.decode_rows]  # [Sd, Hq, D]
+        sd = q.shape[0]
+        nb = metadata.decode_num_blocks
+        weights = q[:, :, None, :].expand(sd, hq, nb, d).reshape(-1, d)
+        scores = F.embedding_bag(
+            metadata.decode_k_bags,
+            keys.reshape(-1, block_size),
+            mode="sum",
+            per_sample_weights=weights,
+        )  # [Sd * Hq * Nb, block_size]
+        scores = scores.view(sd, hkv, hq // hkv, nb * block_size).float().mul_(scale)
+        scores.masked_fill_(metadata.decode_invalid, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(query.dtype).view(sd * hq, -1)
+        o = F.embedding_bag(
+            metadata.decode_v_bags, values.reshape(-1, d), mode="sum", per_sample_weights=probs
+        )
+        out[metadata.decode_rows] = o.view(sd, hq, d)
+
+    for chunk in metadata.prefills:
+        c = chunk.context_len
+        q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+        k = keys.index_select(0, chunk.blocks).permute(1, 0, 3, 2).reshape(hkv, -1, d)[:, :c]
+        v = values.index_select(0, chunk.blocks).transpose(0, 1).reshape(hkv, -1, d)[:, :c]
+        o = F.scaled_dot_product_attention(
+            q,
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=hq != hkv,
+        )
+        out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+    return out
+
+
+def dense_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Plain causal attention of one sequence, all in float64: the oracle for tests.
+
+    Args:
+        query: ``[Lq, Hq, D]``, the last ``Lq`` positions of the sequence.
+        key, value: ``[L, Hkv, D]`` for all ``L >= Lq`` positions.
+        scale: softmax scale; ``1 / sqrt(D)`` when ``None``.
+
+    Returns:
+        ``[Lq, Hq, D]`` float64.
+    """
+    lq, hq, d = query.shape
+    length, hkv, _ = key.shape
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    g = hq // hkv
+    k = key.double().repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, L, D]
+    v = value.double().repeat_interleave(g, dim=1).transpose(0, 1)
+    q = query.double().transpose(0, 1)  # [Hq, Lq, D]
+    scores = q @ k.transpose(-1, -2) * scale
+    qpos = torch.arange(length - lq, length)[:, None]
+    scores = scores.masked_fill(torch.arange(length)[None, :] > qpos, float("-inf"))
+    return (torch.softmax(scores, -1) @ v).transpose(0, 1)

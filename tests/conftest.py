@@ -1,0 +1,22 @@
+"""Fixtures shared across test folders: the oracle is loaded once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    from sluiceway.model_files import embedded_model_path
+
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def oracle(gguf_path: Path):  # type: ignore[no-untyped-def]
+    """SmolLM2 as transformers' own GGUF loader reads it (float32; ~15-30 s, once)."""
+    from tests.oracle import load_oracle
+
+    return load_oracle(gguf_path)

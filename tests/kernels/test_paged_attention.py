@@ -1,0 +1,152 @@
+"""The torch paged attention against plain dense causal attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.paged_attention import (
+    build_attention_metadata,
+    dense_causal_attention,
+    key_blocks,
+    kv_pool_shape,
+    paged_attention,
+    write_kv,
+)
+
+BLOCK = 4
+
+
+def _run_case(
+    seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, seed: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged vs dense for sequences given as (cached tokens, new tokens).
+
+    The cached prefix is written in an earlier "step"; the chunk's K/V are written with the
+    slot mapping the metadata builds, then attention runs over the pool.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(c + q) // BLOCK) for c, q in seqs) + 5
+    # garbage around, NaN included: unwritten slots must never reach the output
+    cache = torch.randn(kv_pool_shape(1, num_blocks, BLOCK, hkv, d)[1:], generator=gen).to(dtype)
+    cache.view(-1)[::7] = float("nan")
+    perm = torch.randperm(num_blocks, generator=gen).tolist()  # non-contiguous block ids
+    tables, keys, values, queries = [], [], [], []
+    for cached, new in seqs:
+        total = cached + new
+        nb = -(-total // BLOCK)
+        tables.append([perm.pop() for _ in range(nb)])
+        keys.append(torch.randn(total, hkv, d, generator=gen).to(dtype))
+        values.append(torch.randn(total, hkv, d, generator=gen).to(dtype))
+        queries.append(torch.randn(new, hq, d, generator=gen).to(dtype))
+    # step 1: the cached prefixes
+    pre = [(i, c) for i, (c, _) in enumerate(seqs) if c > 0]
+    if pre:
+        md0 = build_attention_metadata(
+            [c for _, c in pre],
+            [c for _, c in pre],
+            [tables[i] for i, _ in pre],
+            block_size=BLOCK,
+            num_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=d,
+        )
+        write_kv(
+            torch.cat([keys[i][:c] for i, c in pre]),
+            torch.cat([values[i][:c] for i, c in pre]),
+            cache,
+            md0.slot_mapping,
+        )
+    # step 2: the chunks
+    md = build_attention_metadata(
+        [q for _, q in seqs],
+        [c + q for c, q in seqs],
+        tables,
+        block_size=BLOCK,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+    )
+    write_kv(
+        torch.cat([k[c:] for k, (c, _) in zip(keys, seqs, strict=True)]),
+        torch.cat([v[c:] for v, (c, _) in zip(values, seqs, strict=True)]),
+        cache,
+        md.slot_mapping,
+    )
+    out = paged_attention(torch.cat(queries), cache, md)
+    ref = torch.cat(
+        [dense_causal_attention(q, k, v) for q, k, v in zip(queries, keys, values, strict=True)]
+    )
+    return out, ref
+
+
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [(0, 7)],  # a whole prompt
+        [(5, 1), (12, 1), (3, 1)],  # decode only
+        [(9, 1), (0, 6), (4, 1), (8, 5), (1, 1)],  # mixed, decodes not contiguous
+        [(0, 1)],  # a one-token prompt
+        [(16, 4), (15, 1), (0, 16)],  # block boundaries
+    ],
+)
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (6, 2), (8, 1)])
+def test_matches_dense(seqs: list[tuple[int, int]], hq: int, hkv: int) -> None:
+    out, ref = _run_case(
+        seqs, hq, hkv, 16, seed=hash((tuple(seqs), hq)) % 1000, dtype=torch.float32
+    )
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), min_size=1, max_size=6),
+    heads=st.sampled_from([(2, 1), (4, 2), (3, 3), (9, 3)]),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_dense_random(
+    seqs: list[tuple[int, int]], heads: tuple[int, int], seed: int
+) -> None:
+    out, ref = _run_case(seqs, heads[0], heads[1], 8, seed=seed, dtype=torch.float32)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_close() -> None:
+    out, ref = _run_case([(20, 1), (0, 9), (7, 3), (33, 1)], 6, 2, 32, seed=3, dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_slot_mapping_and_tables() -> None:
+    md = build_attention_metadata(
+        [2, 1], [5, 3], [[7, 2], [4]], block_size=4, num_heads=2, num_kv_heads=1, head_dim=8
+    )
+    # seq 0 positions 3, 4 -> block 7 offset 3, block 2 offset 0; seq 1 position 2 -> block 4
+    assert md.slot_mapping.tolist() == [31, 8, 18]
+    assert md.query_start_loc.tolist() == [0, 2, 3]
+    assert md.context_lens.tolist() == [5, 3]
+    assert md.block_tables.tolist() == [[7, 2], [4, 4]]
+    assert md.decode_rows == slice(2, 3)
+
+
+def test_bad_block_table_rejected() -> None:
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_attention_metadata(
+            [1], [9], [[0, 1]], block_size=4, num_heads=2, num_kv_heads=1, head_dim=8
+        )
+
+
+def test_layout_key_transposed_value_plain() -> None:
+    """K sits transposed ([D, block_size]) and V as is ([block_size, D]) in each (block, head)."""
+    cache = torch.zeros(kv_pool_shape(1, 3, 4, 2, 8)[1:])
+    key = torch.arange(2 * 8, dtype=torch.float32).view(1, 2, 8)
+    write_kv(key, key + 100, cache, torch.tensor([2 * 4 + 1]))  # block 2, offset 1
+    k = cache[0, 2].view(2, 8, 4)  # [Hkv, D, block_size]
+    v = cache[1, 2].view(2, 4, 8)  # [Hkv, block_size, D]
+    assert torch.equal(k[:, :, 1], key[0])
+    assert torch.equal(v[:, 1, :], key[0] + 100)
+    assert torch.equal(key_blocks(cache, 8)[2, :, :, 1], key[0])
+    assert cache.count_nonzero() == 2 * 2 * 8 - 1  # nothing else written (one element is 0)

@@ -1,0 +1,197 @@
+"""ModelRunner on tiny random checkpoints against transformers' own forward."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+
+import pytest
+import torch
+
+from tests.worker.tiny_models import VARIANTS, make_tiny_model
+from worker.loader import ModelLoadError
+from worker.model import UnsupportedModelError
+from worker.model_runner import (
+    ModelRunner,
+    SamplingOptions,
+    ScheduledChunk,
+    SequenceData,
+)
+
+BLOCK = 4
+
+
+class _Blocks:
+    """Hands out shuffled block ids so block tables are never contiguous."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.free = list(range(n))
+        random.Random(seed).shuffle(self.free)
+
+    def grow(self, seq: SequenceData, tokens: int) -> None:
+        while len(seq.block_table) * BLOCK < tokens:
+            seq.block_table.append(self.free.pop())
+
+
+def _hf_logits(model_dir: pathlib.Path, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_chunked_mixed_batch_matches_transformers(
+    tiny_models: dict[str, pathlib.Path], variant: str
+) -> None:
+    model_dir = tiny_models[variant]
+    runner = ModelRunner(model_dir, dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 20)
+    rng = random.Random(1)
+    full = {s: [rng.randrange(256) for _ in range(n)] for s, n in ((0, 22), (1, 28), (2, 10))}
+    prompt_len = {0: 13, 1: 21, 2: 5}
+    seqs = {s: runner.make_sequence(s, full[s][: prompt_len[s]], SamplingOptions()) for s in full}
+    blocks = _Blocks(runner.num_kv_blocks)
+    got: dict[int, list[torch.Tensor]] = {s: [] for s in full}
+    computed = dict.fromkeys(full, 0)
+
+    def step(plan: list[tuple[int, int]]) -> None:
+        chunks = []
+        for s, n in plan:
+            seq = seqs[s]
+            blocks.grow(seq, computed[s] + n)
+            chunks.append(ScheduledChunk(seq, computed[s], n))
+        for (s, n), logits in zip(plan, runner.compute_logits_for_test(chunks), strict=True):
+            assert logits.shape == (n, 256)
+            got[s].append(logits)
+            computed[s] += n
+        for s, _ in plan:  # teacher forcing: append the next token of the reference text
+            seq = seqs[s]
+            if computed[s] == len(seq.token_ids) and len(seq.token_ids) < len(full[s]):
+                seq.token_ids.append(full[s][len(seq.token_ids)])
+
+    step([(0, 13), (1, 10)])  # seq 0 whole prompt, seq 1 first chunk
+    step([(1, 11), (0, 1)])  # seq 1 second chunk, seq 0 decodes
+    step([(0, 1), (2, 5), (1, 1)])  # a new prompt between two decodes
+    for _ in range(3):
+        step([(2, 1), (1, 1), (0, 1)])
+    step([(1, 1), (0, 1)])
+
+    for s in full:
+        mine = torch.cat(got[s])
+        ref = _hf_logits(model_dir, seqs[s].token_ids[: computed[s]])
+        torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_execute_greedy_and_order(tiny_models: dict[str, pathlib.Path]) -> None:
+    model_dir = tiny_models["llama-untied"]
+    runner = ModelRunner(model_dir, dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 20)
+    blocks = _Blocks(runner.num_kv_blocks)
+    prompts = {7: [5, 9, 11, 200, 3], 3: [8, 8, 8]}
+    seqs = {
+        s: runner.make_sequence(s, p, SamplingOptions(temperature=0.0)) for s, p in prompts.items()
+    }
+    for seq in seqs.values():
+        blocks.grow(seq, 16)
+    # seq 7 only partly prefilled: no token for it
+    out = runner.execute([ScheduledChunk(seqs[7], 0, 3), ScheduledChunk(seqs[3], 0, 3)])
+    assert [t.seq_id for t in out] == [3]
+    out = runner.execute([ScheduledChunk(seqs[7], 3, 2)])
+    assert [t.seq_id for t in out] == [7]
+    ref = _hf_logits(model_dir, prompts[7])[-1]
+    assert out[0].token_id == int(ref.argmax())
+    assert out[0].logprob == pytest.approx(float(torch.log_softmax(ref, -1).max()), abs=1e-4)
+
+
+def test_kv_sizing(tiny_models: dict[str, pathlib.Path]) -> None:
+    model_dir = tiny_models["llama-tied"]
+    memory = 10_000_000
+    runner = ModelRunner(model_dir, dtype="float32", block_size=16, kv_cache_memory=memory)
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # layers * K/V * block * kv heads * head_dim * fp32
+    assert runner.bytes_per_block == per_block
+    assert runner.num_kv_blocks == memory // per_block
+    assert runner.kv_pool.shape == (2, 2, memory // per_block, 2, 16 * 16)
+    bf16 = ModelRunner(model_dir, dtype="bfloat16", block_size=16, kv_cache_memory=memory)
+    assert bf16.num_kv_blocks == memory // (per_block // 2)
+    assert bf16.dtype == torch.bfloat16
+
+
+def test_properties(tiny_models: dict[str, pathlib.Path]) -> None:
+    runner = ModelRunner(
+        tiny_models["qwen2"], dtype="float32", kv_cache_memory=1 << 20, max_model_len=100
+    )
+    assert runner.model_id == "qwen2"
+    assert runner.max_model_len == 100
+    assert runner.vocab_size == 256
+    assert runner.eos_token_ids == [2]
+    assert runner.block_size == 16
+    seq = runner.make_sequence(1, [1, 2], SamplingOptions(seed=5))
+    assert seq.generator is not None and seq.block_table == []
+    with pytest.raises(ValueError, match="max_model_len"):
+        runner.make_sequence(2, [1] * 101, SamplingOptions())
+
+
+def test_bad_chunks_rejected(tiny_models: dict[str, pathlib.Path]) -> None:
+    runner = ModelRunner(tiny_models["llama-tied"], dtype="float32", kv_cache_memory=1 << 20)
+    seq = runner.make_sequence(1, [1, 2, 3], SamplingOptions())
+    with pytest.raises(ValueError, match="blocks cannot hold"):
+        runner.execute([ScheduledChunk(seq, 0, 3)])
+    seq.block_table.append(0)
+    with pytest.raises(ValueError, match="outside"):
+        runner.execute([ScheduledChunk(seq, 0, 4)])
+    with pytest.raises(ValueError, match="twice"):
+        runner.execute([ScheduledChunk(seq, 0, 1), ScheduledChunk(seq, 1, 2)])
+
+
+def test_bad_folders(tmp_path: pathlib.Path, tiny_models: dict[str, pathlib.Path]) -> None:
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        ModelRunner(tmp_path, dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        ModelRunner(tmp_path, dtype="float32")
+    cfg = json.loads((tiny_models["llama-tied"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        ModelRunner(tmp_path, dtype="float32")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        ModelRunner(tiny_models["llama-tied"], dtype="float8")
+
+
+def test_sharded_checkpoint(tmp_path: pathlib.Path) -> None:
+    from worker.loader import load_model
+
+    whole = make_tiny_model(tmp_path / "whole", "llama-untied", seed=3)
+    sharded = make_tiny_model(tmp_path / "sharded", "llama-untied", seed=3, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    a = load_model(whole).state_dict()
+    b = load_model(sharded).state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("change", ["drop", "extra", "shape"])
+def test_checkpoint_mismatch(
+    tmp_path: pathlib.Path, tiny_models: dict[str, pathlib.Path], change: str
+) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_models["llama-untied"]
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    if change == "drop":
+        del tensors["model.layers.1.self_attn.k_proj.weight"]
+        match = "missing"
+    elif change == "extra":
+        tensors["model.layers.0.mlp.experts.weight"] = torch.zeros(2)
+        match = "does not use"
+    else:
+        tensors["model.norm.weight"] = torch.zeros(3)
+        match = "shape"
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=match):
+        ModelRunner(tmp_path, dtype="float32", kv_cache_memory=1 << 20)

@@ -1,0 +1,167 @@
+"""The batched sampler against argmax and transformers' logits processors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from worker import sampler
+from worker.sampler import (
+    SamplingOptions,
+    apply_repetition_penalty,
+    sample,
+    top_k_top_p_mask,
+    truncated_candidates,
+)
+
+V = 1000
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax() -> None:
+    logits = _logits(6)
+    tokens, logprobs = sample(
+        logits.clone(), [SamplingOptions(temperature=0)] * 6, [None] * 6, [[]] * 6
+    )
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).max(-1).values)
+
+
+def test_top_k_1_is_greedy() -> None:
+    logits = _logits(5, seed=1)
+    opts = [SamplingOptions(temperature=t, top_k=1) for t in (0.5, 1.0, 2.0, 0.7, 1.3)]
+    tokens, _ = sample(logits.clone(), opts, [None] * 5, [[]] * 5)
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+def _draws(rows_before: int, rows_after: int, steps: int = 8) -> list[int]:
+    """Tokens of a seeded row (seed 1234, top_p 0.9) placed among other, unrelated rows."""
+    gen = torch.Generator().manual_seed(1234)
+    row = _logits(1, seed=7)[0]
+    target = SamplingOptions(temperature=0.8, top_p=0.9, seed=1234)
+    others = [
+        SamplingOptions(temperature=1.0),
+        SamplingOptions(temperature=0.0),
+        SamplingOptions(top_k=5, seed=99),
+        SamplingOptions(top_p=0.5, repetition_penalty=1.3),
+    ]
+    out = []
+    for step in range(steps):
+        before = [others[i % 4] for i in range(rows_before)]
+        after = [others[(i + 2) % 4] for i in range(rows_after)]
+        logits = torch.cat(
+            [_logits(rows_before, seed=step), row[None], _logits(rows_after, seed=50 + step)]
+        )
+        gens = (
+            [torch.Generator().manual_seed(5) if o.seed else None for o in before]
+            + [gen]
+            + [torch.Generator().manual_seed(6) if o.seed else None for o in after]
+        )
+        opts = [*before, target, *after]
+        tokens, _ = sample(logits, opts, gens, [[1, 2, 3]] * len(opts))
+        out.append(int(tokens[rows_before]))
+    return out
+
+
+def test_seeded_rows_reproducible_and_independent_of_batch() -> None:
+    alone = _draws(0, 0)
+    assert _draws(0, 0) == alone
+    assert _draws(3, 0) == alone
+    assert _draws(2, 5) == alone
+    assert len(set(alone)) > 1  # the generator advances between steps
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    logits = _logits(4, seed=2)
+    ids = torch.randint(0, V, (4, 30), generator=torch.Generator().manual_seed(3))
+    penalties = [1.2, 0.8, 1.0, 2.5]
+    ref = torch.cat(
+        [
+            RepetitionPenaltyLogitsProcessor(p)(ids[i : i + 1], logits[i : i + 1].clone())
+            for i, p in enumerate(penalties)
+        ]
+    )
+    mine = apply_repetition_penalty(logits.clone(), ids, torch.tensor(penalties))
+    torch.testing.assert_close(mine, ref, rtol=0, atol=0)
+    # through sample(): greedy after the penalty, logprob of the penalized distribution
+    opts = [SamplingOptions(temperature=0, repetition_penalty=p) for p in penalties]
+    tokens, logprobs = sample(logits.clone(), opts, [None] * 4, [r.tolist() for r in ids])
+    assert tokens.tolist() == ref.argmax(-1).tolist()
+    torch.testing.assert_close(logprobs, torch.log_softmax(ref, -1).max(-1).values)
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.95, 0.999])
+def test_top_p_matches_transformers(top_p: float) -> None:
+    logits = _logits(8, seed=int(top_p * 1000))
+    ref = TopPLogitsWarper(top_p)(None, logits.clone())
+    mine = top_k_top_p_mask(logits.clone(), None, torch.full((8,), top_p))
+    assert torch.equal(torch.isinf(mine), torch.isinf(ref))
+    torch.testing.assert_close(mine, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (50, 0.9), (1, 0.5), (900, 0.8)])
+def test_top_k_then_top_p_matches_transformers(top_k: int, top_p: float) -> None:
+    logits = _logits(6, seed=top_k)
+    ref = TopPLogitsWarper(top_p)(None, TopKLogitsWarper(top_k)(None, logits.clone()))
+    mine = top_k_top_p_mask(logits.clone(), torch.full((6,), top_k), torch.full((6,), top_p))
+    torch.testing.assert_close(mine, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("candidates", [4, 32, 1000])
+def test_candidates_match_transformers(candidates: int) -> None:
+    logits = _logits(12, seed=candidates)
+    top_k = torch.tensor([0, 0, 0, 0, 5, 50, 3, 0, 1, 0, 20, 0])
+    top_p = torch.tensor([0.9, 0.5, 0.1, 0.99, 1.0, 0.9, 0.3, 0.7, 0.9, 0.2, 0.95, 0.6])
+    ids, probs, exact = truncated_candidates(logits, top_k, top_p, candidates)
+    for r in range(12):
+        warped = logits[r : r + 1].clone()
+        if top_k[r] > 0:
+            warped = TopKLogitsWarper(int(top_k[r]))(None, warped)
+        warped = TopPLogitsWarper(float(top_p[r]))(None, warped)[0]
+        kept = set(torch.nonzero(torch.isfinite(warped)).squeeze(1).tolist())
+        if not exact[r]:
+            assert len(kept) > ids.shape[1] or probs[r].sum() < top_p[r]
+            continue
+        assert set(ids[r][probs[r] > 0].tolist()) == kept
+        ref = torch.softmax(warped, -1)[ids[r]]
+        mine = probs[r] / probs[r].sum()
+        torch.testing.assert_close(mine, ref, atol=1e-6, rtol=1e-5)
+    if candidates == 1000:
+        assert bool(exact.all())
+    if candidates == 4:
+        assert not bool(exact.all())
+
+
+def test_fallback_rows_sample_inside_the_nucleus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sampler, "CANDIDATES", 2)
+    logits = _logits(1, seed=11).repeat(200, 1)
+    warped = TopPLogitsWarper(0.9)(None, logits[:1].clone())[0]
+    kept = set(torch.nonzero(torch.isfinite(warped)).squeeze(1).tolist())
+    assert len(kept) > 2
+    tokens, _ = sample(logits.clone(), [SamplingOptions(top_p=0.9)] * 200, [None] * 200, [[]] * 200)
+    assert set(tokens.tolist()) <= kept
+    assert len(set(tokens.tolist())) > 2
+
+
+def test_samples_follow_the_truncated_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(4000, 1)
+    opts = [SamplingOptions(temperature=1.0, top_p=0.8)] * 4000
+    tokens, _ = sample(logits.clone(), opts, [None] * 4000, [[]] * 4000)
+    kept = top_k_top_p_mask(logits[:1], None, torch.tensor([0.8]))[0]
+    probs = torch.softmax(kept, -1)
+    freq = torch.bincount(tokens, minlength=6).double() / 4000
+    assert set(tokens.tolist()) <= {i for i in range(6) if probs[i] > 0}
+    torch.testing.assert_close(freq, probs.double(), atol=0.03, rtol=0)
+
+
+def test_invalid_options() -> None:
+    with pytest.raises(ValueError, match="invalid sampling"):
+        sample(_logits(1), [SamplingOptions(top_p=0.0)], [None], [[]])

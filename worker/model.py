@@ -1,0 +1,286 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain torch over the paged KV pool.
+
+One forward runs a flattened varlen batch (prefill chunks and decode tokens back to back, no
+padding in the linear layers). Q/K/V are one fused matmul, gate/up another. Parameter names are
+our own (``qkv_weight``, ``gate_up_weight`` ...); :mod:`worker.loader` maps HF checkpoints onto them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+
+__all__ = ["DecoderLayer", "LlamaForCausalLM", "ModelConfig", "UnsupportedModelError"]
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or one of its options is not implemented here."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The subset of an HF ``config.json`` the decoder needs (see :meth:`from_hf_dict`)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: Mapping[str, Any] | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: Mapping[str, Any]) -> ModelConfig:
+        """Read an HF ``config.json`` dict (transformers 4.x or 5.x layout).
+
+        Raises:
+            UnsupportedModelError: not a Llama/Mistral/Qwen2 causal LM, a non-SiLU activation,
+                or a rope scaling other than default/linear/llama3.
+        """
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type")
+        arch_types = [_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES]
+        if arch_types:
+            model_type = arch_types[0]
+        elif archs or model_type not in _ARCHITECTURES.values():
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or model_type!r}; supported: "
+                f"{', '.join(_ARCHITECTURES)}"
+            )
+        assert isinstance(model_type, str)
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r} (only 'silu')")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // heads
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or rope_params or None
+        if scaling is not None:
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            if rope_type not in ("default", "linear", "llama3"):
+                raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}")
+            scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+        attention_bias = bool(cfg.get("attention_bias", False))
+        sliding = cfg.get("sliding_window")
+        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+            sliding = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or (model_type == "llama" and attention_bias),
+            o_bias=model_type == "llama" and attention_bias,
+            mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
+            rope_scaling=scaling,
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies ``[head_dim // 2]`` float32, with linear/llama3 scaling applied
+    exactly as transformers' ``ROPE_INIT_FUNCTIONS`` do."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_ctx / low
+    high_freq_wavelen = old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP block.
+
+    Parameters (``H`` hidden, ``Hq``/``Hkv`` heads, ``D`` head dim, ``I`` intermediate):
+    ``input_norm`` ``[H]``, ``qkv_weight`` ``[(Hq + 2 Hkv) D, H]`` (q rows, then k, then v),
+    ``qkv_bias`` ``[(Hq + 2 Hkv) D]`` or None, ``o_weight`` ``[H, Hq D]``, ``o_bias`` or None,
+    ``post_norm`` ``[H]``, ``gate_up_weight`` ``[2 I, H]`` (gate rows, then up),
+    ``gate_up_bias`` / ``down_bias`` or None, ``down_weight`` ``[H, I]``.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.eps = c.rms_norm_eps
+        self.intermediate = c.intermediate_size
+        qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.input_norm = _param(c.hidden_size)
+        self.qkv_weight = _param(qkv_out, c.hidden_size)
+        self.qkv_bias = _param(qkv_out) if c.qkv_bias else None
+        self.o_weight = _param(c.hidden_size, c.num_heads * c.head_dim)
+        self.o_bias = _param(c.hidden_size) if c.o_bias else None
+        self.post_norm = _param(c.hidden_size)
+        self.gate_up_weight = _param(2 * c.intermediate_size, c.hidden_size)
+        self.gate_up_bias = _param(2 * c.intermediate_size) if c.mlp_bias else None
+        self.down_weight = _param(c.hidden_size, c.intermediate_size)
+        self.down_bias = _param(c.hidden_size) if c.mlp_bias else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``hidden`` ``[T, H]`` -> ``[T, H]``; writes this step's K/V into ``kv_cache``.
+
+        ``cos``/``sin`` are ``[T, 1, D / 2]`` in the model dtype, ``kv_cache`` this layer's
+        ``[2, num_blocks, Hkv, block_size * D]``.
+        """
+        t = hidden.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        x = _rms_norm(hidden, self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qk = _apply_rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        write_kv(qk[:, hq:], v, kv_cache, metadata.slot_mapping)
+        attn = paged_attention(qk[:, :hq], kv_cache, metadata)
+        hidden = hidden + F.linear(attn.view(t, hq * d), self.o_weight, self.o_bias)
+        x = _rms_norm(hidden, self.post_norm, self.eps)
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+        return hidden + F.linear(act, self.down_weight, self.down_bias)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of ``x`` ``[T, heads, D]`` (HF/NeoX convention)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder. Create with :func:`worker.loader.load_model`, which fills the weights.
+
+    Parameters: ``embed_weight`` ``[V, H]``, ``layers`` (:class:`DecoderLayer`), ``norm_weight``
+    ``[H]``, ``lm_head_weight`` ``[V, H]`` (None when tied: the logits use ``embed_weight``).
+    Rotary tables ``rope_cos``/``rope_sin`` are plain float32 attributes (not buffers), so
+    ``.to(dtype)`` leaves them alone; see :meth:`init_rope`.
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        """Build with uninitialized float32 CPU parameters.
+
+        ``max_positions`` bounds the rotary table (default ``config.max_position_embeddings``).
+        """
+        super().__init__()
+        self.config = config
+        self.embed_weight = _param(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm_weight = _param(config.hidden_size)
+        self.lm_head_weight = (
+            None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size)
+        )
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.rope_cos = torch.empty(0)
+        self.rope_sin = torch.empty(0)
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """(Re)build the rotary tables ``rope_cos``/``rope_sin`` ``[max_positions, D / 2]`` float32
+        on the embedding's device (call after moving the model)."""
+        device = self.embed_weight.device
+        inv_freq = rope_inv_freq(self.config).to(device)
+        pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = pos[:, None] * inv_freq[None]
+        self.rope_cos = freqs.cos()
+        self.rope_sin = freqs.sin()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype."""
+        return self.embed_weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_caches: Sequence[torch.Tensor],
+    ) -> torch.Tensor:
+        """Run the flattened batch through every layer.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids.
+            positions: ``[T]`` int64 positions (``< max_positions``).
+            metadata: the step's attention metadata (slot mapping, block tables ...).
+            kv_caches: one ``[2, num_blocks, Hkv, block_size * D]`` cache per layer, model dtype.
+
+        Returns:
+            ``[T, H]`` final hidden states (after the last norm), model dtype.
+        """
+        dtype = self.dtype
+        cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
+        sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
+        hidden = F.embedding(input_ids, self.embed_weight)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, cache, metadata)
+        return _rms_norm(hidden, self.norm_weight, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[S, H]`` (only rows that sample) -> logits ``[S, V]`` float32."""
+        weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,242 @@
+"""Sampling on the device for a batch of rows, each with its own parameters.
+
+Order, as in transformers' ``generate``: repetition penalty (on the raw logits), then
+temperature, top-k, top-p, then one draw. ``temperature == 0`` is greedy (argmax after the
+penalty). The logprob returned is that of the chosen token under ``log_softmax`` of the logits
+after the penalty (before temperature and truncation).
+
+Rows that share nothing are handled together: one argmax for all greedy rows, one softmax and
+one inverse-CDF draw for all sampled rows; rows with top-k/top-p draw among their
+``CANDIDATES`` most likely tokens (one ``topk``), with a full sort only for a row whose nucleus
+is wider than that. A row with a seed draws its uniform number from its
+own ``torch.Generator`` (the only per-row loop), so its tokens do not depend on the rest of the
+batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "SamplingOptions",
+    "apply_repetition_penalty",
+    "sample",
+    "top_k_top_p_mask",
+    "truncated_candidates",
+]
+
+
+@dataclass(slots=True)
+class SamplingOptions:
+    """Per-sequence sampling parameters.
+
+    Attributes:
+        temperature: ``0`` = greedy; otherwise logits are divided by it (``> 0``).
+        top_p: nucleus mass in ``(0, 1]``; ``1`` = off.
+        top_k: keep the ``k`` most likely tokens; ``0`` = off.
+        repetition_penalty: CTRL penalty ``> 0`` over prompt + output tokens; ``1`` = off.
+        seed: when set, the sequence samples from its own generator seeded with it.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, token_ids: torch.Tensor, penalty: torch.Tensor
+) -> torch.Tensor:
+    """CTRL / HF repetition penalty, in place: for every id seen, ``logit > 0 -> logit / p``,
+    else ``logit * p``.
+
+    Args:
+        logits: ``[R, V]`` float32.
+        token_ids: ``[R, N]`` int64 ids seen per row (pad by repeating an id of the row).
+        penalty: ``[R]`` float32.
+
+    Returns:
+        ``logits`` (modified in place).
+    """
+    score = torch.gather(logits, 1, token_ids)
+    p = penalty[:, None]
+    score = torch.where(score < 0, score * p, score / p)
+    return logits.scatter_(1, token_ids, score)
+
+
+def top_k_top_p_mask(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Set to ``-inf`` the logits that top-k then top-p remove, as HF's ``TopKLogitsWarper`` and
+    ``TopPLogitsWarper`` (``min_tokens_to_keep=1``) do.
+
+    Args:
+        logits: ``[R, V]`` float32 (already divided by the temperature).
+        top_k: ``[R]`` int64 (``0`` = off) or None.
+        top_p: ``[R]`` float32 (``1`` = off) or None.
+
+    Returns:
+        A new ``[R, V]`` tensor.
+    """
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        kth = sorted_logits.gather(1, (vocab - k)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cum <= (1 - top_p)[:, None]
+        remove[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+# rows with top-k/top-p look at this many most likely tokens before falling back to a full sort
+CANDIDATES = 128
+
+
+def truncated_candidates(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int = CANDIDATES
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k then top-p without sorting the vocabulary: the same kept set as HF's warpers,
+    found among the ``max(candidates, max(top_k))`` most likely tokens.
+
+    Args:
+        logits: ``[R, V]`` float32 (already divided by the temperature).
+        top_k: ``[R]`` int64, ``0`` = off.
+        top_p: ``[R]`` float32 in ``(0, 1]``.
+        candidates: candidate count for rows without top-k.
+
+    Returns:
+        ``(ids [R, K] int64, probs [R, K] float32, exact [R] bool)``: candidate token ids,
+        their probabilities after top-k renormalization with 0 for removed tokens (the kept
+        ones sum to at most 1, sample proportionally), and whether the row's kept set lies
+        within the candidates (False: the row needs :func:`top_k_top_p_mask`).
+    """
+    vocab = logits.shape[-1]
+    k0 = min(vocab, max(candidates, int(top_k.max())))
+    # log_softmax is one fused pass (logsumexp is several); candidates come sorted descending
+    logp, ids = torch.topk(torch.log_softmax(logits, dim=-1), k0, dim=-1)
+    probs = logp.exp_()
+    has_k = top_k > 0
+    kk = torch.where(has_k, top_k.clamp(max=k0), k0)
+    in_k = torch.arange(k0, device=logits.device)[None, :] < kk[:, None]
+    probs.masked_fill_(~in_k, 0.0)
+    # top-k renormalizes over the k kept tokens (softmax of the masked logits)
+    probs = torch.where(has_k[:, None], probs / probs.sum(dim=-1, keepdim=True), probs)
+    exclusive = probs.cumsum(dim=-1) - probs
+    keep = in_k & (exclusive < top_p[:, None])
+    keep[:, 0] = True
+    exact = has_k | (probs.sum(dim=-1) >= top_p)
+    return ids, probs.masked_fill_(~keep, 0.0), exact
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of non-negative ``weights`` ``[R, N]`` with uniforms ``u``
+    ``[R]``; never an index of weight 0."""
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1]
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x[:, None], right=True).squeeze(1)
+
+
+def _draw(scaled: torch.Tensor, opts: Sequence[SamplingOptions], u: torch.Tensor) -> torch.Tensor:
+    """One token per row of temperature-scaled logits ``[R, V]`` with uniforms ``u`` ``[R]``."""
+    device = scaled.device
+    trunc = [r for r, o in enumerate(opts) if o.top_p < 1.0 or o.top_k > 0]
+    plain = [r for r, o in enumerate(opts) if not (o.top_p < 1.0 or o.top_k > 0)]
+    draw = torch.empty(len(opts), dtype=torch.int64, device=device)
+    if plain:
+        rows = torch.tensor(plain, device=device)
+        part = scaled if len(plain) == len(opts) else scaled[rows]
+        draw[rows] = _inverse_cdf(torch.softmax(part, dim=-1), u[rows])
+    if trunc:
+        rows = torch.tensor(trunc, device=device)
+        top_k = torch.tensor([opts[r].top_k for r in trunc], device=device)
+        top_p = torch.tensor([opts[r].top_p for r in trunc], dtype=torch.float32, device=device)
+        part = scaled if len(trunc) == len(opts) else scaled[rows]
+        ur = u[rows]
+        ids, probs, exact = truncated_candidates(part, top_k, top_p, CANDIDATES)
+        picked = ids.gather(1, _inverse_cdf(probs, ur)[:, None]).squeeze(1)
+        if not bool(exact.all()):  # rare: the nucleus is wider than the candidates
+            wide = (~exact).nonzero().squeeze(1)
+            masked = top_k_top_p_mask(part[wide], top_k[wide], top_p[wide])
+            picked[wide] = _inverse_cdf(torch.softmax(masked, dim=-1), ur[wide])
+        draw[rows] = picked
+    return draw
+
+
+def sample(
+    logits: torch.Tensor,
+    options: Sequence[SamplingOptions],
+    generators: Sequence[torch.Generator | None],
+    seen_token_ids: Sequence[Sequence[int]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row.
+
+    Args:
+        logits: ``[R, V]`` float32, raw model logits; modified in place by the penalty.
+        options: per-row parameters (``R`` entries).
+        generators: per-row generator for seeded rows (None for the others), on ``logits``'
+            device.
+        seen_token_ids: per-row prompt + output ids, read only for rows with a penalty.
+
+    Returns:
+        ``(token_ids [R] int64, logprobs [R] float32)`` on ``logits``' device.
+
+    Raises:
+        ValueError: a negative temperature, ``top_p`` outside ``(0, 1]``, a negative ``top_k``
+            or a non-positive penalty.
+    """
+    rows = logits.shape[0]
+    device = logits.device
+    for o in options:
+        if o.temperature < 0 or not 0 < o.top_p <= 1 or o.top_k < 0 or o.repetition_penalty <= 0:
+            raise ValueError(f"invalid sampling options {o}")
+
+    pen_rows = [i for i, o in enumerate(options) if o.repetition_penalty != 1.0]
+    if pen_rows:
+        ids = [list(seen_token_ids[i]) or [0] for i in pen_rows]
+        width = max(len(x) for x in ids)
+        padded = torch.tensor([x + [x[0]] * (width - len(x)) for x in ids], device=device)
+        idx = torch.tensor(pen_rows, device=device)
+        penalty = torch.tensor(
+            [options[i].repetition_penalty for i in pen_rows], dtype=torch.float32, device=device
+        )
+        logits[idx] = apply_repetition_penalty(logits[idx], padded, penalty)
+
+    greedy = [i for i, o in enumerate(options) if o.temperature == 0]
+    sampled = [i for i, o in enumerate(options) if o.temperature != 0]
+    if len(greedy) == rows:
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    if greedy and len(greedy) < rows:
+        g = torch.tensor(greedy, device=device)
+        tokens[g] = logits[g].argmax(dim=-1)
+
+    if sampled:
+        s_idx = None if len(sampled) == rows else torch.tensor(sampled, device=device)
+        sub = logits if s_idx is None else logits[s_idx]
+        temps = torch.tensor(
+            [options[i].temperature for i in sampled], dtype=torch.float32, device=device
+        )
+        sub = sub / temps[:, None]
+        u = torch.rand(len(sampled), device=device)
+        for j, i in enumerate(sampled):
+            gen = generators[i]
+            if gen is not None:
+                u[j] = torch.rand(1, generator=gen, device=device)[0]
+        draw = _draw(sub, [options[i] for i in sampled], u)
+        if s_idx is None:
+            tokens = draw
+        else:
+            tokens[s_idx] = draw
+
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, logprobs
