@@ -85,7 +85,7 @@ def stop_stack(stack: Stack) -> int:
 def stack() -> Iterator[Stack]:
     s = start_stack()
     yield s
-    stop_stack(s)
+    assert stop_stack(s) == 0, "".join(s.log[-30:])
 
 
 @pytest.fixture(scope="session")
