@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import InvalidRequest
 from router.tokenizer import encode_chat, encode_prompt, load_tokenizer
-from router.validation import resolve_request, validate_prompt_token_ids
+from router.validation import resolve_request, validate_prompt_token_ids, validate_request_id
 from sluiceway.grpc_server import (
     NOT_SERVING,
     SERVING,
@@ -112,6 +112,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
+            validate_request_id(request.request_id)
             prompt_ids = self._prompt_token_ids(request)
             validate_prompt_token_ids(prompt_ids, limits.vocab_size, limits.max_model_len)
             resolved = resolve_request(
@@ -202,6 +203,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             block_size=info.block_size,
             num_kv_blocks=info.num_kv_blocks,
             num_free_kv_blocks=info.num_free_kv_blocks,
+            kv_cache_utilization=info.kv_cache.utilization,
+            kv_cache_tokens_stored_total=info.kv_cache.tokens_stored_total,
+            kv_cache_slots_allocated_total=info.kv_cache.slots_allocated_total,
+            prefix_cache_queries_total=info.kv_cache.prefix_cache_queries_total,
+            prefix_cache_hits_total=info.kv_cache.prefix_cache_hits_total,
+            num_preemptions_total=info.kv_cache.num_preemptions_total,
         )
 
 

@@ -31,6 +31,8 @@ DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 16
 #: Length of one stop string at most, in UTF-8 bytes.
 MAX_STOP_STRING_BYTES = 256
+#: Longest client-chosen request_id, characters (it is echoed in every response).
+MAX_REQUEST_ID_CHARS = 256
 #: A temperature below this is greedy sampling (vLLM's `_SAMPLING_EPS`).
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -217,3 +219,12 @@ def validate_prompt_token_ids(ids: Sequence[int], vocab_size: int, max_model_len
                     f"prompt_token_ids.ids[{i}]",
                     f"must be < vocab_size ({vocab_size}); got {tid}",
                 )
+
+
+def validate_request_id(request_id: str) -> None:
+    """Raises InvalidRequest("request_id") for an id over MAX_REQUEST_ID_CHARS characters."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(
+            "request_id",
+            f"at most {MAX_REQUEST_ID_CHARS} characters; got {len(request_id)}",
+        )

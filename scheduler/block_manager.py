@@ -1,61 +1,204 @@
-"""The KV block pool: free list and per-sequence block tables.
+"""The KV block pool: free list, reference counts, block tables and the prefix cache.
 
 The scheduler owns every block id; workers only read and write the blocks a
 step names. A sequence holding `n` tokens owns `ceil(n / block_size)` blocks,
-a new one every `block_size` tokens. Blocks go back to the free list the
-moment the sequence finishes, is aborted or is preempted.
+a new one every `block_size` tokens.
+
+Automatic prefix caching, as in vLLM (Kwon et al., SOSP '23, and vLLM v1's
+`BlockPool`): every full block gets a hash chained from its parent block's
+hash and its own token ids, so a hash names the whole prefix up to that
+block. A new sequence reuses the cached blocks of its longest cached prefix
+(reference counted, shared read-only: a sequence only ever writes past its
+cached prefix). A block whose last reference goes keeps its contents and
+its hash in an LRU free queue; it is evicted only when a fresh block is
+needed. So `num_free_blocks` counts evictable cached blocks as free.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 from scheduler.sequence import Sequence
 
+ROOT_HASH = b""
+
+
+def hash_block(parent_hash: bytes, token_ids: Seq[int]) -> bytes:
+    """SHA-256 of the parent block's hash and this block's token ids (uint32, native order)."""
+    return hashlib.sha256(parent_hash + array("I", token_ids).tobytes()).digest()
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None  # set once the block is full and registered in the cache
+
 
 class BlockManager:
-    """Allocates fixed-size KV blocks to sequences.
+    """Allocates fixed-size KV blocks to sequences, sharing cached prefixes.
 
     Two-phase API as in nano-vllm / vLLM: `can_allocate` then `allocate`.
+    Every block is in exactly one state: owned (ref_count > 0, in some
+    block tables), cached-evictable (ref_count 0, hashed, in the free
+    queue) or free (ref_count 0, no hash, in the free queue).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # ref_count == 0 blocks; evicted from the front (least recently freed first)
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self.prefix_cache_queries = 0  # prompt tokens looked up, tokens
+        self.prefix_cache_hits = 0  # of those, found in the cache, tokens
+
+    # -- counts -----------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks not held by any sequence (free or cached-evictable)."""
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with a registered hash (owned or evictable)."""
+        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -----------------------------------------------------------
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of `seq`'s tokens; no side effects.
+
+        At most `(num_tokens - 1) // block_size` blocks, so that at least one
+        token is left to compute (its logits give the next token).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        tokens = seq.token_ids
+        bs = self.block_size
+        hits: list[int] = []
+        parent = ROOT_HASH
+        for i in range((len(tokens) - 1) // bs):
+            h = seq.block_hashes[i] if i < len(seq.block_hashes) else None
+            if h is None:
+                h = hash_block(parent, tokens[i * bs : (i + 1) * bs])
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def can_allocate(
+        self, seq: Sequence, num_new_tokens: int, cached_prefix: Seq[int] = ()
+    ) -> bool:
+        """Whether `seq` (after taking `cached_prefix`, if its table is empty) can get the
+        blocks for its computed tokens plus `num_new_tokens`."""
+        table_len = len(seq.block_table) or len(cached_prefix)
+        num_computed = seq.num_computed_tokens or len(cached_prefix) * self.block_size
+        missing = max(0, self.blocks_for(num_computed + num_new_tokens) - table_len)
+        revived = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
+        return missing + revived <= len(self._free)
+
+    def take_cached_prefix(self, seq: Sequence, cached_prefix: Seq[int]) -> None:
+        """Gives `seq` (with an empty table) the blocks of its cached prefix and counts
+        the lookup: `prefix_cache_queries` += its tokens, `prefix_cache_hits` += cached tokens."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += len(cached_prefix) * self.block_size
+        for block_id in cached_prefix:
+            self._ref(block_id)
+        seq.block_table = list(cached_prefix)
+        seq.num_computed_tokens = len(cached_prefix) * self.block_size
+
+    # -- allocation -------------------------------------------------------------
 
     def num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks `seq` lacks to store its computed tokens plus `num_new_tokens`."""
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
         return max(0, needed - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.num_missing_blocks(seq, num_new_tokens) <= len(self._free)
-
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """Appends the missing blocks to `seq.block_table` and returns them.
 
-        Raises RuntimeError if there are not enough free blocks (call
-        `can_allocate` first).
+        Evicts the least recently freed cached blocks when no plain free one
+        is left. Raises RuntimeError if there are not enough free blocks
+        (call `can_allocate` first).
         """
         missing = self.num_missing_blocks(seq, num_new_tokens)
         if missing > len(self._free):
             raise RuntimeError(f"need {missing} blocks, {len(self._free)} free")
-        new_blocks = [self._free.popleft() for _ in range(missing)]
+        new_blocks = []
+        for _ in range(missing):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict
+                del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            new_blocks.append(block_id)
         seq.block_table.extend(new_blocks)
         return new_blocks
 
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Registers the hashes of `seq`'s blocks that its computed tokens have filled.
+
+        Call after the step that computed them succeeded. A block whose
+        prefix is already cached under another block id stays unhashed.
+        """
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        tokens = seq.token_ids
+        while len(seq.block_hashes) < num_full:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            h = hash_block(parent, tokens[i * bs : (i + 1) * bs])
+            seq.block_hashes.append(h)
+            if not self.enable_prefix_caching or h in self._cached:
+                continue
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is None:
+                block.block_hash = h
+                self._cached[h] = block.block_id
+
     def free(self, seq: Sequence) -> None:
-        """Returns every block of `seq` to the free list and empties its table."""
-        self._free.extend(seq.block_table)
+        """Drops `seq`'s reference to each of its blocks and empties its table.
+
+        Blocks whose last reference goes join the free queue: hashed ones at
+        the back (evicted last, tail blocks of a sequence before its head),
+        unhashed ones at the front (reused first).
+        """
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
         seq.block_table = []
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached hash (e.g. when the worker's KV pool is new)."""
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()

@@ -98,6 +98,15 @@ class Engine:
         max_model_len = info.max_model_len
         if self.config.max_model_len is not None:
             max_model_len = min(max_model_len, self.config.max_model_len)
+        pool_tokens = info.num_kv_blocks * info.block_size
+        if max_model_len > pool_tokens:
+            # A lone sequence must always fit, or preemption would loop forever.
+            log.warning(
+                "max_model_len_capped_by_kv_pool",
+                max_model_len=max_model_len,
+                kv_pool_tokens=pool_tokens,
+            )
+            max_model_len = pool_tokens
         if self.scheduler is not None:
             self._fail_all(WorkerUnavailable("worker restarted"))
         if self._channel is not None:
@@ -106,7 +115,9 @@ class Engine:
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self.worker = info
         self.scheduler = Scheduler(
-            self.config, BlockManager(info.num_kv_blocks, info.block_size), max_model_len
+            self.config,
+            BlockManager(info.num_kv_blocks, info.block_size, self.config.enable_prefix_caching),
+            max_model_len,
         )
         self._ready.set()
         log.info(

@@ -1,16 +1,25 @@
-"""The continuous-batching policy: what runs in the next step.
+"""The batching policy: what runs in the next step.
 
 Each call to `schedule` builds one step, the way vLLM v1 does: running
 sequences first, in admission order (one decode token each, or the next
 chunk of a prompt being prefilled), then waiting sequences within what is
-left of the token budget, the sequence cap and the free blocks. Finished
-and aborted sequences give their blocks back at once, so the waiting queue
-gets them in the very next step (iteration-level batching, Orca, OSDI '22).
+left of the token budget (`max_num_batched_tokens`), the sequence cap
+(`max_num_seqs`) and the free blocks. A waiting sequence starts from the
+longest cached prefix of its tokens (prefix caching) and computes only the
+rest. Finished and aborted sequences give their blocks back at once, so the
+waiting queue gets them in the very next step: iteration-level batching
+(Yu et al., "Orca", OSDI '22).
 
 When a running sequence needs a block and none is free, the most recently
 admitted running sequence is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue with its generated tokens
 kept as part of its prompt (vLLM's RECOMPUTE preemption).
+
+The `static` policy is the baseline the benchmark compares against: batches
+of `static_batch_size` requests in arrival order, no request joins a running
+batch, and finished members keep their blocks until the whole batch ends, as
+in a padded static batch (unless a live member needs their blocks: the
+padding gives way before a member is preempted, so a batch never deadlocks).
 """
 
 from __future__ import annotations
@@ -34,7 +43,9 @@ class ScheduledSequence:
 
     The worker computes positions [num_computed_tokens, num_computed_tokens
     + num_new_tokens); `appended_token_ids` are tokens the worker's record
-    lacks (the prompt when `is_new`, else the tokens sampled since).
+    lacks (all tokens when `is_new`, else the tokens sampled since).
+    `new_block_ids` is the whole block table when `is_new` (cached prefix
+    included), else the blocks added this step.
     """
 
     seq: Sequence
@@ -74,6 +85,20 @@ class TokenUpdate:
     token_id: int
 
 
+@dataclass(slots=True)
+class KvUsage:
+    """KV memory utilization: tokens of live sequences stored / slots of allocated blocks.
+
+    Sampled after every step; the totals are sums over steps, so the mean
+    over any window is (difference of `tokens_stored_total`) / (difference
+    of `slots_allocated_total`).
+    """
+
+    utilization: float = 0.0  # last step
+    tokens_stored_total: int = 0
+    slots_allocated_total: int = 0
+
+
 class Scheduler:
     """Waiting and running queues over one `BlockManager`. Never touches a tensor."""
 
@@ -85,6 +110,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._forgotten_seq_ids: list[int] = []  # to tell the workers in the next step
         self.num_preemptions = 0
+        self.kv_usage = KvUsage()
+        self._static = config.scheduling_policy == "static"
+        self._batch: set[int] = set()  # static: unfinished members of the current batch
+        self._holding: list[Sequence] = []  # static: finished members keeping their blocks
 
     # -- queue changes ----------------------------------------------------------
 
@@ -92,8 +121,8 @@ class Scheduler:
         """Queues a new sequence.
 
         Raises ValueError when it can never run: prompt at or over
-        `max_model_len`, or more blocks than the whole pool for its prompt
-        plus one token.
+        `max_model_len`, more blocks than the whole pool for its prompt plus
+        one token, or (chunked prefill off) more tokens than one step holds.
         """
         if seq.num_tokens >= self.max_model_len:
             raise ValueError(
@@ -116,16 +145,30 @@ class Scheduler:
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Ends `seq` (done or aborted) and frees its blocks at once. Idempotent."""
+        """Ends `seq` (done or aborted) and frees its blocks at once. Idempotent.
+
+        Under the static policy a member that finishes normally keeps its
+        blocks until the last member of its batch finishes.
+        """
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._forget(seq)
+        if not self._static:
+            self.block_manager.free(seq)
+            return
+        self._batch.discard(seq.seq_id)
+        if reason == inference_pb2.FINISH_REASON_ABORT:
+            self.block_manager.free(seq)
+        else:
+            self._holding.append(seq)
+        if not self._batch:
+            self._release_holding()
 
     @property
     def has_work(self) -> bool:
@@ -136,6 +179,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Picks the sequences and token counts of the next step and allocates their blocks."""
         out = SchedulerOutput()
+        bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         preempted = False
 
@@ -143,7 +187,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.can_allocate(seq, num_new):
+            while not bm.can_allocate(seq, num_new):
+                if self._holding:  # static: padding gives way before a live member does
+                    self._release_holding()
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -156,20 +203,28 @@ class Scheduler:
                 continue
             break  # seq preempted itself: it was the last running sequence
 
+        if self._static and not self._batch and self.waiting:
+            self._batch = {s.seq_id for s in list(self.waiting)[: self.config.static_batch_size]}
         while (
             self.waiting
             and not preempted
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
+            and (not self._static or self.waiting[0].seq_id in self._batch)
         ):
             seq = self.waiting[0]
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            prefix = bm.find_cached_prefix(seq)
+            remaining = seq.num_tokens - len(prefix) * bm.block_size
             num_new = min(remaining, budget)
             if num_new < remaining and not self.config.enable_chunked_prefill:
                 break
-            if not self.block_manager.can_allocate(seq, num_new):
-                break
+            if not bm.can_allocate(seq, num_new, prefix):
+                if not self._holding:
+                    break
+                self._release_holding()  # static: a member waits on its batch's padding
+                continue
             self.waiting.popleft()
+            bm.take_cached_prefix(seq, prefix)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(self._schedule(seq, num_new))
@@ -183,10 +238,10 @@ class Scheduler:
         """Advances every scheduled sequence and appends its sampled token.
 
         `sampled` maps seq_id to the token the worker sampled for it. A
-        sequence aborted while the step ran is skipped. Sequences that hit a
-        stop token, `max_tokens` or `max_model_len` finish here and free
-        their blocks. Raises KeyError if a sequence that should have sampled
-        has no token.
+        sequence aborted while the step ran is skipped. Blocks filled by the
+        step join the prefix cache. Sequences that hit a stop token,
+        `max_tokens` or `max_model_len` finish here. Raises KeyError if a
+        sequence that should have sampled has no token.
         """
         updates: list[TokenUpdate] = []
         for s in output.scheduled:
@@ -194,6 +249,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prompt chunk that did not reach the end
             token = sampled[seq.seq_id]
@@ -202,6 +258,7 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
             updates.append(TokenUpdate(seq, token))
+        self._sample_kv_usage()
         return updates
 
     # -- helpers ----------------------------------------------------------------
@@ -222,15 +279,20 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release(seq)
+        self.block_manager.free(seq)
+        self._forget(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _release(self, seq: Sequence) -> None:
-        """Frees the blocks of `seq` and has the workers forget it."""
-        self.block_manager.free(seq)
+    def _release_holding(self) -> None:
+        for held in self._holding:
+            self.block_manager.free(held)
+        self._holding.clear()
+
+    def _forget(self, seq: Sequence) -> None:
+        """Resets `seq`'s progress and has the workers drop their record of it."""
         seq.num_computed_tokens = 0
         if seq.num_tokens_on_worker:
             self._forgotten_seq_ids.append(seq.seq_id)
@@ -242,3 +304,19 @@ class Scheduler:
         if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return inference_pb2.FINISH_REASON_LENGTH
         return None
+
+    def _sample_kv_usage(self) -> None:
+        bm = self.block_manager
+        bs = bm.block_size
+        full: set[int] = set()  # shared prefix blocks count once
+        partial = 0
+        for seq in self.running:
+            n = seq.num_computed_tokens
+            full.update(seq.block_table[: n // bs])
+            partial += n % bs
+        stored = len(full) * bs + partial
+        slots = (bm.num_blocks - bm.num_free_blocks) * bs
+        usage = self.kv_usage
+        usage.utilization = stored / slots if slots else 0.0
+        usage.tokens_stored_total += stored
+        usage.slots_allocated_total += slots

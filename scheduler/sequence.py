@@ -42,6 +42,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_tokens_on_worker: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of each full block of token_ids
     finish_reason: FinishReason = inference_pb2.FINISH_REASON_UNSPECIFIED
     num_preemptions: int = 0
 

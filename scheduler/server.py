@@ -58,6 +58,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             num_requests_running=len(sched.running),
             num_requests_waiting=len(sched.waiting),
             vocab_size=worker.vocab_size,
+            kv_cache=scheduler_pb2.KvCacheStats(
+                utilization=sched.kv_usage.utilization,
+                tokens_stored_total=sched.kv_usage.tokens_stored_total,
+                slots_allocated_total=sched.kv_usage.slots_allocated_total,
+                prefix_cache_queries_total=sched.block_manager.prefix_cache_queries,
+                prefix_cache_hits_total=sched.block_manager.prefix_cache_hits,
+                num_preemptions_total=sched.num_preemptions,
+            ),
         )
 
     async def RegisterWorker(

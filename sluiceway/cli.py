@@ -62,6 +62,15 @@ def _add_scheduler(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--scheduling-policy",
+        choices=["continuous", "static"],
+        default="continuous",
+        help="static: fixed batches of --static-batch-size that enter and leave together "
+        "(the baseline)",
+    )
+    p.add_argument("--static-batch-size", type=int, default=8)
 
 
 def _add_max_model_len(p: argparse.ArgumentParser) -> None:
@@ -181,6 +190,9 @@ def _run_scheduler(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            enable_prefix_caching=args.enable_prefix_caching,
+            scheduling_policy=args.scheduling_policy,
+            static_batch_size=args.static_batch_size,
         )
     except ValueError as e:
         print(f"sluiceway scheduler: {e}", file=sys.stderr)

@@ -81,6 +81,9 @@ def serve_command(args: argparse.Namespace) -> int:
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--enable-chunked-prefill" if args.enable_chunked_prefill else "--no-enable-chunked-prefill",
+            "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--scheduling-policy", args.scheduling_policy,
+            "--static-batch-size", str(args.static_batch_size),
             *_flag("max-model-len", args.max_model_len),
             *common,
         ]  # fmt: skip

@@ -115,7 +115,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "num_free_kv_blocks")
+    __slots__ = ("model_id", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "num_free_kv_blocks", "kv_cache_utilization", "kv_cache_tokens_stored_total", "kv_cache_slots_allocated_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,12 @@ class ModelInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_TOKENS_STORED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SLOTS_ALLOCATED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     max_model_len: int
     vocab_size: int
@@ -130,4 +136,10 @@ class ModelInfo(_message.Message):
     block_size: int
     num_kv_blocks: int
     num_free_kv_blocks: int
-    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ...) -> None: ...
+    kv_cache_utilization: float
+    kv_cache_tokens_stored_total: int
+    kv_cache_slots_allocated_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    num_preemptions_total: int
+    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_cache_utilization: _Optional[float] = ..., kv_cache_tokens_stored_total: _Optional[int] = ..., kv_cache_slots_allocated_total: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ...) -> None: ...

@@ -11,11 +11,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
 
 from sluiceway.client import Client
+from sluiceway.v1 import inference_pb2
 
 START_TIMEOUT_S = 300
 
@@ -94,3 +96,41 @@ def tokenizer():  # type: ignore[no-untyped-def]
     from sluiceway.model_files import resolve_model
 
     return load_tokenizer(resolve_model(None))
+
+
+@pytest.fixture(scope="session")
+def sharegpt_requests(tokenizer) -> list[inference_pb2.GenerateRequest]:  # type: ignore[no-untyped-def]
+    """32 real ShareGPT prompts (at most 400 tokens), greedy, 24 tokens each, EOS ignored."""
+    from sluiceway.sharegpt import sample_requests
+
+    requests = sample_requests(tokenizer, 32, seed=7, max_prompt_len=400)
+    return [
+        Client.request(r.prompt, temperature=0, ignore_eos=True, max_tokens=24) for r in requests
+    ]
+
+
+@pytest.fixture(scope="session")
+def reference_tokens(
+    stack: Stack, sharegpt_requests: list[inference_pb2.GenerateRequest]
+) -> list[list[int]]:
+    """The tokens of each ShareGPT request sent alone to the default stack."""
+    with stack.client() as client:
+        return [client.generate(r, timeout=120)[1] for r in sharegpt_requests]
+
+
+def generate_concurrently(
+    client: Client, requests: list[inference_pb2.GenerateRequest]
+) -> list[list[int]]:
+    """Sends every request at once; returns each one's tokens, in request order."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda r: client.generate(r, timeout=600)[1], requests))
+
+
+def wait_for_free_blocks(client: Client, timeout_s: float = 5.0) -> inference_pb2.ModelInfo:
+    """GetModelInfo once every block is free again (or the last answer after the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = client.model_info()
+        if info.num_free_kv_blocks == info.num_kv_blocks or time.monotonic() > deadline:
+            return info
+        time.sleep(0.05)

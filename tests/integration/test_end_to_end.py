@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from sluiceway.client import Client
 from sluiceway.v1 import inference_pb2
-from tests.integration.conftest import Stack
+from tests.integration.conftest import Stack, generate_concurrently, wait_for_free_blocks
 from tests.oracle import greedy
 
 pytestmark = pytest.mark.slow
@@ -32,16 +30,6 @@ PARITY_PROMPTS: list[tuple[str, str]] = [
     ("plain", "北京是中国的首都，"),
     ("plain", LONG_PROMPT),
 ]
-
-
-def wait_for_free_blocks(client: Client, timeout_s: float = 5.0) -> inference_pb2.ModelInfo:
-    """GetModelInfo once every block is free again (or the last answer after the timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = client.model_info()
-        if info.num_free_kv_blocks == info.num_kv_blocks or time.monotonic() > deadline:
-            return info
-        time.sleep(0.05)
 
 
 def test_three_processes_and_the_capital_of_france(stack: Stack) -> None:
@@ -82,19 +70,17 @@ def test_greedy_tokens_equal_transformers(stack: Stack, oracle, tokenizer) -> No
             assert last.finish_reason == inference_pb2.FINISH_REASON_LENGTH
 
 
-def test_batching_changes_nothing(stack: Stack, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    from sluiceway.sharegpt import sample_requests
-
-    requests = sample_requests(tokenizer, 32, seed=7, max_prompt_len=400)
-    reqs = [
-        Client.request(r.prompt, temperature=0, ignore_eos=True, max_tokens=24) for r in requests
-    ]
+def test_batching_changes_nothing(
+    stack: Stack,
+    sharegpt_requests: list[inference_pb2.GenerateRequest],
+    reference_tokens: list[list[int]],
+) -> None:
     with stack.client() as client:
-        alone = [client.generate(r, timeout=120)[1] for r in reqs]
-        with ThreadPoolExecutor(len(reqs)) as pool:
-            together = list(pool.map(lambda r: client.generate(r, timeout=300)[1], reqs))
+        together = generate_concurrently(client, sharegpt_requests)
         assert [len(t) for t in together] == [24] * 32
-        mismatched = [i for i, (a, t) in enumerate(zip(alone, together, strict=True)) if a != t]
+        mismatched = [
+            i for i, (a, t) in enumerate(zip(reference_tokens, together, strict=True)) if a != t
+        ]
         assert mismatched == []
         info = wait_for_free_blocks(client)
         assert info.num_free_kv_blocks == info.num_kv_blocks

@@ -219,3 +219,12 @@ def test_prompt_too_long_rejected() -> None:
         validate_prompt_token_ids([5] * MAX_LEN, VOCAB, MAX_LEN)
     assert info.value.field == "input"
     assert str(MAX_LEN) in info.value.message and str(MAX_LEN - 1) in info.value.message
+
+
+def test_request_id_length_is_bounded() -> None:
+    from router.validation import MAX_REQUEST_ID_CHARS, validate_request_id
+
+    validate_request_id("x" * MAX_REQUEST_ID_CHARS)
+    with pytest.raises(InvalidRequest) as err:
+        validate_request_id("x" * (MAX_REQUEST_ID_CHARS + 1))
+    assert err.value.field == "request_id"

@@ -134,15 +134,21 @@ def test_cancelled_stream_frees_blocks_and_worker_forgets(fake: FakeWorker) -> N
     asyncio.run(main())
 
 
-def test_prompt_over_the_pool_is_invalid_argument(fake: FakeWorker) -> None:
+def test_max_model_len_is_capped_by_the_pool_and_longer_prompts_are_invalid(
+    fake: FakeWorker,
+) -> None:
     async def main() -> None:
         stub, close = await _serve(fake, SchedulerConfig())
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in stub.AddRequest(add_request(NUM_BLOCKS * 16, 4)):
-                pass
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "KV blocks" in (err.value.details() or "")
-        await close()
+        try:
+            info = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
+            assert info.max_model_len == NUM_BLOCKS * 16  # the worker said 4096
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.AddRequest(add_request(NUM_BLOCKS * 16, 4)):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "max_model_len is 512" in (err.value.details() or "")
+        finally:
+            await close()
 
     asyncio.run(main())
 
@@ -178,5 +184,20 @@ def test_concurrent_requests_share_steps(fake: FakeWorker) -> None:
         assert max(len(s.scheduled) for s in fake.steps) == 8
         assert await free_blocks(stub) == NUM_BLOCKS
         await close()
+
+    asyncio.run(main())
+
+
+def test_a_sequence_that_outgrows_the_pool_ends_with_length(fake: FakeWorker) -> None:
+    async def main() -> None:
+        stub, close = await _serve(fake, SchedulerConfig())
+        try:
+            prompt_len = NUM_BLOCKS * 16 - 8
+            events = [e async for e in stub.AddRequest(add_request(prompt_len, 50))]
+            assert sum(len(e.token_ids) for e in events) == 8  # up to the pool's 512 tokens
+            assert events[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+            assert await free_blocks(stub) == NUM_BLOCKS
+        finally:
+            await close()
 
     asyncio.run(main())

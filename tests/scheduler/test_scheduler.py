@@ -18,7 +18,7 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
     return Sequence(
         seq_id=seq_id,
         request_id=f"r{seq_id}",
-        prompt_token_ids=list(range(10, 10 + prompt_len)),
+        prompt_token_ids=[1000 * seq_id + i for i in range(prompt_len)],  # no shared prefix
         sampling=scheduler_pb2.SequenceSamplingParams(temperature=0),
         max_tokens=max_tokens,
         stop_token_ids=frozenset({EOS}),
@@ -183,3 +183,101 @@ def test_prompts_that_can_never_run_are_rejected() -> None:
         sched.add(make_seq(1, 100))
     with pytest.raises(ValueError, match="KV blocks"):
         sched.add(make_seq(2, 32))  # 33 tokens need 3 blocks
+
+
+def shared_prompt_seq(seq_id: int, prompt: list[int], max_tokens: int = 4) -> Sequence:
+    seq = make_seq(seq_id, 1, max_tokens)
+    seq.prompt_token_ids = list(prompt)
+    return seq
+
+
+def test_prefix_cache_reuses_full_blocks_and_counts_tokens() -> None:
+    sched = make_scheduler(num_blocks=16)
+    bm = sched.block_manager
+    prompt = list(range(100, 140))  # 40 tokens: 2 full blocks + 8
+    a = shared_prompt_seq(1, prompt, max_tokens=50)
+    sched.add(a)
+    run_step(sched)
+    assert bm.num_cached_blocks == 2
+    b = shared_prompt_seq(2, [*prompt[:35], 7, 7])  # shares 2 full blocks, then differs
+    sched.add(b)
+    out = run_step(sched)
+    new_b = next(s for s in out.scheduled if s.seq is b)
+    assert new_b.is_new and new_b.num_computed_tokens == 32 and new_b.num_new_tokens == 5
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert new_b.new_block_ids == b.block_table  # the whole table, cached blocks included
+    assert [bm.blocks[x].ref_count for x in a.block_table[:2]] == [2, 2]
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (40 + 37, 0 + 32)
+    assert bm.num_free_blocks == 16 - 3 - 1  # a: 3 blocks, b: 1 of its own
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_block() -> None:
+    sched = make_scheduler(num_blocks=16)
+    prompt = list(range(100, 132))  # exactly 2 blocks
+    a = shared_prompt_seq(1, prompt, max_tokens=1)
+    sched.add(a)
+    run_step(sched)
+    assert a.is_finished and sched.block_manager.num_free_blocks == 16  # cached, evictable
+    b = shared_prompt_seq(2, prompt)
+    sched.add(b)
+    out = run_step(sched)
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled] == [(16, 16)]
+
+
+def test_cached_blocks_are_evicted_only_when_fresh_blocks_run_out() -> None:
+    sched = make_scheduler(num_blocks=4)
+    bm = sched.block_manager
+    a = shared_prompt_seq(1, list(range(100, 148)), max_tokens=1)  # 3 full blocks
+    sched.add(a)
+    run_step(sched)
+    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 3
+    b = shared_prompt_seq(2, list(range(300, 310)), max_tokens=1)  # 1 fresh block
+    sched.add(b)
+    run_step(sched)
+    assert bm.num_cached_blocks == 3  # the never-hashed block was reused first
+    c = shared_prompt_seq(3, list(range(500, 540)), max_tokens=1)  # 3 blocks: must evict
+    sched.add(c)
+    run_step(sched)
+    assert c.finish_reason == inference_pb2.FINISH_REASON_LENGTH
+    assert bm.num_cached_blocks == 2 + 1  # c's 2 full blocks + whatever of a survived
+    assert bm.num_free_blocks == 4
+
+
+def test_prefix_caching_off_shares_nothing() -> None:
+    sched = make_scheduler(num_blocks=16, enable_prefix_caching=False)
+    sched.block_manager.enable_prefix_caching = False
+    prompt = list(range(100, 140))
+    for i in (1, 2):
+        sched.add(shared_prompt_seq(i, prompt))
+    out = run_step(sched)
+    assert [s.num_computed_tokens for s in out.scheduled] == [0, 0]
+    assert sched.block_manager.prefix_cache_hits == 0
+
+
+def test_static_batches_enter_together_and_hold_blocks_until_the_batch_ends() -> None:
+    sched = make_scheduler(scheduling_policy="static", static_batch_size=2)
+    a, b, c = make_seq(1, 10, max_tokens=1), make_seq(2, 10, max_tokens=3), make_seq(3, 10)
+    for s in (a, b, c):
+        sched.add(s)
+    out = run_step(sched)
+    assert [s.seq.seq_id for s in out.scheduled] == [1, 2]  # c waits for the next batch
+    assert a.is_finished and a.block_table != []  # finished, still holding its block
+    out = run_step(sched)
+    assert [s.seq.seq_id for s in out.scheduled] == [2]  # nobody joins the running batch
+    assert sched.block_manager.num_free_blocks == 64 - 2
+    run_step(sched)
+    assert b.is_finished and a.block_table == [] and b.block_table == []
+    assert sched.block_manager.num_free_blocks == 64
+    out = run_step(sched)
+    assert [s.seq.seq_id for s in out.scheduled] == [3]
+
+
+def test_kv_utilization_is_tokens_stored_over_slots_allocated() -> None:
+    sched = make_scheduler(num_blocks=16)
+    sched.add(make_seq(1, 20, max_tokens=10))  # 20 tokens in 2 blocks
+    sched.add(make_seq(2, 4, max_tokens=10))  # 4 tokens in 1 block
+    run_step(sched)
+    assert sched.kv_usage.utilization == (20 + 4) / (3 * 16)
+    run_step(sched)
+    assert sched.kv_usage.tokens_stored_total == 24 + 26
+    assert sched.kv_usage.slots_allocated_total == 48 + 48

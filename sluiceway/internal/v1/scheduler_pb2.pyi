@@ -48,7 +48,7 @@ class GetSchedulerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerInfo(_message.Message):
-    __slots__ = ("ready", "model_id", "max_model_len", "block_size", "num_kv_blocks", "num_free_kv_blocks", "num_requests_running", "num_requests_waiting", "vocab_size")
+    __slots__ = ("ready", "model_id", "max_model_len", "block_size", "num_kv_blocks", "num_free_kv_blocks", "num_requests_running", "num_requests_waiting", "vocab_size", "kv_cache")
     READY_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class SchedulerInfo(_message.Message):
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     model_id: str
     max_model_len: int
@@ -67,7 +68,24 @@ class SchedulerInfo(_message.Message):
     num_requests_running: int
     num_requests_waiting: int
     vocab_size: int
-    def __init__(self, ready: _Optional[bool] = ..., model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    kv_cache: KvCacheStats
+    def __init__(self, ready: _Optional[bool] = ..., model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache: _Optional[_Union[KvCacheStats, _Mapping]] = ...) -> None: ...
+
+class KvCacheStats(_message.Message):
+    __slots__ = ("utilization", "tokens_stored_total", "slots_allocated_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total")
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_STORED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_ALLOCATED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    utilization: float
+    tokens_stored_total: int
+    slots_allocated_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    num_preemptions_total: int
+    def __init__(self, utilization: _Optional[float] = ..., tokens_stored_total: _Optional[int] = ..., slots_allocated_total: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("address", "rank", "model_id", "num_kv_blocks", "block_size", "max_model_len", "vocab_size")
