@@ -91,7 +91,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def close(self) -> None:
         await self._channel.close()
 
-    def _prompt_token_ids(self, request: inference_pb2.GenerateRequest) -> list[int]:
+    def _prompt_token_ids(
+        self, request: inference_pb2.GenerateRequest | inference_pb2.TokenizeRequest
+    ) -> list[int]:
+        """Token ids of the request's `input` oneof. Raises InvalidRequest when it is unset."""
         which = request.WhichOneof("input")
         if which == "prompt":
             return encode_prompt(self.tokenizer, request.prompt)
@@ -100,8 +103,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 self.tokenizer, [(m.role, m.content) for m in request.messages.messages]
             )
         if which == "prompt_token_ids":
-            return list(request.prompt_token_ids.ids)
-        raise InvalidRequest("input", "set one of prompt, messages or prompt_token_ids")
+            return list(request.prompt_token_ids.ids)  # type: ignore[union-attr]
+        names = ", ".join(f.name for f in request.DESCRIPTOR.oneofs_by_name["input"].fields)
+        raise InvalidRequest("input", f"set one of {names}")
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -171,15 +175,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.TokenizeResponse:
         try:
-            which = request.WhichOneof("input")
-            if which == "prompt":
-                ids = encode_prompt(self.tokenizer, request.prompt)
-            elif which == "messages":
-                ids = encode_chat(
-                    self.tokenizer, [(m.role, m.content) for m in request.messages.messages]
-                )
-            else:
-                raise InvalidRequest("input", "set one of prompt or messages")
+            ids = self._prompt_token_ids(request)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return inference_pb2.TokenizeResponse(token_ids=ids)

@@ -2,7 +2,8 @@
 
 Modelled on `vllm bench serve` (same flag names): requests stream through the
 public gRPC API, at most `--max-concurrency` at a time, and the figures are
-the ones vLLM prints: throughput, TTFT, TPOT, ITL and E2E latency.
+the ones vLLM prints: throughput, TTFT, TPOT, ITL and E2E latency, plus the
+server's KV memory utilization and prefix-cache hit rate over the run.
 """
 
 from __future__ import annotations
@@ -95,6 +96,23 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, floa
     return figures
 
 
+def server_figures(
+    before: inference_pb2.ModelInfo, after: inference_pb2.ModelInfo
+) -> dict[str, float]:
+    """The server's KV cache figures over the run, from two `GetModelInfo` snapshots:
+    mean KV memory utilization (tokens stored / slots allocated, summed over steps),
+    prefix-cache hit rate (tokens) and preemptions."""
+    stored = after.kv_cache_tokens_stored_total - before.kv_cache_tokens_stored_total
+    slots = after.kv_cache_slots_allocated_total - before.kv_cache_slots_allocated_total
+    queries = after.prefix_cache_queries_total - before.prefix_cache_queries_total
+    hits = after.prefix_cache_hits_total - before.prefix_cache_hits_total
+    return {
+        "kv_cache_utilization_pct": 100 * stored / slots if slots else 0.0,
+        "prefix_cache_hit_rate_pct": 100 * hits / queries if queries else 0.0,
+        "num_preemptions": after.num_preemptions_total - before.num_preemptions_total,
+    }
+
+
 async def run(args: argparse.Namespace) -> dict[str, float]:
     from router.tokenizer import load_tokenizer
     from sluiceway.model_files import resolve_model
@@ -106,6 +124,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         args.num_prompts,
         seed=args.seed,
         output_len=args.sharegpt_output_len,
+        max_output_len=args.sharegpt_max_output_len,
     )
     sem = asyncio.Semaphore(args.max_concurrency or len(requests))
     async with grpc.aio.insecure_channel(args.target, options=channel_options()) as channel:
@@ -115,10 +134,13 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
             async with sem:
                 return await _one(stub, r.prompt, r.prompt_len, r.output_len, args.ignore_eos)
 
+        before = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
         t0 = time.perf_counter()
         results = await asyncio.gather(*(limited(r) for r in requests))
         duration = time.perf_counter() - t0
+        after = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
     figures = summarize(list(results), duration)
+    figures.update(server_figures(before, after))
     errors = sorted({r.error for r in results if not r.ok})
     print(f"{'=' * 16} Serving Benchmark Result {'=' * 16}")
     for key, value in figures.items():
@@ -140,7 +162,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sharegpt-output-len", type=int, default=None)
+    p.add_argument(
+        "--sharegpt-output-len", type=int, default=None, help="fixed output length, tokens"
+    )
+    p.add_argument(
+        "--sharegpt-max-output-len",
+        type=int,
+        default=None,
+        help="cap on the dataset's output lengths, tokens (sluiceway's own flag)",
+    )
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--save-result", default=None, metavar="PATH.json")
 

@@ -133,3 +133,18 @@ def test_model_info(stack: Stack) -> None:
     assert list(info.eos_token_ids) == [2]
     # 1 GiB of fp32 KV at 720 KiB per 16-token block
     assert info.num_kv_blocks == (1 << 30) // (30 * 2 * 3 * 64 * 4 * 16)
+
+
+def test_tokenize(stack: Stack, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from router.tokenizer import encode_chat, encode_prompt
+
+    with stack.client() as client:
+        reply = client.stub.Tokenize(inference_pb2.TokenizeRequest(prompt="北京 is a city"))
+        assert list(reply.token_ids) == encode_prompt(tokenizer, "北京 is a city")
+        req = inference_pb2.TokenizeRequest()
+        req.messages.messages.add(role="user", content="hi")
+        assert list(client.stub.Tokenize(req).token_ids) == encode_chat(tokenizer, [("user", "hi")])
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.Tokenize(inference_pb2.TokenizeRequest())
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == "input: set one of prompt, messages"
