@@ -95,18 +95,9 @@ class Engine:
         model's and `--max-model-len`). A worker registering again (a restart)
         replaces the old one: requests in flight end with UNAVAILABLE.
         """
-        max_model_len = info.max_model_len
+        requested = info.max_model_len
         if self.config.max_model_len is not None:
-            max_model_len = min(max_model_len, self.config.max_model_len)
-        pool_tokens = info.num_kv_blocks * info.block_size
-        if max_model_len > pool_tokens:
-            # A lone sequence must always fit, or preemption would loop forever.
-            log.warning(
-                "max_model_len_capped_by_kv_pool",
-                max_model_len=max_model_len,
-                kv_pool_tokens=pool_tokens,
-            )
-            max_model_len = pool_tokens
+            requested = min(requested, self.config.max_model_len)
         if self.scheduler is not None:
             self._fail_all(WorkerUnavailable("worker restarted"))
         if self._channel is not None:
@@ -117,8 +108,18 @@ class Engine:
         self.scheduler = Scheduler(
             self.config,
             BlockManager(info.num_kv_blocks, info.block_size, self.config.enable_prefix_caching),
-            max_model_len,
+            requested,
         )
+        max_model_len = self.scheduler.max_model_len
+        if max_model_len < requested:
+            log.warning(
+                "max_model_len_capped",
+                requested=requested,
+                max_model_len=max_model_len,
+                kv_pool_tokens=info.num_kv_blocks * info.block_size,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                enable_chunked_prefill=self.config.enable_chunked_prefill,
+            )
         self._ready.set()
         log.info(
             "worker_registered",
@@ -198,7 +199,15 @@ class Engine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            preemptions = sched.num_preemptions
             out = sched.schedule()
+            if sched.num_preemptions > preemptions:
+                log.info(
+                    "preempted",
+                    num_preemptions=sched.num_preemptions - preemptions,
+                    num_free_kv_blocks=sched.block_manager.num_free_blocks,
+                    num_waiting=len(sched.waiting),
+                )
             if out.is_empty:
                 # Nothing fits right now (e.g. every block held by a step in flight);
                 # wait for an abort or a new request to change that.

@@ -103,9 +103,16 @@ class Scheduler:
     """Waiting and running queues over one `BlockManager`. Never touches a tensor."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+        """`max_model_len` is the model's (or the user's) limit; `self.max_model_len` is
+        that capped so that every sequence can always run again: at most the tokens the
+        whole pool holds (a lone sequence never preempts itself forever) and, without
+        chunked prefill, at most `max_num_batched_tokens` (a preempted sequence is
+        recomputed in one step), as vLLM requires at start-up."""
         self.config = config
         self.block_manager = block_manager
-        self.max_model_len = max_model_len
+        self.max_model_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
+        if not config.enable_chunked_prefill:
+            self.max_model_len = min(self.max_model_len, config.max_num_batched_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._forgotten_seq_ids: list[int] = []  # to tell the workers in the next step
@@ -118,28 +125,11 @@ class Scheduler:
     # -- queue changes ----------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queues a new sequence.
-
-        Raises ValueError when it can never run: prompt at or over
-        `max_model_len`, more blocks than the whole pool for its prompt plus
-        one token, or (chunked prefill off) more tokens than one step holds.
-        """
+        """Queues a new sequence. Raises ValueError for a prompt at or over `max_model_len`
+        (the capped one: such a prompt could never run)."""
         if seq.num_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt has {seq.num_tokens} tokens, max_model_len is {self.max_model_len}"
-            )
-        needed = self.block_manager.blocks_for(seq.num_tokens + 1)
-        if needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt needs {needed} KV blocks, the pool has {self.block_manager.num_blocks}"
-            )
-        if (
-            not self.config.enable_chunked_prefill
-            and seq.num_tokens > self.config.max_num_batched_tokens
-        ):
-            raise ValueError(
-                f"prompt has {seq.num_tokens} tokens, more than max_num_batched_tokens "
-                f"({self.config.max_num_batched_tokens}) with chunked prefill off"
             )
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)

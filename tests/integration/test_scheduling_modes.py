@@ -55,7 +55,7 @@ def test_greedy_tokens_are_the_same_in_every_mode(
     if "--kv-cache-memory" in flags:
         assert info.num_kv_blocks == 48
         print(f"\n48-block pool: {info.num_preemptions_total} preemptions")
-        assert info.num_preemptions_total >= 10
+        assert info.num_preemptions_total >= 5  # 12 and 13 in two runs here
 
 
 def test_a_shared_system_prompt_is_computed_once(stack: Stack, tokenizer) -> None:  # type: ignore[no-untyped-def]

@@ -118,16 +118,46 @@ def test_chunked_prefill_fills_the_token_budget_after_decodes() -> None:
 
 
 def test_without_chunked_prefill_a_prompt_runs_whole() -> None:
-    sched = make_scheduler(max_num_batched_tokens=32, enable_chunked_prefill=False)
+    sched = make_scheduler(max_num_batched_tokens=48, enable_chunked_prefill=False)
     a = make_seq(1, 10)
     sched.add(a)
     run_step(sched)
-    b = make_seq(2, 32)
+    b = make_seq(2, 31)
     sched.add(b)
-    out = run_step(sched)  # 1 decode + 32 prompt > 32: b waits
-    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [(1, 1)]
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        sched.add(make_seq(3, 33))
+    out = run_step(sched)  # 1 decode + 31 prompt <= 48: fits
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [(1, 1), (2, 31)]
+    c = make_seq(3, 47)
+    sched.add(c)
+    out = run_step(sched)  # 2 decodes + 47 prompt > 48: c waits, never split
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [(1, 1), (2, 1)]
+
+
+def test_max_model_len_is_capped_so_every_sequence_can_always_run_again() -> None:
+    assert make_scheduler(num_blocks=8, max_model_len=1024).max_model_len == 8 * 16
+    # unchunked, a preempted sequence is recomputed in one step: it must fit the budget
+    sched = make_scheduler(
+        max_model_len=1024, max_num_batched_tokens=32, enable_chunked_prefill=False
+    )
+    assert sched.max_model_len == 32
+    with pytest.raises(ValueError, match="max_model_len is 32"):
+        sched.add(make_seq(3, 32))
+
+
+def test_a_preempted_sequence_resumes_without_chunked_prefill() -> None:
+    # 3 blocks, steps of 32 tokens, no chunking: the regression of a preempted sequence
+    # whose prompt + output outgrew the step budget and never ran again.
+    sched = make_scheduler(num_blocks=3, max_num_batched_tokens=32, enable_chunked_prefill=False)
+    seqs = [make_seq(i, 10, max_tokens=100) for i in (1, 2, 3)]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(200):
+        if all(s.is_finished for s in seqs):
+            break
+        run_step(sched)
+    assert all(s.finish_reason == inference_pb2.FINISH_REASON_LENGTH for s in seqs)
+    assert [s.num_tokens for s in seqs] == [32, 32, 32]
+    assert sched.num_preemptions > 0
+    assert sched.block_manager.num_free_blocks == 3
 
 
 def test_max_num_seqs_bounds_the_batch() -> None:
@@ -179,10 +209,10 @@ def test_a_sequence_aborted_while_its_step_runs_gets_no_token() -> None:
 
 def test_prompts_that_can_never_run_are_rejected() -> None:
     sched = make_scheduler(num_blocks=2, max_model_len=100)
-    with pytest.raises(ValueError, match="max_model_len"):
-        sched.add(make_seq(1, 100))
-    with pytest.raises(ValueError, match="KV blocks"):
-        sched.add(make_seq(2, 32))  # 33 tokens need 3 blocks
+    assert sched.max_model_len == 32  # what 2 blocks hold
+    with pytest.raises(ValueError, match="max_model_len is 32"):
+        sched.add(make_seq(1, 32))
+    sched.add(make_seq(2, 31))
 
 
 def shared_prompt_seq(seq_id: int, prompt: list[int], max_tokens: int = 4) -> Sequence:
