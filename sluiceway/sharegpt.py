@@ -47,13 +47,23 @@ def iter_records(path: Path) -> Iterator[dict[str, Any]]:
         yield record
 
 
+def load_conversations(path: Path | None = None) -> tuple[int, list[list[dict[str, Any]]]]:
+    """(complete records read, the conversations with at least two turns) of the file
+    (default: the packaged one, which is cut short: reading stops at the cut)."""
+    records = list(iter_records(path or default_dataset_path()))
+    convs = [r["conversations"] for r in records if len(r.get("conversations", [])) >= 2]
+    return len(records), convs
+
+
 @dataclass(slots=True, frozen=True)
 class SampledRequest:
-    """One benchmark request: the first human turn and the length of the reply (tokens)."""
+    """One benchmark request: the prompt (text, or token ids for the random dataset),
+    its length and the output length to ask for (tokens)."""
 
     prompt: str
     prompt_len: int
     output_len: int
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 def sample_requests(
@@ -61,6 +71,7 @@ def sample_requests(
     num_requests: int,
     *,
     path: Path | None = None,
+    conversations: list[list[dict[str, Any]]] | None = None,
     seed: int = 0,
     output_len: int | None = None,
     max_output_len: int | None = None,
@@ -70,18 +81,15 @@ def sample_requests(
 ) -> list[SampledRequest]:
     """Samples requests as vLLM's ShareGPT benchmark does.
 
-    Conversations with at least two turns, shuffled by `seed`; the first
+    Conversations with at least two turns (`conversations`, or read from
+    `path`), shuffled by `seed`; the first
     turn is the prompt, the reply's token count the output length (or
     `output_len` when given; `max_output_len` caps it). Pairs with a prompt
     or output under `min_len` tokens, a prompt over `max_prompt_len` or a
     sum over `max_total_len` are dropped. Raises ValueError if fewer than
     `num_requests` remain.
     """
-    convs = [
-        r["conversations"]
-        for r in iter_records(path or default_dataset_path())
-        if len(r.get("conversations", [])) >= 2
-    ]
+    convs = list(conversations if conversations is not None else load_conversations(path)[1])
     random.Random(seed).shuffle(convs)
     out: list[SampledRequest] = []
     for conv in convs:

@@ -38,3 +38,30 @@ def test_server_figures_are_differences_of_counters() -> None:
         "prefix_cache_hit_rate_pct": 25.0,
         "num_preemptions": 3,
     }
+
+
+def test_request_intervals_follow_vllm() -> None:
+    from sluiceway.bench import request_intervals
+
+    assert request_intervals(5, float("inf"), 1.0, seed=0) == [0.0] * 5
+    poisson = request_intervals(4000, 4.0, 1.0, seed=1)
+    assert sum(poisson) / len(poisson) == pytest.approx(0.25, rel=0.05)
+    bursty = request_intervals(4000, 4.0, 0.25, seed=1)
+    assert sum(bursty) / len(bursty) == pytest.approx(0.25, rel=0.1)  # same mean rate
+    assert max(bursty) > max(poisson)  # longer gaps, tighter bursts
+    assert request_intervals(10, 2.0, 1.0, seed=3) == request_intervals(10, 2.0, 1.0, seed=3)
+    with pytest.raises(ValueError):
+        request_intervals(3, 0.0, 1.0, seed=0)
+
+
+def test_random_dataset_lengths_and_ids() -> None:
+    from sluiceway.bench import random_requests
+
+    fixed = random_requests(6, 32, 8, 0.0, vocab_size=100, seed=0)
+    assert [(r.prompt_len, r.output_len, len(r.prompt_token_ids)) for r in fixed] == [
+        (32, 8, 32)
+    ] * 6
+    assert all(0 <= t < 100 for r in fixed for t in r.prompt_token_ids)
+    ranged = random_requests(200, 100, 10, 0.5, vocab_size=100, seed=0)
+    assert {r.prompt_len for r in ranged} <= set(range(50, 151))
+    assert min(r.prompt_len for r in ranged) < 60 and max(r.prompt_len for r in ranged) > 140

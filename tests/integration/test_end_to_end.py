@@ -148,3 +148,28 @@ def test_tokenize(stack: Stack, tokenizer) -> None:  # type: ignore[no-untyped-d
             client.stub.Tokenize(inference_pb2.TokenizeRequest())
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert err.value.details() == "input: set one of prompt, messages"
+
+
+def test_bench_serve_short_run(stack: Stack, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [
+            sys.executable, "-m", "sluiceway.cli", "bench", "serve", "--target", stack.target,
+            "--dataset-name", "random", "--num-prompts", "8", "--random-input-len", "32",
+            "--random-output-len", "8", "--ignore-eos", "--request-rate", "20",
+            "--save-result", str(out),
+        ],
+        check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["successful_requests"] == 8 and result["failed_requests"] == 0
+    assert result["total_output_tokens"] == 64 and result["total_input_tokens"] == 8 * 32
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p90", "p99"):
+            assert result[f"{stat}_{name}_ms"] > 0
+    for key in ("request_throughput", "output_throughput", "kv_cache_utilization_pct",
+                "prefix_cache_hit_rate_pct", "num_preemptions"):  # fmt: skip
+        assert key in result
+    assert 0 < result["kv_cache_utilization_pct"] <= 100
