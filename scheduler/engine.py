@@ -91,8 +91,8 @@ class Engine:
     async def register_worker(self, info: WorkerInfo) -> int:
         """Connects to a worker that announced itself and sizes the block pool from it.
 
-        Returns the max_model_len the scheduler enforces (the smaller of the
-        model's and `--max-model-len`). A worker registering again (a restart)
+        Returns the max_model_len the scheduler enforces: the smaller of the
+        model's and `--max-model-len`, capped as `Scheduler` explains. A worker registering again (a restart)
         replaces the old one: requests in flight end with UNAVAILABLE.
         """
         requested = info.max_model_len

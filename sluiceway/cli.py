@@ -208,12 +208,9 @@ def _run_worker(args: argparse.Namespace) -> int:
     from worker.server import serve
 
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = ModelRunner(
         resolve_model(args.model),
-        device=device,
+        device=args.device,  # the runner resolves "auto"
         dtype=args.dtype,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,

@@ -26,7 +26,9 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
 
 
 def make_scheduler(num_blocks: int = 64, max_model_len: int = 1024, **config: object) -> Scheduler:
-    return Scheduler(SchedulerConfig(**config), BlockManager(num_blocks, 16), max_model_len)  # type: ignore[arg-type]
+    cfg = SchedulerConfig(**config)  # type: ignore[arg-type]
+    bm = BlockManager(num_blocks, 16, enable_prefix_caching=cfg.enable_prefix_caching)
+    return Scheduler(cfg, bm, max_model_len)
 
 
 def run_step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
@@ -275,7 +277,6 @@ def test_cached_blocks_are_evicted_only_when_fresh_blocks_run_out() -> None:
 
 def test_prefix_caching_off_shares_nothing() -> None:
     sched = make_scheduler(num_blocks=16, enable_prefix_caching=False)
-    sched.block_manager.enable_prefix_caching = False
     prompt = list(range(100, 140))
     for i in (1, 2):
         sched.add(shared_prompt_seq(i, prompt))
