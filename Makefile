@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROTOS := protos/sluiceway/v1/inference.proto protos/sluiceway/internal/v1/scheduler.proto protos/sluiceway/internal/v1/worker.proto
 
-.PHONY: install serve test lint protos bench-e2e
+.PHONY: install serve test lint protos bench
 
 $(BIN)/sluiceway: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,3 +27,17 @@ test: install
 
 protos:
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+# The CPU profile of README's benchmark table: the embedded SmolLM2, 200 ShareGPT
+# prompts with output lengths capped at 128, all at once and at a Poisson rate of
+# 1 request/s; static batching vs continuous batching vs transformers generate.
+BENCH_OUT   ?= docs/bench
+BENCH_FLAGS := --backend sluiceway,transformers --policies static,continuous \
+	--static-batch-size 32 --num-prompts 200 --sharegpt-max-output-len 128 --ignore-eos
+
+bench: install
+	mkdir -p $(BENCH_OUT)
+	$(BIN)/sluiceway bench compare $(BENCH_FLAGS) --request-rate inf \
+		--save-result $(BENCH_OUT)/cpu-all-at-once.json --plot $(BENCH_OUT)/cpu-all-at-once.png
+	$(BIN)/sluiceway bench compare $(BENCH_FLAGS) --request-rate 1 \
+		--save-result $(BENCH_OUT)/cpu-poisson-1rps.json --plot $(BENCH_OUT)/cpu-poisson-1rps.png

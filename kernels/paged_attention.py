@@ -28,10 +28,11 @@ the chunk sees keys ``0 .. context_lens[i] - query_len_i + j``. All of them are 
 pool (write the chunk's K/V with :func:`write_kv` first). Query head ``h`` reads KV head
 ``h // (Hq // Hkv)`` (grouped-query attention).
 
-Decode sequences (one query token) are served together, with no gathered copy of K or V: the
-scores of every (sequence, query head, block) come from one ``embedding_bag`` that sums the
-``D`` rows of the transposed K block weighted by the query, then one masked softmax over the
-contexts padded to the longest, then one ``embedding_bag`` that sums V rows weighted by the
+Decode sequences (one query token) are served in a few buckets of similar context length
+(:func:`split_decode_buckets`), with no gathered copy of K or V: per bucket, the scores of
+every (sequence, query head, block) come from one ``embedding_bag`` that sums the ``D`` rows of
+the transposed K block weighted by the query, then one masked softmax over the contexts padded
+to the bucket's longest, then one ``embedding_bag`` that sums V rows weighted by the
 probabilities. Prefill chunks (several query tokens) gather their blocks and run one
 ``scaled_dot_product_attention`` each. :func:`build_attention_metadata` precomputes every index
 once per step; all layers share it.
@@ -48,12 +49,14 @@ import torch.nn.functional as F
 
 __all__ = [
     "AttentionMetadata",
+    "DecodeBucket",
     "PrefillChunk",
     "build_attention_metadata",
     "dense_causal_attention",
     "key_blocks",
     "kv_pool_shape",
     "paged_attention",
+    "split_decode_buckets",
     "value_blocks",
     "write_kv",
 ]
@@ -98,6 +101,80 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeBucket:
+    """Decode sequences (one query token each) attended to together, padded to the bucket's
+    longest context: ``Sb`` sequences, ``Nb`` blocks, ``Lp = Nb * block_size``.
+
+    Attributes:
+        rows: their rows of the flattened batch, as a ``slice`` when contiguous, else an int64
+            index tensor ``[Sb]``.
+        k_bags: ``[Sb * Hq * Nb, D]`` int32, for each (sequence, query head, block) the ``D``
+            row ids of its transposed K block in ``key_blocks(...).reshape(-1, block_size)``.
+        v_bags: ``[Sb * Hq, Lp]`` int32, for each (sequence, query head) the row ids of its
+            values in ``value_blocks(...).reshape(-1, D)``; padding re-reads position 0.
+        invalid: ``[Sb, 1, 1, Lp]`` bool, True past a sequence's context.
+        num_blocks: ``Nb``.
+    """
+
+    rows: slice | torch.Tensor
+    k_bags: torch.Tensor
+    v_bags: torch.Tensor
+    invalid: torch.Tensor
+    num_blocks: int
+
+
+# What one more decode bucket costs, in padded (sequence x block) units: the fixed cost of its
+# ~8 ops per layer against the per-block cost of the bag sums (0.3 ms vs 1.7 us per layer,
+# measured with `sluiceway bench step` shapes on a 2-core CPU).
+DECODE_BUCKET_OVERHEAD_BLOCKS = 128
+
+
+def split_decode_buckets(
+    num_blocks: Sequence[int], overhead_blocks: int = DECODE_BUCKET_OVERHEAD_BLOCKS
+) -> list[list[int]]:
+    """Groups decode sequences by context length so that padding each group to its longest
+    costs least.
+
+    Minimizes ``sum over buckets (sequences x longest block count) + overhead_blocks x
+    buckets`` exactly, by dynamic programming over the sorted distinct block counts
+    (O(m^2) for m distinct counts; buckets are contiguous ranges of the sorted counts).
+
+    Args:
+        num_blocks: blocks of each sequence's context (``>= 1``).
+        overhead_blocks: the fixed cost of a bucket, in padded (sequence x block) units.
+
+    Returns:
+        Index lists into ``num_blocks``, by increasing block count; each list ascending.
+    """
+    values = sorted(set(num_blocks))
+    counts = [0] * len(values)
+    where = {v: i for i, v in enumerate(values)}
+    for n in num_blocks:
+        counts[where[n]] += 1
+    cum = [0]
+    for c in counts:
+        cum.append(cum[-1] + c)
+    m = len(values)
+    best = [0.0] + [math.inf] * m
+    cut = [0] * (m + 1)
+    for j in range(1, m + 1):
+        for i in range(j):
+            cost = best[i] + (cum[j] - cum[i]) * values[j - 1] + overhead_blocks
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    bucket_of_value: dict[int, int] = {}
+    j, k = m, 0
+    while j:
+        for v in values[cut[j] : j]:
+            bucket_of_value[v] = k
+        j, k = cut[j], k + 1
+    buckets: list[list[int]] = [[] for _ in range(k)]
+    for idx, n in enumerate(num_blocks):
+        buckets[k - 1 - bucket_of_value[n]].append(idx)
+    return buckets
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything attention needs for one step, built once and shared by all layers.
 
@@ -131,11 +208,7 @@ class AttentionMetadata:
     block_size: int
     num_kv_heads: int
     num_heads: int
-    decode_rows: slice | torch.Tensor | None
-    decode_k_bags: torch.Tensor | None
-    decode_v_bags: torch.Tensor | None
-    decode_invalid: torch.Tensor | None
-    decode_num_blocks: int
+    decode_buckets: list[DecodeBucket]
     prefills: list[PrefillChunk]
 
     @property
@@ -221,45 +294,21 @@ def build_attention_metadata(
     )
 
     decode_idx = [i for i, q in enumerate(query_lens) if q == 1]
-    decode_rows: slice | torch.Tensor | None = None
-    k_bags = v_bags = invalid = None
-    nb = 0
-    if decode_idx:
-        starts = [int(qsl[i]) for i in decode_idx]
-        if starts == list(range(starts[0], starts[0] + len(starts))):
-            decode_rows = slice(starts[0], starts[0] + len(starts))
-        else:
-            decode_rows = torch.tensor(starts, dtype=torch.int64, device=device)
-        sel = torch.tensor(decode_idx, dtype=torch.int64, device=cpu)
-        sd = len(decode_idx)
-        nb = max(used[i] for i in decode_idx)
-        blocks = tables[sel, :nb]  # [Sd, Nb]
-        heads = torch.arange(num_kv_heads, dtype=torch.int64, device=cpu)
-        # (block, head) pair ids: [Sd, Hkv, Nb]
-        pairs = blocks[:, None, :] * num_kv_heads + heads[None, :, None]
-        dims = torch.arange(head_dim, dtype=torch.int64, device=cpu)
-        k_bags = (
-            (pairs[:, :, None, :, None] * head_dim + dims)  # [Sd, Hkv, 1, Nb, D]
-            .expand(sd, num_kv_heads, group, nb, head_dim)
-            .reshape(-1, head_dim)
-            .to(device=device, dtype=torch.int32)
+    decode_buckets = [
+        _decode_bucket(
+            [decode_idx[b] for b in bucket],
+            qsl,
+            tables,
+            ctx,
+            used,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            group=group,
+            head_dim=head_dim,
+            device=device,
         )
-        lp = nb * block_size
-        positions = torch.arange(lp, dtype=torch.int64, device=cpu)
-        valid = positions[None, :] < ctx[sel][:, None]  # [Sd, Lp]
-        pos = torch.where(valid, positions[None, :], 0)  # padding re-reads position 0
-        rows = (
-            pairs.gather(2, (pos // block_size)[:, None, :].expand(-1, num_kv_heads, -1))
-            * block_size
-            + (pos % block_size)[:, None, :]
-        )  # [Sd, Hkv, Lp]
-        v_bags = (
-            rows[:, :, None, :]
-            .expand(-1, -1, group, -1)
-            .reshape(-1, lp)
-            .to(device=device, dtype=torch.int32)
-        )
-        invalid = (~valid).view(sd, 1, 1, lp).to(device)
+        for bucket in split_decode_buckets([used[i] for i in decode_idx])
+    ]
 
     prefills: list[PrefillChunk] = []
     for i, q in enumerate(query_lens):
@@ -285,13 +334,61 @@ def build_attention_metadata(
         block_size=block_size,
         num_kv_heads=num_kv_heads,
         num_heads=num_heads,
-        decode_rows=decode_rows,
-        decode_k_bags=k_bags,
-        decode_v_bags=v_bags,
-        decode_invalid=invalid,
-        decode_num_blocks=nb,
+        decode_buckets=decode_buckets,
         prefills=prefills,
     )
+
+
+def _decode_bucket(
+    members: list[int],
+    qsl: torch.Tensor,
+    tables: torch.Tensor,
+    ctx: torch.Tensor,
+    used: list[int],
+    head_dim: int,
+    device: torch.device | str,
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+) -> DecodeBucket:
+    """The bag indices of the decode sequences `members` (indices into the step's sequences)."""
+    cpu = torch.device("cpu")
+    starts = [int(qsl[i]) for i in members]
+    rows: slice | torch.Tensor
+    if starts == list(range(starts[0], starts[0] + len(starts))):
+        rows = slice(starts[0], starts[0] + len(starts))
+    else:
+        rows = torch.tensor(starts, dtype=torch.int64, device=device)
+    sel = torch.tensor(members, dtype=torch.int64, device=cpu)
+    sd = len(members)
+    nb = max(used[i] for i in members)
+    blocks = tables[sel, :nb]  # [Sd, Nb]
+    heads = torch.arange(num_kv_heads, dtype=torch.int64, device=cpu)
+    # (block, head) pair ids: [Sd, Hkv, Nb]
+    pairs = blocks[:, None, :] * num_kv_heads + heads[None, :, None]
+    dims = torch.arange(head_dim, dtype=torch.int64, device=cpu)
+    k_bags = (
+        (pairs[:, :, None, :, None] * head_dim + dims)  # [Sd, Hkv, 1, Nb, D]
+        .expand(sd, num_kv_heads, group, nb, head_dim)
+        .reshape(-1, head_dim)
+        .to(device=device, dtype=torch.int32)
+    )
+    lp = nb * block_size
+    positions = torch.arange(lp, dtype=torch.int64, device=cpu)
+    valid = positions[None, :] < ctx[sel][:, None]  # [Sd, Lp]
+    pos = torch.where(valid, positions[None, :], 0)  # padding re-reads position 0
+    value_rows = (
+        pairs.gather(2, (pos // block_size)[:, None, :].expand(-1, num_kv_heads, -1)) * block_size
+        + (pos % block_size)[:, None, :]
+    )  # [Sd, Hkv, Lp]
+    v_bags = (
+        value_rows[:, :, None, :]
+        .expand(-1, -1, group, -1)
+        .reshape(-1, lp)
+        .to(device=device, dtype=torch.int32)
+    )
+    return DecodeBucket(rows, k_bags, v_bags, (~valid).view(sd, 1, 1, lp).to(device), nb)
 
 
 def write_kv(
@@ -340,26 +437,21 @@ def paged_attention(
     keys = key_blocks(kv_cache, d)
     values = value_blocks(kv_cache, d)
 
-    if metadata.decode_rows is not None:
-        assert metadata.decode_k_bags is not None and metadata.decode_v_bags is not None
-        assert metadata.decode_invalid is not None
-        q = query[metadata.decode_rows]  # [Sd, Hq, D]
+    for bucket in metadata.decode_buckets:
+        q = query[bucket.rows]  # [Sb, Hq, D]
         sd = q.shape[0]
-        nb = metadata.decode_num_blocks
+        nb = bucket.num_blocks
         weights = q[:, :, None, :].expand(sd, hq, nb, d).reshape(-1, d)
         scores = F.embedding_bag(
-            metadata.decode_k_bags,
-            keys.reshape(-1, block_size),
-            mode="sum",
-            per_sample_weights=weights,
-        )  # [Sd * Hq * Nb, block_size]
+            bucket.k_bags, keys.reshape(-1, block_size), mode="sum", per_sample_weights=weights
+        )  # [Sb * Hq * Nb, block_size]
         scores = scores.view(sd, hkv, hq // hkv, nb * block_size).float().mul_(scale)
-        scores.masked_fill_(metadata.decode_invalid, float("-inf"))
+        scores.masked_fill_(bucket.invalid, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(query.dtype).view(sd * hq, -1)
         o = F.embedding_bag(
-            metadata.decode_v_bags, values.reshape(-1, d), mode="sum", per_sample_weights=probs
+            bucket.v_bags, values.reshape(-1, d), mode="sum", per_sample_weights=probs
         )
-        out[metadata.decode_rows] = o.view(sd, hq, d)
+        out[bucket.rows] = o.view(sd, hq, d)
 
     for chunk in metadata.prefills:
         c = chunk.context_len

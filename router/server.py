@@ -8,6 +8,7 @@ serve the same schedulers.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._channel = grpc.aio.insecure_channel(scheduler_address, options=channel_options())
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self.limits: ModelLimits | None = None
+        self.detokenize_seconds_total = 0.0  # seconds in IncrementalDetokenizer.add_tokens
+        self.detokenized_tokens_total = 0
 
     async def wait_for_scheduler(self, poll_s: float = 0.2) -> ModelLimits:
         """Polls the scheduler until its workers have registered; caches the model limits."""
@@ -143,7 +146,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         try:
             async for event in call:
                 num_generated += len(event.token_ids)
+                t0 = time.perf_counter()
                 text = detok.add_tokens(list(event.token_ids))
+                self.detokenize_seconds_total += time.perf_counter() - t0
+                self.detokenized_tokens_total += len(event.token_ids)
                 finish = inference_pb2.FINISH_REASON_STOP if detok.stopped else event.finish_reason
                 response = inference_pb2.GenerateResponse(
                     request_id=request_id, token_ids=event.token_ids, finish_reason=finish
@@ -205,6 +211,18 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             prefix_cache_queries_total=info.kv_cache.prefix_cache_queries_total,
             prefix_cache_hits_total=info.kv_cache.prefix_cache_hits_total,
             num_preemptions_total=info.kv_cache.num_preemptions_total,
+            step_times=inference_pb2.StepTimes(
+                num_steps_total=info.step_times.num_steps_total,
+                schedule_seconds_total=info.step_times.schedule_seconds_total,
+                execute_seconds_total=info.step_times.execute_seconds_total,
+                worker_step_seconds_total=info.step_times.worker_step_seconds_total,
+                worker_prepare_seconds_total=info.step_times.worker_prepare_seconds_total,
+                worker_forward_seconds_total=info.step_times.worker_forward_seconds_total,
+                worker_sample_seconds_total=info.step_times.worker_sample_seconds_total,
+                apply_seconds_total=info.step_times.apply_seconds_total,
+                detokenize_seconds_total=self.detokenize_seconds_total,
+                detokenized_tokens_total=self.detokenized_tokens_total,
+            ),
         )
 
 

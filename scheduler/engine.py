@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -44,6 +45,42 @@ class WorkerInfo:
     block_size: int
     max_model_len: int
     vocab_size: int
+
+
+@dataclass(slots=True)
+class StepTimeTotals:
+    """Seconds the step loop spent in each phase, summed over `num_steps` steps.
+
+    Mirrors `StepTimeStats` in scheduler.proto; the worker's share comes from
+    its `StepResponse`, so execute - worker_step is RPC and (de)serialization.
+    """
+
+    num_steps: int = 0
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    worker_step_s: float = 0.0
+    worker_prepare_s: float = 0.0
+    worker_forward_s: float = 0.0
+    worker_sample_s: float = 0.0
+    apply_s: float = 0.0
+
+    def add_worker(self, response: worker_pb2.StepResponse) -> None:
+        self.worker_step_s += response.step_seconds
+        self.worker_prepare_s += response.prepare_seconds
+        self.worker_forward_s += response.forward_seconds
+        self.worker_sample_s += response.sample_seconds
+
+    def to_proto(self) -> scheduler_pb2.StepTimeStats:
+        return scheduler_pb2.StepTimeStats(
+            num_steps_total=self.num_steps,
+            schedule_seconds_total=self.schedule_s,
+            execute_seconds_total=self.execute_s,
+            worker_step_seconds_total=self.worker_step_s,
+            worker_prepare_seconds_total=self.worker_prepare_s,
+            worker_forward_seconds_total=self.worker_forward_s,
+            worker_sample_seconds_total=self.worker_sample_s,
+            apply_seconds_total=self.apply_s,
+        )
 
 
 def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepRequest:
@@ -85,6 +122,7 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._ready = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self.step_times = StepTimeTotals()
 
     # -- workers ----------------------------------------------------------------
 
@@ -200,7 +238,9 @@ class Engine:
                 await self._wakeup.wait()
                 continue
             preemptions = sched.num_preemptions
+            t0 = time.perf_counter()
             out = sched.schedule()
+            t1 = time.perf_counter()
             if sched.num_preemptions > preemptions:
                 log.info(
                     "preempted",
@@ -215,13 +255,15 @@ class Engine:
                 await self._wakeup.wait()
                 continue
             try:
-                sampled = await self._execute(out)
+                response = await self._execute(out)
             except (grpc.aio.AioRpcError, WorkerUnavailable) as e:
                 log.error("step_failed", error=str(e))
                 self._fail_all(WorkerUnavailable(f"worker failed a step: {e}"))
                 continue
             if sched is not self.scheduler:
                 continue  # a worker re-registered while the step ran
+            t2 = time.perf_counter()
+            sampled = {s.seq_id: s.token_id for s in response.sampled}
             for update in sched.apply_sampled(out, sampled):
                 queue = self._queues.get(update.seq.seq_id)
                 if queue is not None:
@@ -230,12 +272,17 @@ class Engine:
                             token_ids=[update.token_id], finish_reason=update.seq.finish_reason
                         )
                     )
+            times = self.step_times
+            times.num_steps += 1
+            times.schedule_s += t1 - t0
+            times.execute_s += t2 - t1
+            times.apply_s += time.perf_counter() - t2
+            times.add_worker(response)
 
-    async def _execute(self, out: SchedulerOutput) -> dict[int, int]:
+    async def _execute(self, out: SchedulerOutput) -> worker_pb2.StepResponse:
         assert self._stub is not None
         request = build_step_request(next(self._step_ids), out)
-        response = await self._stub.ExecuteStep(request)
-        return {s.seq_id: s.token_id for s in response.sampled}
+        return await self._stub.ExecuteStep(request)
 
     def _fail_all(self, error: Exception) -> None:
         """Ends every sequence in flight with `error` and frees its blocks."""

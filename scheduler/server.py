@@ -66,6 +66,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 prefix_cache_hits_total=sched.block_manager.prefix_cache_hits,
                 num_preemptions_total=sched.num_preemptions,
             ),
+            step_times=self.engine.step_times.to_proto(),
         )
 
     async def RegisterWorker(

@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(worker)
     _add_max_model_len(worker)
     _add_common(worker)
-    from sluiceway.bench import add_parser as add_bench_parser
+    from sluiceway.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
     return parser
@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return generate_command(args)
     if args.command == "bench":
-        from sluiceway.bench import bench_command
+        from sluiceway.bench.cli import bench_command
 
         return bench_command(args)
     if args.command == "serve":

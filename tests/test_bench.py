@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluiceway.bench import RequestResult, server_figures, summarize
+from sluiceway.bench.metrics import RequestResult, server_figures, summarize
 from sluiceway.v1 import inference_pb2
 
 
@@ -41,7 +41,7 @@ def test_server_figures_are_differences_of_counters() -> None:
 
 
 def test_request_intervals_follow_vllm() -> None:
-    from sluiceway.bench import request_intervals
+    from sluiceway.bench.workload import request_intervals
 
     assert request_intervals(5, float("inf"), 1.0, seed=0) == [0.0] * 5
     poisson = request_intervals(4000, 4.0, 1.0, seed=1)
@@ -55,7 +55,7 @@ def test_request_intervals_follow_vllm() -> None:
 
 
 def test_random_dataset_lengths_and_ids() -> None:
-    from sluiceway.bench import random_requests
+    from sluiceway.bench.workload import random_requests
 
     fixed = random_requests(6, 32, 8, 0.0, vocab_size=100, seed=0)
     assert [(r.prompt_len, r.output_len, len(r.prompt_token_ids)) for r in fixed] == [
@@ -65,3 +65,101 @@ def test_random_dataset_lengths_and_ids() -> None:
     ranged = random_requests(200, 100, 10, 0.5, vocab_size=100, seed=0)
     assert {r.prompt_len for r in ranged} <= set(range(50, 151))
     assert min(r.prompt_len for r in ranged) < 60 and max(r.prompt_len for r in ranged) > 140
+
+
+def test_step_breakdown_splits_the_step() -> None:
+    from sluiceway.bench.metrics import step_breakdown
+
+    before = inference_pb2.StepTimes(num_steps_total=10, schedule_seconds_total=1.0)
+    after = inference_pb2.StepTimes(
+        num_steps_total=110,  # 100 steps in the window
+        schedule_seconds_total=1.2,  # 2 ms per step
+        execute_seconds_total=30.0,  # 300 ms per step waiting for the worker
+        worker_step_seconds_total=29.0,  # so RPC is 10 ms per step
+        worker_prepare_seconds_total=1.0,
+        worker_forward_seconds_total=26.0,
+        worker_sample_seconds_total=1.5,  # worker "other" = 29 - 28.5 = 0.5 s
+        apply_seconds_total=0.3,
+        detokenize_seconds_total=0.5,
+        detokenized_tokens_total=10_000,
+    )
+    f = step_breakdown(before, after, duration_s=40.0)
+    assert f["num_steps"] == 100
+    expected_ms = {
+        "step_schedule_ms": 2.0, "step_rpc_ms": 10.0, "step_worker_prepare_ms": 10.0,
+        "step_worker_forward_ms": 260.0, "step_worker_sample_ms": 15.0,
+        "step_worker_other_ms": 5.0, "step_apply_ms": 3.0, "step_total_ms": 305.0,
+    }  # fmt: skip
+    for key, value in expected_ms.items():
+        assert f[key] == pytest.approx(value), key
+    assert f["step_loop_busy_pct"] == pytest.approx(100 * 30.5 / 40.0)
+    assert f["detokenize_us_per_token"] == pytest.approx(50.0)
+    assert f["detokenize_pct"] == pytest.approx(1.25)
+    assert step_breakdown(after, after, 1.0)["step_total_ms"] == 0.0  # no steps: no division
+
+
+def test_transformers_kv_slots_count_padding_and_finished_rows_as_waste() -> None:
+    from sluiceway.bench.transformers_baseline import kv_slots
+
+    # Prompts of 4 and 2 tokens (width 4), outputs of 3 and 1 tokens: 3 forwards.
+    # s=0: slots 2*4,  stored 4 + 2;  s=1: slots 2*5, stored 4+1 (row 2 done);
+    # s=2: slots 2*6, stored 4+2.
+    assert kv_slots([4, 2], [3, 1]) == (6 + 5 + 6, 8 + 10 + 12)
+    assert kv_slots([5], [2]) == (5 + 6, 5 + 6)  # one row, no padding: all useful
+
+
+def test_comparison_table_ratios_follow_the_seed_article() -> None:
+    from sluiceway.bench.compare import comparison_table, improvement
+
+    assert improvement(1824, 856, higher_is_better=True) == pytest.approx(2.131, abs=1e-3)
+    assert improvement(380, 1200, higher_is_better=False) == pytest.approx(3.158, abs=1e-3)
+    assert improvement(1.0, 0.0, higher_is_better=True) == 0.0
+    figures = {
+        "static": {"output_throughput": 856.0, "median_e2el_ms": 1200.0, "p99_e2el_ms": 8900.0,
+                   "median_ttft_ms": 100.0, "kv_cache_utilization_pct": 46.0},
+        "continuous": {"output_throughput": 1824.0, "median_e2el_ms": 380.0,
+                       "p99_e2el_ms": 2100.0, "median_ttft_ms": 50.0,
+                       "kv_cache_utilization_pct": 93.0},
+    }  # fmt: skip
+    table, ratios = comparison_table(["static", "continuous"], figures, "continuous")
+    assert ratios["static"]["p99_e2el_ms"] == pytest.approx(8900 / 2100)
+    assert ratios["static"]["kv_cache_utilization_pct"] == pytest.approx(93 / 46)
+    lines = table.splitlines()
+    assert lines[0].split("|")[1:-1] == [
+        " Metric                       ", " static ", " continuous ", " continuous vs static ",
+    ]  # fmt: skip
+    assert [c.strip() for c in lines[2].split("|")[1:-1]] == [
+        "Throughput (output tokens/s)", "856.0", "1824.0", "2.13x",
+    ]  # fmt: skip
+    assert len(lines) == 2 + 5
+
+
+def test_compare_configurations() -> None:
+    from sluiceway.bench.compare import configurations
+
+    configs = configurations(["sluiceway", "transformers"], ["static", "continuous"], [64, 256], 32)
+    assert [c.label for c in configs] == [
+        "static (batch 32)", "continuous (64 seqs)", "continuous (256 seqs)",
+        "transformers (batch 32)",
+    ]  # fmt: skip
+    assert configs[0].serve_args == [
+        "--scheduling-policy", "static", "--static-batch-size", "32",
+    ]  # fmt: skip
+    assert configs[2].serve_args == ["--scheduling-policy", "continuous", "--max-num-seqs", "256"]
+    assert (configs[3].backend, configs[3].batch_size) == ("transformers", 32)
+    with pytest.raises(ValueError, match="unknown backend 'vllm'"):
+        configurations(["vllm"], ["static"], [256], 32)
+    with pytest.raises(ValueError, match="unknown policy 'fifo'"):
+        configurations(["sluiceway"], ["fifo"], [256], 32)
+
+
+def test_plot_writes_a_png(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from sluiceway.bench.plot import PlotSeries, plot_runs
+
+    path = tmp_path / "bench.png"
+    plot_runs(
+        [PlotSeries("static", [900.0, 1200.0, 8900.0], [100.0, 150.0, 400.0], 856.0),
+         PlotSeries("continuous", [300.0, 380.0, 2100.0], [50.0, 60.0, 90.0], 1824.0)],
+        str(path), title="synthetic",
+    )  # fmt: skip
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -105,6 +106,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 @dataclass(slots=True)
+class StepTimings:
+    """Where the last `ModelRunner.execute` spent its time, seconds.
+
+    On CUDA kernels launch asynchronously, so `forward_s` holds launches and
+    `sample_s` the wait for them; their sum is exact.
+    """
+
+    prepare_s: float = 0.0  # input tensors: ids, positions, slot mapping, block tables
+    forward_s: float = 0.0  # model forward and logits of the sampling rows
+    sample_s: float = 0.0  # sampling and copying tokens to the host
+
+
+@dataclass(slots=True)
 class _StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -133,7 +147,8 @@ class ModelRunner:
     Attributes beyond the base API: ``model`` (:class:`worker.model.LlamaForCausalLM`),
     ``config`` (:class:`worker.model.ModelConfig`), ``kv_pool`` (the
     ``[num_layers, 2, num_blocks, Hkv, block_size * D]`` tensor, layout in
-    :mod:`kernels.paged_attention`), ``bytes_per_block``.
+    :mod:`kernels.paged_attention`), ``bytes_per_block``, ``last_timings``
+    (:class:`StepTimings` of the last :meth:`execute`).
 
     Raises:
         worker.loader.ModelLoadError, worker.model.UnsupportedModelError: bad model folder.
@@ -157,6 +172,7 @@ class ModelRunner:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self._device = torch.device(device)
+        self.last_timings = StepTimings()
         self.config: ModelConfig = load_config(model_dir)
         self._dtype = resolve_dtype(dtype, self._device)
         self._block_size = block_size
@@ -281,17 +297,24 @@ class ModelRunner:
         Raises:
             ValueError: an inconsistent chunk (see :meth:`_prepare`).
         """
+        timings = self.last_timings = StepTimings()
         if not chunks:
             return []
         with torch.inference_mode():
+            t0 = time.perf_counter()
             inputs = self._prepare(chunks)
+            t1 = time.perf_counter()
+            timings.prepare_s = t1 - t0
             if not inputs.sampling:
                 self._forward(inputs)
+                timings.forward_s = time.perf_counter() - t1
                 return []
             hidden = self._forward(inputs)
             rows = [inputs.row_start[i] + chunks[i].num_new_tokens - 1 for i in inputs.sampling]
             rows_t = torch.tensor(rows, dtype=torch.int64, device=self._device)
             logits = self.model.compute_logits(hidden.index_select(0, rows_t))
+            t2 = time.perf_counter()
+            timings.forward_s = t2 - t1
             seqs = [chunks[i].seq for i in inputs.sampling]
             tokens, logprobs = sample(
                 logits,
@@ -301,6 +324,7 @@ class ModelRunner:
             )
             tok_list = tokens.tolist()
             lp_list = logprobs.tolist()
+            timings.sample_s = time.perf_counter() - t2
         return [
             SampledToken(s.seq_id, t, lp) for s, t, lp in zip(seqs, tok_list, lp_list, strict=True)
         ]

@@ -64,14 +64,18 @@ class StepExecutor:
                     f"{s.num_computed_tokens + s.num_new_tokens} but {len(seq.token_ids)} tokens"
                 )
             chunks.append(ScheduledChunk(seq, s.num_computed_tokens, s.num_new_tokens))
-        sampled = self.runner.execute(chunks) if chunks else []
+        sampled = self.runner.execute(chunks)
+        timings = self.runner.last_timings
         return worker_pb2.StepResponse(
             step_id=request.step_id,
             sampled=[
                 worker_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob)
                 for t in sampled
             ],
-            forward_seconds=time.perf_counter() - t0,
+            prepare_seconds=timings.prepare_s,
+            forward_seconds=timings.forward_s,
+            sample_seconds=timings.sample_s,
+            step_seconds=time.perf_counter() - t0,
         )
 
 

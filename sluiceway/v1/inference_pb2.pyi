@@ -115,7 +115,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "num_free_kv_blocks", "kv_cache_utilization", "kv_cache_tokens_stored_total", "kv_cache_slots_allocated_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total")
+    __slots__ = ("model_id", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "num_free_kv_blocks", "kv_cache_utilization", "kv_cache_tokens_stored_total", "kv_cache_slots_allocated_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total", "step_times")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class ModelInfo(_message.Message):
     PREFIX_CACHE_QUERIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     max_model_len: int
     vocab_size: int
@@ -142,4 +143,29 @@ class ModelInfo(_message.Message):
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
     num_preemptions_total: int
-    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_cache_utilization: _Optional[float] = ..., kv_cache_tokens_stored_total: _Optional[int] = ..., kv_cache_slots_allocated_total: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ...) -> None: ...
+    step_times: StepTimes
+    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_cache_utilization: _Optional[float] = ..., kv_cache_tokens_stored_total: _Optional[int] = ..., kv_cache_slots_allocated_total: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., step_times: _Optional[_Union[StepTimes, _Mapping]] = ...) -> None: ...
+
+class StepTimes(_message.Message):
+    __slots__ = ("num_steps_total", "schedule_seconds_total", "execute_seconds_total", "worker_step_seconds_total", "worker_prepare_seconds_total", "worker_forward_seconds_total", "worker_sample_seconds_total", "apply_seconds_total", "detokenize_seconds_total", "detokenized_tokens_total")
+    NUM_STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WORKER_STEP_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PREPARE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FORWARD_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SAMPLE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    APPLY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DETOKENIZE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DETOKENIZED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    num_steps_total: int
+    schedule_seconds_total: float
+    execute_seconds_total: float
+    worker_step_seconds_total: float
+    worker_prepare_seconds_total: float
+    worker_forward_seconds_total: float
+    worker_sample_seconds_total: float
+    apply_seconds_total: float
+    detokenize_seconds_total: float
+    detokenized_tokens_total: int
+    def __init__(self, num_steps_total: _Optional[int] = ..., schedule_seconds_total: _Optional[float] = ..., execute_seconds_total: _Optional[float] = ..., worker_step_seconds_total: _Optional[float] = ..., worker_prepare_seconds_total: _Optional[float] = ..., worker_forward_seconds_total: _Optional[float] = ..., worker_sample_seconds_total: _Optional[float] = ..., apply_seconds_total: _Optional[float] = ..., detokenize_seconds_total: _Optional[float] = ..., detokenized_tokens_total: _Optional[int] = ...) -> None: ...

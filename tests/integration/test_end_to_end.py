@@ -159,10 +159,11 @@ def test_bench_serve_short_run(stack: Stack, tmp_path) -> None:  # type: ignore[
             sys.executable, "-m", "sluiceway.cli", "bench", "serve", "--target", stack.target,
             "--dataset-name", "random", "--num-prompts", "8", "--random-input-len", "32",
             "--random-output-len", "8", "--ignore-eos", "--request-rate", "20",
-            "--save-result", str(out),
+            "--save-result", str(out), "--plot", str(tmp_path / "bench.png"),
         ],
         check=True, timeout=300, capture_output=True,
     )  # fmt: skip
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     result = json.loads(out.read_text())
     assert result["successful_requests"] == 8 and result["failed_requests"] == 0
     assert result["total_output_tokens"] == 64 and result["total_input_tokens"] == 8 * 32
@@ -173,3 +174,13 @@ def test_bench_serve_short_run(stack: Stack, tmp_path) -> None:  # type: ignore[
                 "prefix_cache_hit_rate_pct", "num_preemptions"):  # fmt: skip
         assert key in result
     assert 0 < result["kv_cache_utilization_pct"] <= 100
+    # 8 prompts of 32 tokens and 8 outputs each: at least 8 steps (all decoding together),
+    # at most 9 * 8 (+ the warm-up's 8 steps, not counted: snapshots are taken after it).
+    assert 8 <= result["num_steps"] <= 72
+    assert result["step_worker_forward_ms"] > 0 and result["step_rpc_ms"] > 0
+    assert result["step_total_ms"] == pytest.approx(
+        sum(result[k] for k in ("step_schedule_ms", "step_rpc_ms", "step_worker_prepare_ms",
+                                "step_worker_forward_ms", "step_worker_sample_ms",
+                                "step_worker_other_ms", "step_apply_ms"))
+    )  # fmt: skip
+    assert result["detokenize_us_per_token"] > 0

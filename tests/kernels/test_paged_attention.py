@@ -13,6 +13,7 @@ from kernels.paged_attention import (
     key_blocks,
     kv_pool_shape,
     paged_attention,
+    value_blocks,
     write_kv,
 )
 
@@ -129,7 +130,49 @@ def test_slot_mapping_and_tables() -> None:
     assert md.query_start_loc.tolist() == [0, 2, 3]
     assert md.context_lens.tolist() == [5, 3]
     assert md.block_tables.tolist() == [[7, 2], [4, 4]]
-    assert md.decode_rows == slice(2, 3)
+    assert [b.rows for b in md.decode_buckets] == [slice(2, 3)]
+    assert md.decode_buckets[0].num_blocks == 1
+
+
+def test_decode_buckets_minimize_padding_plus_overhead() -> None:
+    from kernels.paged_attention import split_decode_buckets
+
+    # Padding 1 with 70 to one bucket costs 2 * 70 + 128 = 268; two buckets 1 + 70 + 256 = 327.
+    assert split_decode_buckets([70, 1]) == [[0, 1]]
+    # Twenty short and twenty long: one bucket 40 * 70 + 128 = 2928; two 20 + 1400 + 256 = 1676.
+    lens = [1, 70] * 20
+    assert split_decode_buckets(lens) == [list(range(0, 40, 2)), list(range(1, 40, 2))]
+    assert split_decode_buckets(lens, overhead_blocks=10_000) == [list(range(40))]
+    assert split_decode_buckets([3, 3, 3]) == [[0, 1, 2]]
+    assert split_decode_buckets([]) == []
+
+
+def test_decode_buckets_rows_and_results() -> None:
+    """Decode sequences split into two buckets, interleaved with a prefill chunk."""
+    torch.manual_seed(0)
+    bs, hq, hkv, d = 4, 4, 2, 8
+    query_lens = [1, 3, 1, 1]  # rows 0, 1-3, 4, 5
+    context_lens = [2, 3, 1200, 1198]  # decode: 1, 300 and 300 blocks
+    tables = [[0], [1], list(range(2, 302)), list(range(302, 602))]
+    md = build_attention_metadata(
+        query_lens, context_lens, tables, block_size=bs, num_heads=hq, num_kv_heads=hkv,
+        head_dim=d, device="cpu",
+    )  # fmt: skip
+    # one bucket: 3 * 300 + 128 = 1028 padded blocks; two: 1 + 128 + 2 * 300 + 128 = 857
+    assert [b.num_blocks for b in md.decode_buckets] == [1, 300]
+    assert md.decode_buckets[0].rows == slice(0, 1)
+    assert md.decode_buckets[1].rows == slice(4, 6)
+    cache = torch.randn(2, 602, hkv, bs * d, dtype=torch.float64)
+    query = torch.randn(6, hq, d, dtype=torch.float64)
+    out = paged_attention(query, cache, md)
+    keys = key_blocks(cache, d).permute(0, 3, 1, 2).reshape(-1, hkv, d)  # [slot, Hkv, D]
+    values = value_blocks(cache, d).transpose(1, 2).reshape(-1, hkv, d)
+    row = 0
+    for q_len, c, table in zip(query_lens, context_lens, tables, strict=True):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(c)])
+        ref = dense_causal_attention(query[row : row + q_len], keys[slots], values[slots])
+        torch.testing.assert_close(out[row : row + q_len], ref)
+        row += q_len
 
 
 def test_bad_block_table_rejected() -> None:

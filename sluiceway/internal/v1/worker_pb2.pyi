@@ -54,11 +54,17 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled", "forward_seconds")
+    __slots__ = ("step_id", "sampled", "forward_seconds", "prepare_seconds", "sample_seconds", "step_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    prepare_seconds: float
+    sample_seconds: float
+    step_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,74 @@
+"""The `sluiceway bench serve|compare` flags (vLLM's names where vLLM has the flag)."""
+
+from __future__ import annotations
+
+import argparse
+
+from sluiceway.bench.step import add_step_args
+from sluiceway.bench.workload import add_workload_args
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    serve = bench_sub.add_parser("serve", help="serving benchmark against a running server")
+    serve.add_argument("--target", default="127.0.0.1:50051")
+    add_workload_args(serve)
+
+    compare = bench_sub.add_parser(
+        "compare",
+        help="start a server per configuration (and/or the transformers baseline), run the "
+        "same workload on each, print one comparison table",
+    )
+    compare.add_argument(
+        "--backend",
+        "--backends",
+        default="sluiceway",
+        help="comma list of sluiceway, transformers (batched generate, static batches)",
+    )
+    compare.add_argument(
+        "--policies", default="static,continuous", help="comma list of scheduling policies"
+    )
+    compare.add_argument(
+        "--max-num-seqs", default="256", help="comma list: one continuous configuration each"
+    )
+    compare.add_argument(
+        "--static-batch-size",
+        type=int,
+        default=32,
+        help="batch of the static policy and of the transformers baseline",
+    )
+    compare.add_argument(
+        "--reference", default=None, help="label the ratios compare against (default: continuous)"
+    )
+    compare.add_argument(
+        "--serve-args",
+        default="",
+        help="extra `sluiceway serve` flags for every sluiceway configuration, one string",
+    )
+    compare.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="dtype of the transformers baseline (auto: as the worker resolves it)",
+    )
+    add_workload_args(compare)
+
+    step = bench_sub.add_parser(
+        "step", help="time the worker's model step on a synthetic decode batch (the hot path)"
+    )
+    add_step_args(step)
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    if args.bench_command == "step":
+        from sluiceway.bench.step import step_command
+
+        return step_command(args)
+    if args.bench_command == "compare":
+        from sluiceway.bench.compare import compare_command
+
+        return compare_command(args)
+    from sluiceway.bench.serve import serve_command
+
+    return serve_command(args)

@@ -1,0 +1,284 @@
+"""`sluiceway bench compare`: one workload against several configurations.
+
+Starts `sluiceway serve` once per configuration (scheduling policy,
+`--max-num-seqs`), and optionally runs the `transformers` baseline
+(:mod:`sluiceway.bench.transformers_baseline`), sends each the same requests
+at the same arrival times, then prints one table in the shape of the seed
+article's (rows: throughput, P50/P99 latency, KV memory utilization; a column
+per configuration and the reference's improvement over each other one),
+saves JSON and draws one PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+from sluiceway.bench.serve import BenchRun, print_figures, run_workload
+from sluiceway.bench.workload import load_requests, request_intervals
+
+SERVER_START_TIMEOUT_S = 600.0
+
+# (row label, figure, higher is better)
+TABLE_ROWS = (
+    ("Throughput (output tokens/s)", "output_throughput", True),
+    ("P50 latency (E2E, ms)", "median_e2el_ms", False),
+    ("P99 latency (E2E, ms)", "p99_e2el_ms", False),
+    ("P50 TTFT (ms)", "median_ttft_ms", False),
+    ("KV memory utilization (%)", "kv_cache_utilization_pct", True),
+)
+
+
+@dataclass(slots=True)
+class Configuration:
+    """One column of the comparison.
+
+    `serve_args` are the `sluiceway serve` flags of a sluiceway configuration;
+    `batch_size` is the static batch of the transformers baseline.
+    """
+
+    label: str
+    backend: str  # "sluiceway" or "transformers"
+    serve_args: list[str] = field(default_factory=list)
+    batch_size: int = 0
+
+
+def configurations(
+    backends: list[str], policies: list[str], max_num_seqs: list[int], static_batch_size: int
+) -> list[Configuration]:
+    """The columns, in order: each policy of sluiceway (continuous once per
+    `max_num_seqs` value), then the transformers baseline.
+
+    Raises ValueError for an unknown backend or policy, or no configuration.
+    """
+    configs: list[Configuration] = []
+    for backend in backends:
+        if backend == "transformers":
+            configs.append(
+                Configuration(
+                    f"transformers (batch {static_batch_size})",
+                    "transformers",
+                    batch_size=static_batch_size,
+                )
+            )
+            continue
+        if backend != "sluiceway":
+            raise ValueError(f"--backend: unknown backend {backend!r} (sluiceway, transformers)")
+        for policy in policies:
+            if policy == "static":
+                static_args = ["--scheduling-policy", "static"]
+                static_args += ["--static-batch-size", str(static_batch_size)]
+                configs.append(
+                    Configuration(f"static (batch {static_batch_size})", "sluiceway", static_args)
+                )
+            elif policy == "continuous":
+                for m in max_num_seqs:
+                    label = "continuous" if len(max_num_seqs) == 1 else f"continuous ({m} seqs)"
+                    configs.append(
+                        Configuration(
+                            label,
+                            "sluiceway",
+                            ["--scheduling-policy", "continuous", "--max-num-seqs", str(m)],
+                        )
+                    )
+            else:
+                raise ValueError(f"--policies: unknown policy {policy!r} (static, continuous)")
+    if not configs:
+        raise ValueError("no configuration to run")
+    return configs
+
+
+def improvement(reference: float, other: float, higher_is_better: bool) -> float:
+    """How many times better the reference is than `other` (throughput: ref / other;
+    latency: other / ref), as the seed article's ratios; 0.0 when undefined."""
+    num, den = (reference, other) if higher_is_better else (other, reference)
+    return num / den if den else 0.0
+
+
+def comparison_table(
+    labels: list[str], figures: dict[str, dict[str, float]], reference: str
+) -> tuple[str, dict[str, dict[str, float]]]:
+    """The printed table and its ratios ({other label: {figure: improvement}})."""
+    others = [label for label in labels if label != reference]
+    ratios = {
+        o: {key: improvement(figures[reference][key], figures[o][key], hib)
+            for _, key, hib in TABLE_ROWS}
+        for o in others
+    }  # fmt: skip
+    header = ["Metric", *labels, *(f"{reference} vs {o}" for o in others)]
+    rows = [
+        [name, *(f"{figures[label][key]:.1f}" for label in labels),
+         *(f"{ratios[o][key]:.2f}x" for o in others)]
+        for name, key, _ in TABLE_ROWS
+    ]  # fmt: skip
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), sep, *(line(r) for r in rows)]), ratios
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_sluiceway(
+    config: Configuration,
+    extra_serve_args: list[str],
+    args: argparse.Namespace,
+    requests,
+    intervals,
+) -> BenchRun:  # type: ignore[no-untyped-def]
+    """Starts `sluiceway serve` with the configuration's flags, runs the workload, stops it.
+
+    Raises RuntimeError (with the server's log tail) if the server does not come up.
+    """
+    from sluiceway.client import wait_until_serving
+
+    port = _free_port()
+    target = f"127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "sluiceway.cli", "serve", "--port", str(port),
+           "--log-format", "console", *config.serve_args, *extra_serve_args]  # fmt: skip
+    print(f"[{config.label}] {shlex.join(cmd[2:])}", flush=True)
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            try:
+                wait_until_serving(target, SERVER_START_TIMEOUT_S)
+            except TimeoutError as e:
+                log.seek(0)
+                raise RuntimeError(f"{config.label}: server did not start\n{log.read()}") from e
+            return asyncio.run(
+                run_workload(
+                    target, requests, intervals, args.max_concurrency, args.ignore_eos,
+                    desc=config.label,
+                )
+            )  # fmt: skip
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def machine_description() -> dict[str, object]:
+    """CPU model, core count, OS and torch build, for the saved results."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    import torch
+
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def compare_command(args: argparse.Namespace) -> int:
+    """`bench compare`: runs every configuration, prints the table, saves JSON and PNG."""
+    try:
+        configs = configurations(
+            _split(args.backend), _split(args.policies),
+            [int(m) for m in _split(args.max_num_seqs)], args.static_batch_size,
+        )  # fmt: skip
+    except ValueError as e:
+        print(f"sluiceway bench compare: {e}", file=sys.stderr)
+        return 2
+    labels = [c.label for c in configs]
+    reference = args.reference or next(
+        (c.label for c in configs if c.label.startswith("continuous")), labels[0]
+    )
+    if reference not in labels:
+        print(
+            f"sluiceway bench compare: --reference {reference!r} not in {labels}", file=sys.stderr
+        )
+        return 2
+    requests = load_requests(args)
+    intervals = request_intervals(len(requests), args.request_rate, args.burstiness, args.seed)
+    extra = shlex.split(args.serve_args)
+    runs: dict[str, BenchRun] = {}
+    for config in configs:
+        if config.backend == "transformers":
+            from sluiceway.bench.transformers_baseline import run_transformers
+
+            print(f"[{config.label}] transformers generate, static batches of {config.batch_size}")
+            runs[config.label] = run_transformers(
+                requests, intervals, model=args.model, batch_size=config.batch_size,
+                ignore_eos=args.ignore_eos, dtype=args.dtype,
+            )  # fmt: skip
+        else:
+            runs[config.label] = run_sluiceway(config, extra, args, requests, intervals)
+        print(f"[{config.label}]")
+        print_figures(runs[config.label].figures, runs[config.label].errors)
+    figures = {label: run.figures for label, run in runs.items()}
+    table, ratios = comparison_table(labels, figures, reference)
+    rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate} req/s"
+    print(f"\n{len(requests)} {args.dataset_name} prompts, {rate}")
+    print(table)
+    if args.save_result:
+        _save(args, configs, runs, reference, ratios, table)
+        print(f"results saved to {args.save_result}")
+    if args.plot:
+        from sluiceway.bench.plot import PlotSeries, plot_runs
+
+        plot_runs(
+            [PlotSeries.from_run(label, run) for label, run in runs.items()],
+            args.plot,
+            title=f"{len(requests)} {args.dataset_name} prompts, {rate}",
+        )
+        print(f"plot saved to {args.plot}")
+    return 1 if any(run.figures["failed_requests"] for run in runs.values()) else 0
+
+
+def _split(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _save(args, configs, runs, reference, ratios, table) -> None:  # type: ignore[no-untyped-def]
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(["sluiceway", *sys.argv[1:]]),
+        "machine": machine_description(),
+        "args": vars(args),
+        "reference": reference,
+        "table": table,
+        "ratios": ratios,
+        "configurations": [
+            {
+                **asdict(c),
+                "figures": runs[c.label].figures,
+                "errors": runs[c.label].errors,
+                "e2e_ms": [r.e2e * 1e3 for r in runs[c.label].results if r.ok],
+                "ttft_ms": [r.ttft * 1e3 for r in runs[c.label].results if r.ok],
+            }
+            for c in configs
+        ],
+    }
+    with open(args.save_result, "w") as f:
+        json.dump(result, f, indent=2, default=str)

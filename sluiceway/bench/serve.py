@@ -1,0 +1,164 @@
+"""`sluiceway bench serve`: a serving benchmark against a running server.
+
+Modelled on `vllm bench serve` (same flag names): requests stream through the
+public gRPC API, at most `--max-concurrency` at a time, and the figures are
+the ones vLLM prints: throughput, TTFT, TPOT, ITL and E2E latency, plus the
+server's KV memory utilization, prefix-cache hit rate and where its step time
+went (:func:`sluiceway.bench.metrics.step_breakdown`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from sluiceway.bench.metrics import (
+    STEP_PHASES,
+    RequestResult,
+    server_figures,
+    step_breakdown,
+    summarize,
+)
+from sluiceway.bench.workload import load_requests, request_intervals
+from sluiceway.grpc_server import channel_options
+from sluiceway.sharegpt import SampledRequest
+from sluiceway.v1 import inference_pb2, inference_pb2_grpc
+
+
+@dataclass(slots=True)
+class BenchRun:
+    """One workload's outcome: per-request timings and the figures derived from them."""
+
+    results: list[RequestResult]
+    figures: dict[str, float]
+    errors: list[str]
+
+
+async def _one(
+    stub: inference_pb2_grpc.InferenceStub, request: SampledRequest, ignore_eos: bool
+) -> RequestResult:
+    req = inference_pb2.GenerateRequest(
+        sampling=inference_pb2.SamplingParams(
+            temperature=0.0, max_tokens=request.output_len, ignore_eos=ignore_eos
+        ),
+    )
+    if request.prompt_token_ids:
+        req.prompt_token_ids.ids.extend(request.prompt_token_ids)
+    else:
+        req.prompt = request.prompt
+    result = RequestResult(ok=False, prompt_len=request.prompt_len)
+    t0 = last = time.perf_counter()
+    try:
+        async for response in stub.Generate(req):
+            now = time.perf_counter()
+            if not response.token_ids:
+                continue
+            if result.output_len == 0:
+                result.ttft = now - t0
+            else:
+                result.itl.append(now - last)
+            last = now
+            result.output_len += len(response.token_ids)
+        result.e2e = time.perf_counter() - t0
+        result.ok = True
+    except grpc.aio.AioRpcError as e:
+        result.error = f"{e.code().name}: {e.details()}"
+    return result
+
+
+async def run_workload(
+    target: str,
+    requests: list[SampledRequest],
+    intervals: list[float],
+    max_concurrency: int | None,
+    ignore_eos: bool,
+    desc: str = "requests",
+) -> BenchRun:
+    """Sends `requests` to the server at `target`, request i after waiting `intervals[i]`
+    seconds, at most `max_concurrency` in flight (None: no limit), greedy.
+
+    The first request is sent once alone before the clock starts (vLLM's
+    initial test run). Raises RuntimeError if that warm-up fails and
+    grpc.aio.AioRpcError if `GetModelInfo` does; a failed `Generate` during
+    the run is counted, not raised.
+    """
+    from tqdm import tqdm
+
+    sem = asyncio.Semaphore(max_concurrency or len(requests) or 1)
+    async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        progress = tqdm(total=len(requests), desc=desc, unit="req")
+
+        async def limited(r: SampledRequest) -> RequestResult:
+            async with sem:
+                result = await _one(stub, r, ignore_eos)
+            progress.update(1)
+            return result
+
+        if requests:  # as vLLM's initial test run: first-call costs stay out of the figures
+            warmup = await _one(stub, requests[0], ignore_eos)
+            if not warmup.ok:
+                raise RuntimeError(f"warm-up request failed: {warmup.error}")
+        before = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+        t0 = time.perf_counter()
+        tasks = []
+        for r, wait_s in zip(requests, intervals, strict=True):
+            if wait_s:
+                await asyncio.sleep(wait_s)
+            tasks.append(asyncio.create_task(limited(r)))
+        results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - t0
+        progress.close()
+        after = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+    figures = summarize(results, duration)
+    figures.update(server_figures(before, after))
+    figures.update(step_breakdown(before.step_times, after.step_times, duration))
+    return BenchRun(results, figures, sorted({r.error for r in results if not r.ok}))
+
+
+def print_figures(figures: dict[str, float], errors: list[str]) -> None:
+    """vLLM's result block, then the step-time breakdown (ms per step and share)."""
+    print(f"{'=' * 16} Serving Benchmark Result {'=' * 16}")
+    for key, value in figures.items():
+        if not key.startswith("step_") and not key.startswith("detokenize"):
+            print(f"{key:<40}{value:>14.2f}")
+    if figures.get("num_steps"):
+        total = figures["step_total_ms"]
+        print(f"{'-' * 14} Step-time breakdown (per step) {'-' * 13}")
+        for key, label in STEP_PHASES:
+            share = 100 * figures[key] / total if total else 0.0
+            print(f"{label:<34}{figures[key]:>10.2f} ms{share:>8.1f} %")
+        print(f"{'step total':<34}{total:>10.2f} ms")
+        print(f"{'step loop busy (% of duration)':<34}{figures['step_loop_busy_pct']:>10.1f} %")
+        print(
+            f"{'router detokenization':<34}{figures['detokenize_us_per_token']:>10.1f} us/token"
+            f"{figures['detokenize_pct']:>6.1f} % of duration"
+        )
+    for e in errors:
+        print(f"error: {e}")
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """`bench serve`: runs the workload, prints the figures, saves JSON / PNG when asked."""
+    requests = load_requests(args)
+    intervals = request_intervals(len(requests), args.request_rate, args.burstiness, args.seed)
+    run = asyncio.run(
+        run_workload(args.target, requests, intervals, args.max_concurrency, args.ignore_eos)
+    )
+    print_figures(run.figures, run.errors)
+    if args.save_result:
+        with open(args.save_result, "w") as f:
+            json.dump(
+                {"args": vars(args), **run.figures, "errors": run.errors}, f, indent=2, default=str
+            )
+    if args.plot:
+        from sluiceway.bench.plot import PlotSeries, plot_runs
+
+        plot_runs([PlotSeries.from_run(args.target, run)], args.plot)
+        print(f"plot saved to {args.plot}")
+    return 1 if run.figures["failed_requests"] else 0

@@ -1,0 +1,173 @@
+"""The baseline users would write themselves: `transformers` batched `generate`.
+
+Static batching as an HF-based server does it: requests queue in arrival
+order; whenever the model is idle, up to `batch_size` queued requests are
+left-padded into one batch and run to the longest output of the batch, then
+all of them return together. Same weights (the model folder the server
+loads), same dtype resolution, same prompts and output lengths, greedy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections import deque
+
+from sluiceway.bench.metrics import RequestResult, summarize
+from sluiceway.bench.serve import BenchRun
+from sluiceway.sharegpt import SampledRequest
+
+
+class _StepClock:
+    """A `generate` streamer that only timestamps each decoding step.
+
+    `generate` hands the prompt to `put` first, then each step's new tokens.
+    """
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: object) -> None:
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def kv_slots(prompt_lens: list[int], output_lens: list[int]) -> tuple[int, int]:
+    """(tokens stored, slots allocated) of one static batch, summed over its forwards.
+
+    `generate`'s cache holds `max(prompt_lens) + s` positions per row after
+    forward s (s = 0 is the prefill; the batch runs `max(output_lens)`
+    forwards). A row stores useful tokens (its own prompt plus the `s` tokens
+    generated so far) only while it is live (`s < output_len`); padding and
+    the rows already done are waste. The same measure as the scheduler's
+    `kv_cache_utilization`.
+    """
+    width = max(prompt_lens)
+    stored = slots = 0
+    for s in range(max(output_lens)):
+        slots += len(prompt_lens) * (width + s)
+        stored += sum(p + s for p, o in zip(prompt_lens, output_lens, strict=True) if s < o)
+    return stored, slots
+
+
+def run_transformers(
+    requests: list[SampledRequest],
+    intervals: list[float],
+    *,
+    model: str | None,
+    batch_size: int,
+    ignore_eos: bool,
+    dtype: str = "auto",
+    num_threads: int | None = None,
+) -> BenchRun:
+    """Runs the workload through `AutoModelForCausalLM.generate` in static batches.
+
+    Timings of request i count from its arrival (the cumulative sum of
+    `intervals`): TTFT and ITL from the step timestamps of its batch (what a
+    streaming HF server would give), E2E when `generate` returns the batch.
+    KV memory utilization follows :func:`kv_slots`.
+
+    Raises:
+        sluiceway.model_files.ModelFilesError: `model` is not a model.
+        ValueError: batch_size < 1.
+    """
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from router.server import eos_token_ids
+    from router.tokenizer import encode_prompt, load_tokenizer
+    from sluiceway.model_files import resolve_model
+    from worker.model_runner import resolve_dtype
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    torch.set_num_threads(num_threads or os.cpu_count() or 1)
+    model_dir = resolve_model(model)
+    tokenizer = load_tokenizer(model_dir)
+    torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    eos_ids = set() if ignore_eos else set(eos_token_ids(tokenizer, model_dir))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prompts = [
+        list(r.prompt_token_ids) if r.prompt_token_ids else encode_prompt(tokenizer, r.prompt)
+        for r in requests
+    ]
+
+    with torch.inference_mode():  # warm-up, as the server's first request
+        hf_model.generate(
+            input_ids=torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False,
+            temperature=None, top_p=None, top_k=None, pad_token_id=pad_id,
+        )  # fmt: skip
+    results: list[RequestResult | None] = [None] * len(requests)
+    arrivals, at = [], 0.0
+    for wait_s in intervals:
+        at += wait_s
+        arrivals.append(at)
+    queue: deque[int] = deque()
+    next_arrival = 0
+    stored_total = slots_total = 0
+    progress = tqdm(total=len(requests), desc="transformers", unit="req")
+    t0 = time.perf_counter()
+    while next_arrival < len(requests) or queue:
+        now = time.perf_counter() - t0
+        while next_arrival < len(requests) and arrivals[next_arrival] <= now:
+            queue.append(next_arrival)
+            next_arrival += 1
+        if not queue:
+            time.sleep(arrivals[next_arrival] - now)
+            continue
+        batch = [queue.popleft() for _ in range(min(batch_size, len(queue)))]
+        lens = [len(prompts[i]) for i in batch]
+        width = max(lens)
+        input_ids = torch.tensor([[pad_id] * (width - len(prompts[i])) + prompts[i] for i in batch])
+        attention_mask = torch.tensor([[0] * (width - n) + [1] * n for n in lens])
+        max_new = max(requests[i].output_len for i in batch)
+        clock = _StepClock()
+        with torch.inference_mode():
+            out = hf_model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new if ignore_eos else None,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=pad_id,
+                streamer=clock,
+            )
+        end = time.perf_counter()
+        generated = out[:, width:].tolist()
+        output_lens = []
+        for row, i in enumerate(batch):
+            tokens = generated[row][: requests[i].output_len]
+            n = next((k + 1 for k, t in enumerate(tokens) if t in eos_ids), len(tokens))
+            output_lens.append(n)
+            arrived = t0 + arrivals[i]
+            step_times = clock.times[:n]
+            results[i] = RequestResult(
+                ok=True,
+                prompt_len=lens[row],
+                output_len=n,
+                ttft=step_times[0] - arrived,
+                e2e=end - arrived,
+                itl=[b - a for a, b in itertools.pairwise(step_times)],
+            )
+        stored, slots = kv_slots(lens, output_lens)
+        stored_total, slots_total = stored_total + stored, slots_total + slots
+        progress.update(len(batch))
+    duration = time.perf_counter() - t0
+    progress.close()
+    done = [r for r in results if r is not None]
+    figures = summarize(done, duration)
+    figures["kv_cache_utilization_pct"] = 100 * stored_total / slots_total if slots_total else 0.0
+    figures["prefix_cache_hit_rate_pct"] = 0.0
+    figures["num_preemptions"] = 0
+    return BenchRun(done, figures, [])

