@@ -16,14 +16,17 @@ from pathlib import Path
 
 import grpc
 import structlog
+from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import InvalidRequest
+from router.metrics import RequestRecorder
 from router.tokenizer import encode_chat, encode_prompt, load_tokenizer
 from router.validation import resolve_request, validate_prompt_token_ids, validate_request_id
 from sluiceway.grpc_server import (
     NOT_SERVING,
+    REQUEST_ID_METADATA,
     SERVING,
     bind,
     channel_options,
@@ -36,6 +39,11 @@ from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 log = structlog.get_logger("router")
 
 UNSPECIFIED = inference_pb2.FINISH_REASON_UNSPECIFIED
+# finish reason -> the `finished_reason` label and log field (vLLM's words)
+FINISHED_REASONS = {
+    inference_pb2.FINISH_REASON_STOP: "stop",
+    inference_pb2.FINISH_REASON_LENGTH: "length",
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,27 +77,36 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def __init__(self, tokenizer, model_dir: Path, scheduler_address: str) -> None:  # type: ignore[no-untyped-def]
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(tokenizer, model_dir)
-        self._channel = grpc.aio.insecure_channel(scheduler_address, options=channel_options())
+        # Reconnect within a second once a scheduler (re)appears: health follows it closely.
+        options = [
+            *channel_options(),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        self._channel = grpc.aio.insecure_channel(scheduler_address, options=options)
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self.limits: ModelLimits | None = None
         self.detokenize_seconds_total = 0.0  # seconds in IncrementalDetokenizer.add_tokens
+        self.draining = False  # set on SIGTERM: new streams get UNAVAILABLE
+        self.num_in_flight = 0  # Generate streams forwarded to the scheduler, not yet ended
         self.detokenized_tokens_total = 0
 
-    async def wait_for_scheduler(self, poll_s: float = 0.2) -> ModelLimits:
-        """Polls the scheduler until its workers have registered; caches the model limits."""
-        while True:
-            try:
-                info = await self._scheduler.GetSchedulerInfo(
-                    scheduler_pb2.GetSchedulerInfoRequest(), timeout=5.0, wait_for_ready=True
-                )
-                if info.ready:
-                    self.limits = ModelLimits(
-                        info.model_id, info.max_model_len, info.vocab_size, info.block_size
-                    )
-                    return self.limits
-            except grpc.aio.AioRpcError as e:
-                log.info("scheduler_not_ready", code=e.code().name)
-            await asyncio.sleep(poll_s)
+    async def scheduler_ready(self, timeout_s: float) -> bool:
+        """Asks the scheduler whether its workers have registered; caches the model limits.
+
+        False when it answers not ready or does not answer within `timeout_s` seconds.
+        """
+        try:
+            info = await self._scheduler.GetSchedulerInfo(
+                scheduler_pb2.GetSchedulerInfoRequest(), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        if info.ready:
+            self.limits = ModelLimits(
+                info.model_id, info.max_model_len, info.vocab_size, info.block_size
+            )
+        return info.ready
 
     async def close(self) -> None:
         await self._channel.close()
@@ -113,11 +130,23 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        limits = self.limits
-        if limits is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready yet")
-            return
+        arrival = time.monotonic()
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        rlog = log.bind(request_id=request_id)
+        limits = self.limits
+        model = limits.model_id if limits is not None else ""
+        recorder = RequestRecorder(model, arrival)
+
+        async def fail(code: grpc.StatusCode, details: str) -> None:
+            recorder.on_failure(code.name)
+            rlog.warning("request_failed", code=code.name, error=details)
+            await context.abort(code, details)
+
+        if self.draining:
+            await fail(grpc.StatusCode.UNAVAILABLE, "router is draining; retry another router")
+        if limits is None:
+            await fail(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready yet")
+            return
         try:
             validate_request_id(request.request_id)
             prompt_ids = self._prompt_token_ids(request)
@@ -130,9 +159,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 eos_token_ids=[] if request.sampling.ignore_eos else self.eos_token_ids,
             )
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await fail(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, resolved.stop)
+        self.num_in_flight += 1
         call = self._scheduler.AddRequest(
             scheduler_pb2.AddRequestRequest(
                 request_id=request_id,
@@ -140,12 +170,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 sampling=resolved.sampling,
                 max_tokens=resolved.max_tokens,
                 stop_token_ids=resolved.stop_token_ids,
-            )
+            ),
+            metadata=((REQUEST_ID_METADATA, request_id),),
         )
-        num_generated = 0
         try:
             async for event in call:
-                num_generated += len(event.token_ids)
+                recorder.on_tokens(len(event.token_ids), time.monotonic())
+                if event.HasField("queue_seconds"):
+                    recorder.on_queue_time(event.queue_seconds)
                 t0 = time.perf_counter()
                 text = detok.add_tokens(list(event.token_ids))
                 self.detokenize_seconds_total += time.perf_counter() - t0
@@ -158,24 +190,32 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     if not detok.stopped:
                         text += detok.flush()
                     response.usage.prompt_tokens = len(prompt_ids)
-                    response.usage.completion_tokens = num_generated
+                    response.usage.completion_tokens = recorder.num_generated
                 response.text = text
                 yield response
                 if finish != UNSPECIFIED:
-                    log.info(
+                    reason = FINISHED_REASONS.get(finish, "abort")
+                    recorder.on_success(reason, len(prompt_ids))
+                    rlog.info(
                         "request_finished",
-                        request_id=request_id,
                         prompt_tokens=len(prompt_ids),
-                        completion_tokens=num_generated,
-                        finish_reason=inference_pb2.FinishReason.Name(finish),
+                        completion_tokens=recorder.num_generated,
+                        ttft_s=round(recorder.ttft, 6),
+                        e2e_s=round(recorder.e2e, 6),
+                        finish_reason=reason,
                     )
                     return
         except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), e.details() or "scheduler error")
+            await fail(e.code(), e.details() or "scheduler error")
             return
+        except asyncio.CancelledError:
+            recorder.on_failure(grpc.StatusCode.CANCELLED.name)
+            rlog.info("request_cancelled", completion_tokens=recorder.num_generated)
+            raise
         finally:
             call.cancel()  # a client gone, a stop string or an error: abort upstream
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler ended the stream early")
+            self.num_in_flight -= 1
+        await fail(grpc.StatusCode.UNAVAILABLE, "scheduler ended the stream early")
 
     async def Tokenize(
         self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -226,11 +266,57 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         )
 
 
-async def serve(address: str, scheduler_address: str, model_dir: Path) -> None:
-    """Serves the public API on `address` until SIGINT/SIGTERM.
+async def watch_scheduler(
+    service: InferenceService,
+    health_servicer: health.aio.HealthServicer,
+    names: list[str],
+    poll_s: float = 0.5,
+) -> None:
+    """Keeps the router's health in step with its scheduler: SERVING while the scheduler
+    answers ready (and the router is not draining), NOT_SERVING otherwise."""
+    serving: bool | None = None
+    while True:
+        ready = await service.scheduler_ready(timeout_s=max(poll_s, 1.0))
+        now_serving = ready and not service.draining
+        if now_serving != serving:
+            for name in names:
+                await health_servicer.set(name, SERVING if now_serving else NOT_SERVING)
+            if now_serving:
+                assert service.limits is not None
+                log.info(
+                    "router_ready",
+                    model_id=service.limits.model_id,
+                    max_model_len=service.limits.max_model_len,
+                )
+            elif serving is not None:
+                log.warning("scheduler_unavailable")
+            serving = now_serving
+        await asyncio.sleep(poll_s)
 
-    Health is NOT_SERVING until the scheduler reports ready.
+
+async def serve(
+    address: str,
+    scheduler_address: str,
+    model_dir: Path,
+    *,
+    drain_timeout_s: float = 30.0,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+) -> None:
+    """Serves the public API on `address` until SIGINT/SIGTERM, then drains.
+
+    Health is NOT_SERVING until the scheduler reports ready, and again whenever
+    it stops answering. On a signal the router drains: health NOT_SERVING, new
+    `Generate` streams get UNAVAILABLE, the streams in flight run to their end
+    for at most `drain_timeout_s` seconds, then the server stops. Prometheus
+    metrics on `metrics_host:metrics_port` unless the port is None (OSError if
+    it is taken).
     """
+    if metrics_port is not None:
+        from sluiceway.metrics import serve_metrics
+
+        port = serve_metrics(metrics_port, metrics_host)
+        log.info("metrics_listening", url=f"http://{metrics_host}:{port}/metrics")
     tokenizer = load_tokenizer(model_dir)
     service = InferenceService(tokenizer, model_dir, scheduler_address)
     server, health = new_server()
@@ -240,22 +326,24 @@ async def serve(address: str, scheduler_address: str, model_dir: Path) -> None:
         [service_name, "grpc.health.v1.Health", reflection.SERVICE_NAME], server
     )
     bound = bind(server, address)
-    await health.set("", NOT_SERVING)
-    await health.set(service_name, NOT_SERVING)
+    names = ["", service_name]
+    for name in names:
+        await health.set(name, NOT_SERVING)
     await server.start()
     log.info("router_listening", address=bound, scheduler=scheduler_address)
     stop = asyncio.Event()
     on_shutdown_signal(stop.set)
-
-    async def mark_ready() -> None:
-        limits = await service.wait_for_scheduler()
-        await health.set("", SERVING)
-        await health.set(service_name, SERVING)
-        log.info("router_ready", model_id=limits.model_id, max_model_len=limits.max_model_len)
-
-    ready_task = asyncio.create_task(mark_ready())
+    watcher = asyncio.create_task(watch_scheduler(service, health, names))
     await stop.wait()
-    ready_task.cancel()
-    log.info("router_stopping")
-    await server.stop(grace=5.0)
+    service.draining = True
+    for name in names:
+        await health.set(name, NOT_SERVING)
+    log.info("router_draining", in_flight=service.num_in_flight, drain_timeout_s=drain_timeout_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + drain_timeout_s
+    while service.num_in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    watcher.cancel()
+    log.info("router_stopping", unfinished=service.num_in_flight)
+    await server.stop(grace=1.0)
     await service.close()

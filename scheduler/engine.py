@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from scheduler import metrics
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler, SchedulerOutput
@@ -93,6 +94,7 @@ def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepReq
                     seq_id=s.seq.seq_id,
                     prompt_token_ids=s.appended_token_ids,
                     sampling=s.seq.sampling,
+                    request_id=s.seq.request_id,
                 )
             )
         req.scheduled.append(
@@ -248,6 +250,10 @@ class Engine:
                     num_free_kv_blocks=sched.block_manager.num_free_blocks,
                     num_waiting=len(sched.waiting),
                 )
+            now = time.monotonic()
+            for s in out.scheduled:
+                if s.seq.first_scheduled_time is None:
+                    s.seq.first_scheduled_time = now
             if out.is_empty:
                 # Nothing fits right now (e.g. every block held by a step in flight);
                 # wait for an abort or a new request to change that.
@@ -267,17 +273,39 @@ class Engine:
             for update in sched.apply_sampled(out, sampled):
                 queue = self._queues.get(update.seq.seq_id)
                 if queue is not None:
-                    queue.put_nowait(
-                        scheduler_pb2.TokenEvent(
-                            token_ids=[update.token_id], finish_reason=update.seq.finish_reason
-                        )
+                    event = scheduler_pb2.TokenEvent(
+                        token_ids=[update.token_id], finish_reason=update.seq.finish_reason
                     )
-            times = self.step_times
-            times.num_steps += 1
-            times.schedule_s += t1 - t0
-            times.execute_s += t2 - t1
-            times.apply_s += time.perf_counter() - t2
-            times.add_worker(response)
+                    seq = update.seq
+                    if len(seq.output_token_ids) == 1 and seq.first_scheduled_time is not None:
+                        event.queue_seconds = seq.first_scheduled_time - seq.arrival_time
+                    queue.put_nowait(event)
+            self._record_step(out, response, t0, t1, t2)
+
+    def _record_step(
+        self,
+        out: SchedulerOutput,
+        response: worker_pb2.StepResponse,
+        t0: float,
+        t1: float,
+        t2: float,
+    ) -> None:
+        """Adds one step (scheduled at t0, sent at t1, answered at t2) to the totals and, when
+        it computed anything (not only told the workers to forget finished sequences), to
+        the histograms."""
+        times = self.step_times
+        times.num_steps += 1
+        times.schedule_s += t1 - t0
+        times.execute_s += t2 - t1
+        times.apply_s += time.perf_counter() - t2
+        times.add_worker(response)
+        if not out.scheduled:
+            return
+        model = self.worker.model_id if self.worker is not None else ""
+        metrics.SCHEDULER_STEP_SECONDS.labels(model).observe(t1 - t0)
+        metrics.MODEL_STEP_SECONDS.labels(model).observe(t2 - t1)
+        metrics.BATCH_SIZE.labels(model).observe(len(out.scheduled))
+        metrics.BATCHED_TOKENS.labels(model).observe(sum(s.num_new_tokens for s in out.scheduled))
 
     async def _execute(self, out: SchedulerOutput) -> worker_pb2.StepResponse:
         assert self._stub is not None

@@ -37,6 +37,7 @@ class Sequence:
     max_tokens: int
     stop_token_ids: frozenset[int]
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # time.monotonic() of its first step
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

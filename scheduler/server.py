@@ -10,8 +10,9 @@ import structlog
 
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine, NotReady, WorkerInfo, WorkerUnavailable
-from sluiceway.grpc_server import SERVING, bind, new_server, on_shutdown_signal
+from sluiceway.grpc_server import REQUEST_ID_METADATA, SERVING, bind, new_server, on_shutdown_signal
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from sluiceway.v1 import inference_pb2
 
 log = structlog.get_logger("scheduler")
 
@@ -26,12 +27,22 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def AddRequest(
         self, request: scheduler_pb2.AddRequestRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        metadata = dict(context.invocation_metadata() or ())
+        rlog = log.bind(request_id=metadata.get(REQUEST_ID_METADATA, request.request_id))
         try:
             seq = self.engine.new_sequence(request)
         except NotReady as e:
+            rlog.warning("request_rejected", code="UNAVAILABLE", error=str(e))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:
+            rlog.warning("request_rejected", code="INVALID_ARGUMENT", error=str(e))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rlog.info(
+            "request_added",
+            seq_id=seq.seq_id,
+            prompt_tokens=len(seq.prompt_token_ids),
+            max_tokens=seq.max_tokens,
+        )
         stream = self.engine.stream(seq)
         try:
             async for event in stream:
@@ -40,6 +51,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             await stream.aclose()  # on cancel: aborts the sequence, frees its blocks
+            rlog.info(
+                "request_done",
+                seq_id=seq.seq_id,
+                completion_tokens=len(seq.output_token_ids),
+                finish_reason=inference_pb2.FinishReason.Name(seq.finish_reason),
+                num_preemptions=seq.num_preemptions,
+            )
 
     async def GetSchedulerInfo(
         self, request: scheduler_pb2.GetSchedulerInfoRequest, context: grpc.aio.ServicerContext
@@ -91,9 +109,24 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.RegisterWorkerResponse(max_model_len=max_model_len)
 
 
-async def serve(address: str, config: SchedulerConfig) -> None:
-    """Runs the scheduler on `address` until SIGINT/SIGTERM."""
+async def serve(
+    address: str,
+    config: SchedulerConfig,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+) -> None:
+    """Runs the scheduler on `address` until SIGINT/SIGTERM; serves Prometheus metrics on
+    `metrics_host:metrics_port` unless the port is None. Raises OSError if it is taken."""
     engine = Engine(config)
+    if metrics_port is not None:
+        from prometheus_client import REGISTRY
+
+        from scheduler.metrics import SchedulerCollector
+        from sluiceway.metrics import serve_metrics
+
+        REGISTRY.register(SchedulerCollector(engine))
+        port = serve_metrics(metrics_port, metrics_host)
+        log.info("metrics_listening", url=f"http://{metrics_host}:{port}/metrics")
     server, health = new_server()
     ready = asyncio.Event()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(engine, ready), server)

@@ -73,6 +73,29 @@ def _add_scheduler(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static-batch-size", type=int, default=8)
 
 
+DEFAULT_METRICS_PORT = {"router": 9400, "scheduler": 9401, "worker": 9402}
+
+
+def _add_metrics(p: argparse.ArgumentParser, process: str) -> None:
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT[process],
+        help="Prometheus /metrics over HTTP (0 = a free port, -1 = off)",
+    )
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics")
+
+
+def _add_drain(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds the router lets streams in flight finish (new ones get "
+        "UNAVAILABLE)",
+    )
+
+
 def _add_max_model_len(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens at most")
 
@@ -87,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start worker, scheduler and router as separate processes")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT["router"],
+        help="Prometheus /metrics of the router; the scheduler gets the next port and the "
+        "worker the one after (0 = free ports, -1 = off)",
+    )
+    _add_drain(serve)
     _add_model(serve)
     _add_worker(serve)
     _add_scheduler(serve)
@@ -108,12 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--port", type=int, default=DEFAULT_PORT)
     router.add_argument("--scheduler", default=DEFAULT_SCHEDULER, help="scheduler address")
     _add_model(router)
+    _add_metrics(router, "router")
+    _add_drain(router)
     _add_common(router)
 
     sched = sub.add_parser("scheduler", help="run the scheduler process")
     sched.add_argument("--listen", default=DEFAULT_SCHEDULER, help="host:port or unix:PATH")
     _add_scheduler(sched)
     _add_max_model_len(sched)
+    _add_metrics(sched, "scheduler")
     _add_common(sched)
 
     worker = sub.add_parser("worker", help="run one worker process")
@@ -127,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(worker)
     _add_worker(worker)
     _add_max_model_len(worker)
+    _add_metrics(worker, "worker")
     _add_common(worker)
     from sluiceway.bench.cli import add_parser as add_bench_parser
 
@@ -177,7 +212,20 @@ def _run_router(args: argparse.Namespace) -> int:
     from router.server import serve
     from sluiceway.model_files import resolve_model
 
-    return _run_async(serve(f"{args.host}:{args.port}", args.scheduler, resolve_model(args.model)))
+    return _run_async(
+        serve(
+            f"{args.host}:{args.port}",
+            args.scheduler,
+            resolve_model(args.model),
+            drain_timeout_s=args.drain_timeout,
+            metrics_port=_metrics_port(args),
+            metrics_host=args.metrics_host,
+        )
+    )
+
+
+def _metrics_port(args: argparse.Namespace) -> int | None:
+    return None if args.metrics_port < 0 else int(args.metrics_port)
 
 
 def _run_scheduler(args: argparse.Namespace) -> int:
@@ -197,7 +245,7 @@ def _run_scheduler(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"sluiceway scheduler: {e}", file=sys.stderr)
         return 2
-    return _run_async(serve(args.listen, config))
+    return _run_async(serve(args.listen, config, _metrics_port(args), args.metrics_host))
 
 
 def _run_worker(args: argparse.Namespace) -> int:
@@ -218,7 +266,17 @@ def _run_worker(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
     )
     model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-    return _run_async(serve(args.listen, args.scheduler, runner, model_id, args.advertise))
+    return _run_async(
+        serve(
+            args.listen,
+            args.scheduler,
+            runner,
+            model_id,
+            args.advertise,
+            metrics_port=_metrics_port(args),
+            metrics_host=args.metrics_host,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+# gRPC metadata key carrying the public request_id from the router to the scheduler.
+REQUEST_ID_METADATA = "x-request-id"
+
+
 def new_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:

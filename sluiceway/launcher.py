@@ -14,6 +14,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +67,7 @@ def serve_command(args: argparse.Namespace) -> int:
     worker_addr = f"unix:{tmp}/worker.sock"
     router_addr = f"{args.host}:{args.port}"
     common = ["--log-format", args.log_format, "--log-level", args.log_level]
+    metrics_ports = _metrics_ports(args.metrics_port)
     children: list[Child] = []
     stopping = False
 
@@ -85,6 +87,7 @@ def serve_command(args: argparse.Namespace) -> int:
             "--scheduling-policy", args.scheduling_policy,
             "--static-batch-size", str(args.static_batch_size),
             *_flag("max-model-len", args.max_model_len),
+            "--metrics-port", str(metrics_ports["scheduler"]), "--metrics-host", args.host,
             *common,
         ]  # fmt: skip
         children.append(Child("scheduler", scheduler_addr, _spawn("scheduler", sched_argv)))
@@ -100,6 +103,7 @@ def serve_command(args: argparse.Namespace) -> int:
             *_flag("kv-cache-memory", args.kv_cache_memory),
             *_flag("max-model-len", args.max_model_len),
             *_flag("num-threads", args.num_threads),
+            "--metrics-port", str(metrics_ports["worker"]), "--metrics-host", args.host,
             *common,
         ]  # fmt: skip
         children.append(Child("worker", worker_addr, _spawn("worker", worker_argv)))
@@ -108,6 +112,8 @@ def serve_command(args: argparse.Namespace) -> int:
             "--port", str(args.port),
             "--scheduler", scheduler_addr,
             "--model", str(model_dir),
+            "--metrics-port", str(metrics_ports["router"]), "--metrics-host", args.host,
+            "--drain-timeout", str(args.drain_timeout),
             *common,
         ]  # fmt: skip
         children.append(Child("router", router_addr, _spawn("router", router_argv)))
@@ -120,6 +126,11 @@ def serve_command(args: argparse.Namespace) -> int:
             f"ready in {time.monotonic() - t0:.1f} s",
             flush=True,
         )
+        if args.metrics_port >= 0:
+            urls = ", ".join(
+                f"{name} http://{args.host}:{port}/metrics" for name, port in metrics_ports.items()
+            )
+            print(f"sluiceway: metrics: {urls}", flush=True)
         while not stopping:
             for child in children:
                 if child.process.poll() is not None:
@@ -134,7 +145,7 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"sluiceway: {e}", file=sys.stderr)
         return 1
     finally:
-        _stop_all(children)
+        _stop_all(children, router_timeout_s=args.drain_timeout + STOP_TIMEOUT_S)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -156,14 +167,31 @@ def _wait_healthy(child: Child, children: list[Child], stopping) -> None:  # typ
                 ) from None
 
 
-def _stop_all(children: list[Child]) -> None:
-    """SIGTERM the router first, then the rest; SIGKILL whatever is left after the timeout."""
+def _metrics_ports(first: int) -> dict[str, int]:
+    """Metrics port of each process: `first`, `first + 1`, `first + 2`; free ports for 0;
+    -1 (off) for every process when `first` is negative."""
+    names = ("router", "scheduler", "worker")
+    if first < 0:
+        return dict.fromkeys(names, -1)
+    if first > 0:
+        return {name: first + i for i, name in enumerate(names)}
+    ports = {}
+    for name in names:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports[name] = int(s.getsockname()[1])
+    return ports
+
+
+def _stop_all(children: list[Child], router_timeout_s: float) -> None:
+    """SIGTERM the router first and let it drain (up to `router_timeout_s`), then the rest;
+    SIGKILL whatever is left after the timeout."""
     order = sorted(children, key=lambda c: c.name != "router")
     for child in order:
         if child.process.poll() is None:
             child.process.send_signal(signal.SIGTERM)
         if child.name == "router":
-            _wait(child, STOP_TIMEOUT_S)
+            _wait(child, router_timeout_s)
     for child in order:
         _wait(child, STOP_TIMEOUT_S)
 

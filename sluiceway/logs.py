@@ -9,7 +9,8 @@ import structlog
 
 
 def configure_logging(process: str, log_format: str = "json", level: str = "INFO") -> None:
-    """Routes structlog (and stdlib logging) to stderr, each line tagged with `process`.
+    """Routes structlog and stdlib logging (torch, grpc, our own `logging` users) to stderr
+    through the same renderer, each line tagged with `process`, a level and an ISO timestamp.
 
     log_format: "json" (one JSON object per line) or "console".
     Raises ValueError for another format.
@@ -21,15 +22,23 @@ def configure_logging(process: str, log_format: str = "json", level: str = "INFO
         if log_format == "json"
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
-    logging.basicConfig(level=level, stream=sys.stderr, format="%(message)s")
+    shared: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level)
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.EventRenamer("event"),
-            renderer,
-        ],
+        processors=[*shared, structlog.processors.EventRenamer("event"), renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,

@@ -259,6 +259,14 @@ class ModelRunner:
         """Where the model runs."""
         return self._device
 
+    def device_memory_used_bytes(self) -> int:
+        """Bytes this worker holds on its device: torch's allocated bytes on CUDA; on CPU the
+        weights and the KV pool (activations come and go within a step)."""
+        if self._device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self._device))
+        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        return int(weights + self.kv_pool.numel() * self.kv_pool.element_size())
+
     # -- sequences and steps ----------------------------------------------------------------
 
     def make_sequence(

@@ -16,6 +16,7 @@ import structlog
 
 from sluiceway.grpc_server import SERVING, bind, channel_options, new_server, on_shutdown_signal
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from worker.metrics import FORWARD_SECONDS
 from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
 
 log = structlog.get_logger("worker")
@@ -39,8 +40,9 @@ class StepExecutor:
     beyond a sequence's record (a scheduler bug, reported as INVALID_ARGUMENT).
     """
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, model_name: str = "") -> None:
         self.runner = runner
+        self.model_name = model_name
         self.sequences: dict[int, SequenceData] = {}
 
     def execute(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
@@ -50,6 +52,12 @@ class StepExecutor:
         for new in request.new_sequences:
             self.sequences[new.seq_id] = self.runner.make_sequence(
                 new.seq_id, list(new.prompt_token_ids), sampling_options(new.sampling)
+            )
+            log.info(
+                "sequence_added",
+                request_id=new.request_id,
+                seq_id=new.seq_id,
+                prompt_tokens=len(new.prompt_token_ids),
             )
         chunks: list[ScheduledChunk] = []
         for s in request.scheduled:
@@ -66,6 +74,11 @@ class StepExecutor:
             chunks.append(ScheduledChunk(seq, s.num_computed_tokens, s.num_new_tokens))
         sampled = self.runner.execute(chunks)
         timings = self.runner.last_timings
+        if chunks:
+            phase = "prefill" if any(c.num_new_tokens > 1 for c in chunks) else "decode"
+            FORWARD_SECONDS.labels(self.model_name, phase).observe(
+                timings.prepare_s + timings.forward_s + timings.sample_s
+            )
         return worker_pb2.StepResponse(
             step_id=request.step_id,
             sampled=[
@@ -127,13 +140,27 @@ async def serve(
     runner: ModelRunner,
     model_id: str,
     advertise: str | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
 ) -> None:
     """Serves steps on `address` and registers with the scheduler; runs until SIGINT/SIGTERM.
 
     `advertise` is the address the scheduler dials (default: the bound address).
+    Prometheus metrics on `metrics_host:metrics_port` unless the port is None
+    (OSError if it is taken).
     """
+    if metrics_port is not None:
+        from prometheus_client import REGISTRY
+
+        from sluiceway.metrics import serve_metrics
+        from worker.metrics import WorkerCollector
+
+        REGISTRY.register(WorkerCollector(runner, model_id))
+        port = serve_metrics(metrics_port, metrics_host)
+        log.info("metrics_listening", url=f"http://{metrics_host}:{port}/metrics")
     server, health = new_server(max_message_bytes=64 * 1024 * 1024)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(StepExecutor(runner)), server)
+    executor = StepExecutor(runner, model_id)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(executor), server)
     bound = bind(server, address)
     await server.start()
     await register(scheduler_address, advertise or bound, runner, model_id)

@@ -48,6 +48,7 @@ def start_stack(*extra: str) -> Stack:
     cmd = [
         sys.executable, "-m", "sluiceway.cli", "serve", "--port", str(port),
         "--dtype", "float32", "--kv-cache-memory", "1GiB", "--log-format", "console",
+        "--metrics-port", "0",
         *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(

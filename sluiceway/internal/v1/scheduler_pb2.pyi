@@ -36,12 +36,14 @@ class AddRequestRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SequenceSamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("token_ids", "finish_reason")
+    __slots__ = ("token_ids", "finish_reason", "queue_seconds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _inference_pb2.FinishReason
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ...) -> None: ...
+    queue_seconds: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class GetSchedulerInfoRequest(_message.Message):
     __slots__ = ()

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "sampling")
+    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "request_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _scheduler_pb2.SequenceSamplingParams
-    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_scheduler_pb2.SequenceSamplingParams, _Mapping]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_scheduler_pb2.SequenceSamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
     __slots__ = ("seq_id", "appended_token_ids", "num_computed_tokens", "num_new_tokens", "new_block_ids")

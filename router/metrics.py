@@ -1,0 +1,110 @@
+"""The router's Prometheus metrics: request outcomes, tokens and latencies, as vLLM names them."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+from sluiceway.metrics import (
+    PREFIX,
+    REQUEST_LATENCY_BUCKETS,
+    TOKEN_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+)
+
+REQUEST_SUCCESS = Counter(
+    f"{PREFIX}request_success",
+    "Requests that finished normally, by finish reason (stop, length).",
+    ["model_name", "finished_reason"],
+)
+REQUEST_FAILURE = Counter(
+    f"{PREFIX}request_failure",
+    "Requests that ended with a gRPC error, by status code (CANCELLED: the client left).",
+    ["model_name", "code"],
+)
+PROMPT_TOKENS = Counter(
+    f"{PREFIX}prompt_tokens", "Prompt tokens of successful requests.", ["model_name"]
+)
+GENERATION_TOKENS = Counter(
+    f"{PREFIX}generation_tokens", "Tokens generated for successful requests.", ["model_name"]
+)
+TIME_TO_FIRST_TOKEN = Histogram(
+    f"{PREFIX}time_to_first_token_seconds",
+    "From the request's arrival at the router to its first token, seconds.",
+    ["model_name"],
+    buckets=TTFT_BUCKETS,
+)
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    f"{PREFIX}time_per_output_token_seconds",
+    "(E2E - TTFT) / (generated tokens - 1) of each request with 2+ tokens, seconds.",
+    ["model_name"],
+    buckets=TOKEN_LATENCY_BUCKETS,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    f"{PREFIX}inter_token_latency_seconds",
+    "Gap between consecutive tokens of a request, seconds.",
+    ["model_name"],
+    buckets=TOKEN_LATENCY_BUCKETS,
+)
+E2E_REQUEST_LATENCY = Histogram(
+    f"{PREFIX}e2e_request_latency_seconds",
+    "From the request's arrival at the router to its last token, seconds.",
+    ["model_name"],
+    buckets=REQUEST_LATENCY_BUCKETS,
+)
+REQUEST_QUEUE_TIME = Histogram(
+    f"{PREFIX}request_queue_time_seconds",
+    "From the request's arrival at the scheduler to its first scheduled step, seconds.",
+    ["model_name"],
+    buckets=REQUEST_LATENCY_BUCKETS,
+)
+
+
+class RequestRecorder:
+    """One request's latencies and outcome, recorded into the metrics above.
+
+    Times are `time.monotonic()` seconds; `arrival` is when the router got
+    the request. TTFT = first token - arrival; ITL = gap between token
+    events; TPOT = (E2E - TTFT) / (tokens - 1), as vLLM defines them.
+    """
+
+    def __init__(self, model_name: str, arrival: float) -> None:
+        self.model_name = model_name
+        self.arrival = arrival
+        self.first_token: float | None = None
+        self.last_token = arrival
+        self.num_generated = 0
+
+    @property
+    def ttft(self) -> float:
+        return (
+            self.first_token if self.first_token is not None else self.last_token
+        ) - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        return self.last_token - self.arrival
+
+    def on_tokens(self, count: int, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+            TIME_TO_FIRST_TOKEN.labels(self.model_name).observe(now - self.arrival)
+        else:
+            INTER_TOKEN_LATENCY.labels(self.model_name).observe(now - self.last_token)
+        self.last_token = now
+        self.num_generated += count
+
+    def on_queue_time(self, seconds: float) -> None:
+        REQUEST_QUEUE_TIME.labels(self.model_name).observe(seconds)
+
+    def on_success(self, finished_reason: str, prompt_tokens: int) -> None:
+        REQUEST_SUCCESS.labels(self.model_name, finished_reason).inc()
+        PROMPT_TOKENS.labels(self.model_name).inc(prompt_tokens)
+        GENERATION_TOKENS.labels(self.model_name).inc(self.num_generated)
+        E2E_REQUEST_LATENCY.labels(self.model_name).observe(self.e2e)
+        if self.num_generated > 1:
+            TIME_PER_OUTPUT_TOKEN.labels(self.model_name).observe(
+                (self.e2e - self.ttft) / (self.num_generated - 1)
+            )
+
+    def on_failure(self, code: str) -> None:
+        REQUEST_FAILURE.labels(self.model_name, code).inc()

@@ -1,0 +1,310 @@
+"""Metrics, logs, health and drain of the three processes, each started on its own."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.request import urlopen
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from sluiceway.client import Client, wait_until_serving
+from sluiceway.v1 import inference_pb2
+from tests.integration.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "deploy" / "grafana" / "sluiceway-dashboard.json"
+
+
+@dataclass
+class Process:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    metrics_port: int
+
+    def log_lines(self) -> list[dict[str, object]]:
+        lines = []
+        for line in self.log_path.read_text().splitlines():
+            if line.startswith("{"):
+                lines.append(json.loads(line))
+        return lines
+
+
+@dataclass
+class Standalone:
+    """A scheduler, a worker and a router, each its own `sluiceway <process>`."""
+
+    tmp: Path
+    scheduler_address: str
+    processes: dict[str, Process] = field(default_factory=dict)
+
+    def start(self, name: str, *args: str) -> Process:
+        port = free_port()
+        log_path = self.tmp / f"{name}-{len(self.processes)}.log"
+        cmd = [sys.executable, "-m", "sluiceway.cli", name, "--metrics-port", str(port),
+               "--log-format", "json", *args]  # fmt: skip
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        self.processes[name] = Process(name, proc, log_path, port)
+        return self.processes[name]
+
+    def start_scheduler(self) -> Process:
+        return self.start("scheduler", "--listen", self.scheduler_address)
+
+    def start_worker(self) -> Process:
+        return self.start(
+            "worker", "--scheduler", self.scheduler_address, "--dtype", "float32",
+            "--kv-cache-memory", "256MiB",
+        )  # fmt: skip
+
+    def start_router(self, port: int, *args: str) -> Process:
+        return self.start(
+            "router", "--port", str(port), "--scheduler", self.scheduler_address, *args
+        )
+
+    def stop(self) -> None:
+        for p in self.processes.values():
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        for p in self.processes.values():
+            try:
+                p.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+
+
+def health_status(target: str, service: str = "") -> int:
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status)
+
+
+def wait_for_status(target: str, status: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while health_status(target) != status:
+        assert time.monotonic() < deadline, f"{target} never reached health status {status}"
+        time.sleep(0.1)
+
+
+def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Every sample of http://127.0.0.1:port/metrics: sample name -> [(labels, value)]."""
+    text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    return samples
+
+
+def total(
+    samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str
+) -> float:
+    return sum(
+        v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items())
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Standalone, str]]:
+    s = Standalone(tmp_path_factory.mktemp("standalone"), f"127.0.0.1:{free_port()}")
+    router_port = free_port()
+    target = f"127.0.0.1:{router_port}"
+    try:
+        s.start_scheduler()
+        s.start_worker()
+        s.start_router(router_port, "--drain-timeout", "120")
+        wait_until_serving(target, 300)
+        yield s, target
+    finally:
+        s.stop()
+
+
+def test_metrics_of_the_three_processes_add_up(stack: tuple[Standalone, str]) -> None:
+    s, target = stack
+    prompts = ["The capital of France is", "One, two, three,", "def fib(n):", "Hello"]
+    requests = [
+        Client.request(p, temperature=0, max_tokens=6 + i, ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
+    with Client(target) as client, ThreadPoolExecutor(4) as pool:
+        before = client.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+        finals = list(pool.map(lambda r: list(client.stub.Generate(r, timeout=120))[-1], requests))
+        info = client.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+    router = scrape(s.processes["router"].metrics_port)
+    scheduler = scrape(s.processes["scheduler"].metrics_port)
+    worker = scrape(s.processes["worker"].metrics_port)
+    model = info.model_id
+
+    n = len(requests)
+    assert total(router, "sluiceway:request_success_total", finished_reason="length") == n
+    assert total(router, "sluiceway:request_failure_total") == 0
+    assert total(router, "sluiceway:prompt_tokens_total", model_name=model) == sum(
+        f.usage.prompt_tokens for f in finals
+    )
+    assert (
+        total(router, "sluiceway:generation_tokens_total")
+        == sum(f.usage.completion_tokens for f in finals)
+        == 6 + 7 + 8 + 9
+    )
+    for name in ("time_to_first_token", "e2e_request_latency", "time_per_output_token",
+                 "request_queue_time"):  # fmt: skip
+        assert total(router, f"sluiceway:{name}_seconds_count") == n, name
+    # one gap per token after the first of each request
+    assert total(router, "sluiceway:inter_token_latency_seconds_count") == (6 + 7 + 8 + 9) - n
+
+    assert total(scheduler, "sluiceway:num_requests_running", model_name=model) == 0
+    assert total(scheduler, "sluiceway:num_requests_waiting") == 0
+    assert total(scheduler, "sluiceway:kv_cache_usage_perc") == 0.0  # cached blocks are free
+    assert total(scheduler, "sluiceway:prefix_cache_queries_total") == (
+        info.prefix_cache_queries_total
+    )
+    assert total(scheduler, "sluiceway:prefix_cache_hits_total") == info.prefix_cache_hits_total
+    assert total(scheduler, "sluiceway:num_preemptions_total") == 0
+    # Steps that computed something; the step loop may also send steps that only tell the
+    # worker to forget finished sequences (counted in num_steps_total, not in histograms).
+    steps = total(scheduler, "sluiceway:batch_size_count")
+    assert 9 <= steps <= info.step_times.num_steps_total - before.step_times.num_steps_total
+    for name in ("scheduler_step_seconds", "model_step_seconds", "batched_tokens"):
+        assert total(scheduler, f"sluiceway:{name}_count") == steps, name
+    assert total(scheduler, "sluiceway:batch_size_sum") == sequence_steps(finals)
+    # Each prompt token computed once (prompts under one block: nothing cached to hit), then
+    # each generated token but the last is computed by the decode step that samples the next.
+    assert info.prefix_cache_hits_total == 0
+    prompt_tokens = sum(f.usage.prompt_tokens for f in finals)
+    assert total(scheduler, "sluiceway:batched_tokens_sum") == prompt_tokens + (6 + 7 + 8 + 9) - n
+
+    assert total(worker, "sluiceway:kv_blocks_total", model_name=model) == info.num_kv_blocks
+    assert total(worker, "sluiceway:forward_seconds_count") == steps
+    assert total(worker, "sluiceway:forward_seconds_count", phase="prefill") >= 1
+    assert total(worker, "sluiceway:device_memory_used_bytes", device="cpu") > 256 * 2**20
+
+
+def sequence_steps(finals: list[inference_pb2.GenerateResponse]) -> int:
+    """Sequences summed over steps: each request is in one step per generated token (its
+    prompt fits one step, its first token comes from it, then one decode step per token)."""
+    return sum(f.usage.completion_tokens for f in finals)
+
+
+def test_dashboard_queries_only_exported_metrics(stack: tuple[Standalone, str]) -> None:
+    s, _ = stack
+    exported: set[str] = set()
+    for p in s.processes.values():
+        exported |= set(scrape(p.metrics_port))
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(exprs) >= 16
+    named = {m for e in exprs for m in re.findall(r"sluiceway:[a-z_]+", e)}
+    assert named, "no sluiceway metric in the dashboard"
+    assert named <= exported, f"not exported: {sorted(named - exported)}"
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("request rate", "time to first token", "e2e", "running", "kv cache",
+                  "prefix-cache", "scheduling step", "preemptions"):  # fmt: skip
+        assert topic in titles, topic
+
+
+def test_request_id_in_the_logs_of_all_three_processes(stack: tuple[Standalone, str]) -> None:
+    s, target = stack
+    request = Client.request("Tell me a joke.", temperature=0, max_tokens=4, ignore_eos=True)
+    request.request_id = "trace-me-0123456789"
+    with Client(target) as client:
+        list(client.stub.Generate(request, timeout=60))
+    deadline = time.monotonic() + 10
+    while True:
+        seen = {
+            name
+            for name, p in s.processes.items()
+            if any(line.get("request_id") == request.request_id for line in p.log_lines())
+        }
+        if seen == {"router", "scheduler", "worker"} or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert seen == {"router", "scheduler", "worker"}
+    summary = [
+        line for line in s.processes["router"].log_lines()
+        if line.get("request_id") == request.request_id and line["event"] == "request_finished"
+    ]  # fmt: skip
+    assert len(summary) == 1
+    assert summary[0]["prompt_tokens"] > 0 and summary[0]["completion_tokens"] == 4
+    assert summary[0]["finish_reason"] == "length"
+    assert 0 < summary[0]["ttft_s"] <= summary[0]["e2e_s"]
+    assert summary[0]["process"] == "router" and summary[0]["level"] == "info"
+
+
+def test_router_health_follows_its_scheduler(tmp_path: Path) -> None:
+    s = Standalone(tmp_path, f"127.0.0.1:{free_port()}")
+    target = f"127.0.0.1:{free_port()}"
+    try:
+        router = s.start_router(int(target.rsplit(":", 1)[1]))
+        deadline = time.monotonic() + 120
+        while True:  # the router answers health checks long before it has a scheduler
+            try:
+                status = health_status(target)
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline and router.proc.poll() is None
+                time.sleep(0.2)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        scheduler = s.start_scheduler()
+        time.sleep(2)  # a scheduler without a worker is not ready either
+        assert health_status(target) == health_pb2.HealthCheckResponse.NOT_SERVING
+        s.start_worker()
+        wait_for_status(target, health_pb2.HealthCheckResponse.SERVING, 300)
+        scheduler.proc.send_signal(signal.SIGKILL)
+        wait_for_status(target, health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+    finally:
+        s.stop()
+
+
+def test_sigterm_drains_the_router(stack: tuple[Standalone, str]) -> None:
+    """Runs last in this module: it stops the module's router."""
+    s, target = stack
+    router = s.processes["router"]
+    requests = [
+        Client.request(f"Count to {i + 10}:", temperature=0, max_tokens=40, ignore_eos=True)
+        for i in range(4)
+    ]
+    first_tokens = threading.Barrier(5)
+    results: list[tuple[int, int] | Exception] = [ValueError("not run")] * 4
+
+    def stream(i: int) -> None:
+        try:
+            with Client(target) as client:
+                tokens, finish = 0, 0
+                for k, response in enumerate(client.stub.Generate(requests[i], timeout=300)):
+                    if k == 0:
+                        first_tokens.wait(timeout=120)
+                    tokens += len(response.token_ids)
+                    finish = response.finish_reason
+                results[i] = (tokens, finish)
+        except Exception as e:  # reported by the assertion on results below
+            results[i] = e
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    first_tokens.wait(timeout=120)  # all 4 streams are in flight
+    router.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with Client(target) as client, pytest.raises(grpc.RpcError) as err:
+        list(client.stub.Generate(Client.request("Hi", max_tokens=2), timeout=30))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    for t in threads:
+        t.join(timeout=300)
+    assert results == [(40, inference_pb2.FINISH_REASON_LENGTH)] * 4
+    assert router.proc.wait(timeout=60) == 0
+    assert any(line["event"] == "router_draining" for line in router.log_lines())

@@ -1,0 +1,51 @@
+"""Request latencies as vLLM defines them, recorded on synthetic timestamps."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import REGISTRY
+
+from router.metrics import RequestRecorder
+
+
+def sample(name: str, **labels: str) -> float:
+    value = REGISTRY.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_recorder_ttft_itl_tpot_e2e() -> None:
+    model = "unit-recorder"
+    r = RequestRecorder(model, arrival=100.0)
+    r.on_queue_time(0.125)
+    for now in (100.5, 100.7, 101.0):  # TTFT 0.5 s, gaps 0.2 and 0.3 s
+        r.on_tokens(1, now)
+    r.on_success("length", prompt_tokens=11)
+    assert (r.ttft, r.e2e, r.num_generated) == (0.5, 1.0, 3)
+    assert sample("sluiceway:time_to_first_token_seconds_sum", model_name=model) == 0.5
+    assert sample("sluiceway:inter_token_latency_seconds_count", model_name=model) == 2
+    assert sample("sluiceway:inter_token_latency_seconds_sum", model_name=model) == pytest.approx(
+        0.5
+    )
+    # TPOT = (E2E - TTFT) / (tokens - 1) = 0.5 / 2
+    assert sample("sluiceway:time_per_output_token_seconds_sum", model_name=model) == 0.25
+    assert sample("sluiceway:e2e_request_latency_seconds_sum", model_name=model) == 1.0
+    assert sample("sluiceway:request_queue_time_seconds_sum", model_name=model) == 0.125
+    assert sample("sluiceway:prompt_tokens_total", model_name=model) == 11
+    assert sample("sluiceway:generation_tokens_total", model_name=model) == 3
+    assert (
+        sample("sluiceway:request_success_total", model_name=model, finished_reason="length") == 1
+    )
+    # TTFT of 0.5 s falls in the 0.5 bucket (le is inclusive), not the 0.25 one
+    assert sample("sluiceway:time_to_first_token_seconds_bucket", model_name=model, le="0.25") == 0
+    assert sample("sluiceway:time_to_first_token_seconds_bucket", model_name=model, le="0.5") == 1
+
+
+def test_recorder_single_token_has_no_tpot_and_failures_count_by_code() -> None:
+    model = "unit-recorder-2"
+    r = RequestRecorder(model, arrival=0.0)
+    r.on_tokens(1, 0.25)
+    r.on_success("stop", prompt_tokens=4)
+    assert sample("sluiceway:time_per_output_token_seconds_count", model_name=model) == 0
+    assert sample("sluiceway:e2e_request_latency_seconds_sum", model_name=model) == 0.25
+    RequestRecorder(model, arrival=0.0).on_failure("INVALID_ARGUMENT")
+    assert sample("sluiceway:request_failure_total", model_name=model, code="INVALID_ARGUMENT") == 1
