@@ -184,3 +184,21 @@ def test_bench_serve_short_run(stack: Stack, tmp_path) -> None:  # type: ignore[
                                 "step_worker_other_ms", "step_apply_ms"))
     )  # fmt: skip
     assert result["detokenize_us_per_token"] > 0
+
+
+def test_serve_prints_a_metrics_url_per_process(stack: Stack) -> None:
+    import re
+    from urllib.request import urlopen
+
+    line = next(line for line in stack.log if line.startswith("sluiceway: metrics:"))
+    urls = dict(re.findall(r"(router|scheduler|worker) (http://\S+/metrics)", line))
+    assert set(urls) == {"router", "scheduler", "worker"}
+    expected = {
+        "router": "# TYPE sluiceway:time_to_first_token_seconds histogram",
+        "scheduler": "# TYPE sluiceway:num_requests_running gauge",
+        "worker": "# TYPE sluiceway:kv_blocks_total gauge",
+    }
+    for process, url in urls.items():
+        text = urlopen(url.rstrip(","), timeout=5).read().decode()
+        assert expected[process] in text, process
+        assert 'model_name="' in text
