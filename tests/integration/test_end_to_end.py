@@ -190,6 +190,8 @@ def test_serve_prints_a_metrics_url_per_process(stack: Stack) -> None:
     import re
     from urllib.request import urlopen
 
+    with stack.client() as client:  # so that the router's labelled metrics have samples
+        client.generate(Client.request("Hi", temperature=0, max_tokens=2), timeout=60)
     line = next(line for line in stack.log if line.startswith("sluiceway: metrics:"))
     urls = dict(re.findall(r"(router|scheduler|worker) (http://\S+/metrics)", line))
     assert set(urls) == {"router", "scheduler", "worker"}
@@ -201,4 +203,4 @@ def test_serve_prints_a_metrics_url_per_process(stack: Stack) -> None:
     for process, url in urls.items():
         text = urlopen(url.rstrip(","), timeout=5).read().decode()
         assert expected[process] in text, process
-        assert 'model_name="' in text
+        assert 'model_name="SmolLM2-135M-Instruct"' in text, process
