@@ -21,6 +21,9 @@ class SchedulerConfig:
         "static" (batches of `static_batch_size` that enter together and run
         until their longest member finishes; the baseline).
     static_batch_size: requests per static batch.
+    max_waiting_requests: requests that may wait for their first step at
+        once; more are rejected at once with RESOURCE_EXHAUSTED (backpressure
+        instead of a queue that grows without end).
     """
 
     max_num_seqs: int = 256
@@ -30,6 +33,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"
     static_batch_size: int = 8
+    max_waiting_requests: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -49,5 +53,7 @@ class SchedulerConfig:
                 f"static_batch_size must be in [1, max_num_seqs={self.max_num_seqs}], "
                 f"got {self.static_batch_size}"
             )
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -32,7 +32,11 @@ class WorkerUnavailable(Exception):
 
 
 class NotReady(Exception):
-    """No worker has registered yet."""
+    """No worker is registered: none yet, or the last one failed."""
+
+
+class QueueFull(Exception):
+    """`max_waiting_requests` requests are already waiting."""
 
 
 @dataclass(slots=True)
@@ -124,6 +128,7 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._ready = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self._lost_reason = ""
         self.step_times = StepTimeTotals()
 
     # -- workers ----------------------------------------------------------------
@@ -187,9 +192,21 @@ class Engine:
     # -- requests ---------------------------------------------------------------
 
     def new_sequence(self, req: scheduler_pb2.AddRequestRequest) -> Sequence:
-        """Validates and queues a request. Raises NotReady, or ValueError if it can never run."""
-        if self.scheduler is None:
-            raise NotReady("no worker has registered yet")
+        """Validates and queues a request.
+
+        Raises NotReady (no worker), QueueFull (`max_waiting_requests` waiting), or
+        ValueError if it can never run.
+        """
+        if self.scheduler is None or not self.ready:
+            raise NotReady(
+                "no worker has registered yet" if self.scheduler is None else self._lost_reason
+            )
+        waiting = len(self.scheduler.waiting)
+        if waiting >= self.config.max_waiting_requests:
+            raise QueueFull(
+                f"{waiting} requests are waiting (--max-waiting-requests "
+                f"{self.config.max_waiting_requests}); retry later"
+            )
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=req.request_id,
@@ -263,8 +280,13 @@ class Engine:
             try:
                 response = await self._execute(out)
             except (grpc.aio.AioRpcError, WorkerUnavailable) as e:
+                if sched is not self.scheduler:
+                    continue  # a new worker registered while the step ran: it has failed those
                 log.error("step_failed", error=str(e))
+                self._lost_reason = f"the worker failed a step; waiting for a worker: {e}"
+                self._ready.clear()  # NOT_SERVING until a worker registers again
                 self._fail_all(WorkerUnavailable(f"worker failed a step: {e}"))
+                await self._ready.wait()
                 continue
             if sched is not self.scheduler:
                 continue  # a worker re-registered while the step ran

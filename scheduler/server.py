@@ -9,8 +9,15 @@ import grpc
 import structlog
 
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine, NotReady, WorkerInfo, WorkerUnavailable
-from sluiceway.grpc_server import REQUEST_ID_METADATA, SERVING, bind, new_server, on_shutdown_signal
+from scheduler.engine import Engine, NotReady, QueueFull, WorkerInfo, WorkerUnavailable
+from sluiceway.grpc_server import (
+    NOT_SERVING,
+    REQUEST_ID_METADATA,
+    SERVING,
+    bind,
+    new_server,
+    on_shutdown_signal,
+)
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sluiceway.v1 import inference_pb2
 
@@ -20,9 +27,8 @@ log = structlog.get_logger("scheduler")
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     """gRPC face of the engine: AddRequest streams, info, worker registration."""
 
-    def __init__(self, engine: Engine, on_ready: asyncio.Event) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._on_ready = on_ready
 
     async def AddRequest(
         self, request: scheduler_pb2.AddRequestRequest, context: grpc.aio.ServicerContext
@@ -34,6 +40,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except NotReady as e:
             rlog.warning("request_rejected", code="UNAVAILABLE", error=str(e))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except QueueFull as e:
+            rlog.warning("request_rejected", code="RESOURCE_EXHAUSTED", error=str(e))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:
             rlog.warning("request_rejected", code="INVALID_ARGUMENT", error=str(e))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -67,7 +76,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if sched is None or worker is None:
             return scheduler_pb2.SchedulerInfo(ready=False)
         return scheduler_pb2.SchedulerInfo(
-            ready=True,
+            ready=engine.ready,
             model_id=worker.model_id,
             max_model_len=sched.max_model_len,
             block_size=sched.block_manager.block_size,
@@ -105,7 +114,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 vocab_size=request.vocab_size,
             )
         )
-        self._on_ready.set()
         return scheduler_pb2.RegisterWorkerResponse(max_model_len=max_model_len)
 
 
@@ -128,8 +136,7 @@ async def serve(
         port = serve_metrics(metrics_port, metrics_host)
         log.info("metrics_listening", url=f"http://{metrics_host}:{port}/metrics")
     server, health = new_server()
-    ready = asyncio.Event()
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(engine, ready), server)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(engine), server)
     bound = bind(server, address)
     await server.start()
     engine.start()
@@ -137,12 +144,17 @@ async def serve(
     stop = asyncio.Event()
     on_shutdown_signal(stop.set)
 
-    async def mark_ready() -> None:
-        await ready.wait()
-        await health.set("", SERVING)
-        await health.set("sluiceway.internal.v1.Scheduler", SERVING)
+    async def follow_readiness(poll_s: float = 0.1) -> None:
+        """SERVING while a worker is registered and has not failed, else NOT_SERVING."""
+        serving: bool | None = None
+        while True:
+            if engine.ready != serving:
+                serving = engine.ready
+                for name in ("", "sluiceway.internal.v1.Scheduler"):
+                    await health.set(name, SERVING if serving else NOT_SERVING)
+            await asyncio.sleep(poll_s)
 
-    ready_task = asyncio.create_task(mark_ready())
+    ready_task = asyncio.create_task(follow_readiness())
     await stop.wait()
     ready_task.cancel()
     log.info("scheduler_stopping")

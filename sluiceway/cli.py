@@ -71,6 +71,12 @@ def _add_scheduler(p: argparse.ArgumentParser) -> None:
         "(the baseline)",
     )
     p.add_argument("--static-batch-size", type=int, default=8)
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="requests waiting for their first step at most; more get RESOURCE_EXHAUSTED",
+    )
 
 
 DEFAULT_METRICS_PORT = {"router": 9400, "scheduler": 9401, "worker": 9402}
@@ -241,6 +247,7 @@ def _run_scheduler(args: argparse.Namespace) -> int:
             enable_prefix_caching=args.enable_prefix_caching,
             scheduling_policy=args.scheduling_policy,
             static_batch_size=args.static_batch_size,
+            max_waiting_requests=args.max_waiting_requests,
         )
     except ValueError as e:
         print(f"sluiceway scheduler: {e}", file=sys.stderr)

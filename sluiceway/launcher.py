@@ -2,8 +2,10 @@
 
 The children talk over Unix sockets in a private temp folder; only the router
 listens on TCP. Children get SIGTERM if this process dies (PR_SET_PDEATHSIG),
-so nothing is orphaned; on SIGINT/SIGTERM the router stops first, then the
-scheduler and the worker.
+so nothing is orphaned; on SIGINT/SIGTERM the router drains and stops first,
+then the scheduler and the worker. A child that dies is started again (a
+restarted scheduler takes the worker with it, which must register anew), at
+most MAX_RESTARTS times a minute.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sluiceway.client import wait_until_serving
 
@@ -33,11 +35,40 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+# A child that exits is started again, at most this many times per window.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+
+
 @dataclass(slots=True)
 class Child:
     name: str
     address: str
+    argv: list[str]
     process: subprocess.Popen[bytes]
+    restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
+
+    @classmethod
+    def start(cls, name: str, address: str, argv: list[str]) -> Child:
+        return cls(name, address, argv, _spawn(name, argv))
+
+    def restart(self) -> None:
+        """Stops the process if it still runs, starts it again with the same flags.
+
+        Raises RuntimeError after MAX_RESTARTS restarts within RESTART_WINDOW_S seconds.
+        """
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
+        if len(self.restarts) >= MAX_RESTARTS:
+            raise RuntimeError(
+                f"{self.name} restarted {MAX_RESTARTS} times in {RESTART_WINDOW_S:.0f} s; giving up"
+            )
+        self.restarts.append(now)
+        if self.process.poll() is None:
+            self.process.terminate()
+            _wait(self, STOP_TIMEOUT_S)
+        self.process = _spawn(self.name, self.argv)
+        print(f"sluiceway: {self.name} restarted (pid {self.process.pid})", flush=True)
 
 
 def _spawn(name: str, argv: list[str]) -> subprocess.Popen[bytes]:
@@ -86,11 +117,12 @@ def serve_command(args: argparse.Namespace) -> int:
             "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
             "--scheduling-policy", args.scheduling_policy,
             "--static-batch-size", str(args.static_batch_size),
+            "--max-waiting-requests", str(args.max_waiting_requests),
             *_flag("max-model-len", args.max_model_len),
             "--metrics-port", str(metrics_ports["scheduler"]), "--metrics-host", args.host,
             *common,
         ]  # fmt: skip
-        children.append(Child("scheduler", scheduler_addr, _spawn("scheduler", sched_argv)))
+        children.append(Child.start("scheduler", scheduler_addr, sched_argv))
         worker_argv = [
             "--listen", worker_addr,
             "--scheduler", scheduler_addr,
@@ -106,7 +138,7 @@ def serve_command(args: argparse.Namespace) -> int:
             "--metrics-port", str(metrics_ports["worker"]), "--metrics-host", args.host,
             *common,
         ]  # fmt: skip
-        children.append(Child("worker", worker_addr, _spawn("worker", worker_argv)))
+        children.append(Child.start("worker", worker_addr, worker_argv))
         router_argv = [
             "--host", args.host,
             "--port", str(args.port),
@@ -116,7 +148,7 @@ def serve_command(args: argparse.Namespace) -> int:
             "--drain-timeout", str(args.drain_timeout),
             *common,
         ]  # fmt: skip
-        children.append(Child("router", router_addr, _spawn("router", router_argv)))
+        children.append(Child.start("router", router_addr, router_argv))
 
         for child in children:
             _wait_healthy(child, children, lambda: stopping)
@@ -132,13 +164,7 @@ def serve_command(args: argparse.Namespace) -> int:
             )
             print(f"sluiceway: metrics: {urls}", flush=True)
         while not stopping:
-            for child in children:
-                if child.process.poll() is not None:
-                    print(
-                        f"sluiceway: {child.name} exited with {child.process.returncode}",
-                        file=sys.stderr,
-                    )
-                    return 1
+            _restart_exited(children)
             time.sleep(0.2)
         return 0
     except (TimeoutError, RuntimeError) as e:
@@ -147,6 +173,23 @@ def serve_command(args: argparse.Namespace) -> int:
     finally:
         _stop_all(children, router_timeout_s=args.drain_timeout + STOP_TIMEOUT_S)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _restart_exited(children: list[Child]) -> None:
+    """Starts again each child that exited; a restarted scheduler has lost its workers'
+    registration, so the worker restarts with it. Raises RuntimeError (see `Child.restart`)."""
+    by_name = {c.name: c for c in children}
+    for child in children:
+        if child.process.poll() is None:
+            continue
+        print(
+            f"sluiceway: {child.name} exited with {child.process.returncode}; restarting it",
+            file=sys.stderr,
+            flush=True,
+        )
+        child.restart()
+        if child.name == "scheduler":
+            by_name["worker"].restart()
 
 
 def _wait_healthy(child: Child, children: list[Child], stopping) -> None:  # type: ignore[no-untyped-def]

@@ -24,11 +24,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.records: dict[int, list[int]] = {}
         self.steps: list[worker_pb2.StepRequest] = []
         self.fail = fail
+        self.address = ""  # set by _serve
+        self.gate: asyncio.Event | None = None  # when set, steps wait for it
 
     async def ExecuteStep(self, request, context):  # type: ignore[no-untyped-def]
         if self.fail:
             await context.abort(grpc.StatusCode.INTERNAL, "worker exploded")
         self.steps.append(request)
+        if self.gate is not None:
+            await self.gate.wait()
         for seq_id in request.finished_seq_ids:
             self.records.pop(seq_id)
         for new in request.new_sequences:
@@ -52,12 +56,11 @@ async def _serve(fake: FakeWorker, config: SchedulerConfig):  # type: ignore[no-
     worker_server, _ = new_server()
     worker_pb2_grpc.add_WorkerServicer_to_server(fake, worker_server)
     worker_addr = bind(worker_server, "127.0.0.1:0")
+    fake.address = worker_addr
     await worker_server.start()
     engine = Engine(config)
     sched_server, _ = new_server()
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(
-        SchedulerService(engine, asyncio.Event()), sched_server
-    )
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(engine), sched_server)
     sched_addr = bind(sched_server, "127.0.0.1:0")
     await sched_server.start()
     engine.start()
@@ -196,6 +199,74 @@ def test_a_sequence_that_outgrows_the_pool_ends_with_length(fake: FakeWorker) ->
             events = [e async for e in stub.AddRequest(add_request(prompt_len, 50))]
             assert sum(len(e.token_ids) for e in events) == 8  # up to the pool's 512 tokens
             assert events[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+            assert await free_blocks(stub) == NUM_BLOCKS
+        finally:
+            await close()
+
+    asyncio.run(main())
+
+
+def register(address: str) -> scheduler_pb2.RegisterWorkerRequest:
+    return scheduler_pb2.RegisterWorkerRequest(
+        address=address, num_kv_blocks=NUM_BLOCKS, block_size=16, max_model_len=4096,
+        vocab_size=1000, model_id="fake",
+    )  # fmt: skip
+
+
+def test_after_a_worker_failure_the_scheduler_is_unready_until_one_registers() -> None:
+    async def main() -> None:
+        fake = FakeWorker(fail=True)
+        stub, close = await _serve(fake, SchedulerConfig())
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.AddRequest(add_request(10, 4)):
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            info = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
+            assert not info.ready and info.num_free_kv_blocks == NUM_BLOCKS
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.AddRequest(add_request(10, 4)):
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "waiting for a worker" in (err.value.details() or "")
+            fake.fail = False
+            await stub.RegisterWorker(register(fake.address))  # the worker is back
+            info = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
+            assert info.ready
+            events = [e async for e in stub.AddRequest(add_request(10, 4))]
+            assert [t for e in events for t in e.token_ids] == [110, 111, 112, 113]
+        finally:
+            await close()
+
+    asyncio.run(main())
+
+
+def test_requests_beyond_max_waiting_requests_get_resource_exhausted(fake: FakeWorker) -> None:
+    async def main() -> None:
+        fake.gate = asyncio.Event()
+        stub, close = await _serve(fake, SchedulerConfig(max_num_seqs=1, max_waiting_requests=2))
+        try:
+
+            async def run(i: int) -> list[int]:
+                req = add_request(10 + i, 3, f"r{i}")
+                return [t async for e in stub.AddRequest(req) for t in e.token_ids]
+
+            running = [asyncio.create_task(run(0))]
+            while not fake.steps:  # r0's first step is in flight, held by the gate
+                await asyncio.sleep(0.01)
+            running += [asyncio.create_task(run(i)) for i in (1, 2)]
+            while True:
+                info = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
+                if info.num_requests_waiting == 2:
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await run(3)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-waiting-requests 2" in (err.value.details() or "")
+            fake.gate.set()
+            outs = await asyncio.gather(*running)
+            assert outs == [[100 + 10 + i + k for k in range(3)] for i in range(3)]
             assert await free_blocks(stub) == NUM_BLOCKS
         finally:
             await close()

@@ -1,0 +1,106 @@
+"""A dying worker, and more requests than the scheduler lets wait."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from sluiceway.client import Client
+from tests.integration.conftest import start_stack, stop_stack, wait_for_free_blocks
+
+pytestmark = pytest.mark.slow
+
+
+def test_killed_worker_ends_streams_with_unavailable_and_serve_restarts_it() -> None:
+    stack = start_stack()
+    try:
+        requests = [
+            Client.request(f"Count from {i} to 500:", temperature=0, max_tokens=300,
+                           ignore_eos=True)
+            for i in range(4)
+        ]  # fmt: skip
+        streaming = threading.Barrier(5)
+        outcomes: list[tuple[grpc.StatusCode | None, float]] = [(None, 0.0)] * 4
+
+        def stream(i: int) -> None:
+            with stack.client() as client:
+                try:
+                    for k, _ in enumerate(client.stub.Generate(requests[i], timeout=300)):
+                        if k == 0:
+                            streaming.wait(timeout=120)
+                    outcomes[i] = (grpc.StatusCode.OK, time.monotonic())
+                except grpc.RpcError as e:
+                    outcomes[i] = (e.code(), time.monotonic())
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        streaming.wait(timeout=120)  # every stream has its first token
+        killed_at = time.monotonic()
+        os.kill(stack.pids["worker"], signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=60)
+        assert [code for code, _ in outcomes] == [grpc.StatusCode.UNAVAILABLE] * 4
+        assert max(at for _, at in outcomes) - killed_at < 2.0
+
+        # serve starts a new worker; it registers and the stack serves again
+        deadline = time.monotonic() + 180
+        with stack.client() as client:
+            while True:
+                try:
+                    tokens = client.generate(
+                        Client.request("The capital of France is", temperature=0, max_tokens=4),
+                        timeout=60,
+                    )[1]
+                    break
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+                    assert time.monotonic() < deadline, "the stack never served again"
+                    time.sleep(0.5)
+            assert len(tokens) == 4
+            info = wait_for_free_blocks(client)
+            assert info.num_free_kv_blocks == info.num_kv_blocks
+        assert any("worker restarted (pid" in line for line in stack.log)
+    finally:
+        assert stop_stack(stack) == 0, "".join(stack.log[-30:])
+
+
+def test_requests_beyond_max_waiting_requests_get_resource_exhausted() -> None:
+    stack = start_stack("--max-num-seqs", "1", "--max-waiting-requests", "1")
+    try:
+        request = Client.request("Tell me a story.", temperature=0, max_tokens=8, ignore_eos=True)
+
+        def send(_: int) -> tuple[grpc.StatusCode, str]:
+            with stack.client() as client:
+                try:
+                    final = list(client.stub.Generate(request, timeout=120))[-1]
+                    assert final.usage.completion_tokens == 8
+                    return grpc.StatusCode.OK, ""
+                except grpc.RpcError as e:
+                    return e.code(), e.details() or ""
+
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(send, range(6)))
+        codes = [code for code, _ in results]
+        # one runs, one waits, the others are turned away at once
+        assert codes.count(grpc.StatusCode.OK) in (1, 2)
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 6 - codes.count(
+            grpc.StatusCode.OK
+        )
+        assert all(
+            "--max-waiting-requests 1" in details
+            for code, details in results
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        with stack.client() as client:  # and it keeps serving
+            assert len(client.generate(request, timeout=120)[1]) == 8
+            info = wait_for_free_blocks(client)
+            assert info.num_free_kv_blocks == info.num_kv_blocks
+    finally:
+        assert stop_stack(stack) == 0, "".join(stack.log[-30:])
