@@ -208,9 +208,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         except grpc.aio.AioRpcError as e:
             await fail(e.code(), e.details() or "scheduler error")
             return
-        except asyncio.CancelledError:
-            recorder.on_failure(grpc.StatusCode.CANCELLED.name)
-            rlog.info("request_cancelled", completion_tokens=recorder.num_generated)
+        except asyncio.CancelledError:  # the client left, or its deadline passed
+            remaining = context.time_remaining()
+            code = grpc.StatusCode.CANCELLED
+            if remaining is not None and remaining <= 0:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
+            recorder.on_failure(code.name)
+            rlog.info("request_cancelled", code=code.name, completion_tokens=recorder.num_generated)
             raise
         finally:
             call.cancel()  # a client gone, a stop string or an error: abort upstream

@@ -279,6 +279,34 @@ def test_router_health_follows_its_scheduler(tmp_path: Path) -> None:
         s.stop()
 
 
+def test_deadline_ends_the_request_frees_its_blocks_and_counts_it(
+    stack: tuple[Standalone, str],
+) -> None:
+    s, target = stack
+    request = Client.request("Count to a thousand:", temperature=0, max_tokens=1000,
+                             ignore_eos=True)  # fmt: skip
+    with Client(target) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stub.Generate(request, timeout=1.5))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        ended = time.monotonic()
+        while True:  # freed within a step or two (a decode step alone takes ~0.1 s here)
+            info = client.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+            if info.num_free_kv_blocks == info.num_kv_blocks:
+                break
+            assert time.monotonic() - ended < 2.0, "blocks still held 2 s after the deadline"
+            time.sleep(0.02)
+    deadline = time.monotonic() + 5
+    while True:
+        router = scrape(s.processes["router"].metrics_port)
+        if total(router, "sluiceway:request_failure_total", code="DEADLINE_EXCEEDED") == 1:
+            break
+        assert time.monotonic() < deadline, router.get("sluiceway:request_failure_total")
+        time.sleep(0.1)
+    scheduler_lines = s.processes["scheduler"].log_lines()
+    assert any(line["event"] == "request_aborted" for line in scheduler_lines)
+
+
 def test_sigterm_drains_the_router(stack: tuple[Standalone, str]) -> None:
     """Runs last in this module: it stops the module's router."""
     s, target = stack
