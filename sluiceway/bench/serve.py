@@ -29,6 +29,9 @@ from sluiceway.grpc_server import channel_options
 from sluiceway.sharegpt import SampledRequest
 from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 
+# After the run, how long to wait for every KV block to be free before reporting the count.
+FREE_BLOCKS_WAIT_S = 5.0
+
 
 @dataclass(slots=True)
 class BenchRun:
@@ -83,7 +86,9 @@ async def run_workload(
     seconds, at most `max_concurrency` in flight (None: no limit), greedy.
 
     The first request is sent once alone before the clock starts (vLLM's
-    initial test run). Raises RuntimeError if that warm-up fails and
+    initial test run). After the run it reports the server's free KV blocks
+    (`num_free_kv_blocks_after`, waiting up to FREE_BLOCKS_WAIT_S for them to
+    come back: a leak shows as fewer than `num_kv_blocks`). Raises RuntimeError if that warm-up fails and
     grpc.aio.AioRpcError if `GetModelInfo` does; a failed `Generate` during
     the run is counted, not raised.
     """
@@ -115,8 +120,15 @@ async def run_workload(
         duration = time.perf_counter() - t0
         progress.close()
         after = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+        settled = after
+        deadline = time.monotonic() + FREE_BLOCKS_WAIT_S
+        while settled.num_free_kv_blocks < settled.num_kv_blocks and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)  # aborted requests free their blocks at the next step
+            settled = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
     figures = summarize(results, duration)
     figures.update(server_figures(before, after))
+    figures["num_kv_blocks"] = settled.num_kv_blocks
+    figures["num_free_kv_blocks_after"] = settled.num_free_kv_blocks
     figures.update(step_breakdown(before.step_times, after.step_times, duration))
     return BenchRun(results, figures, sorted({r.error for r in results if not r.ok}))
 

@@ -174,6 +174,7 @@ def test_bench_serve_short_run(stack: Stack, tmp_path) -> None:  # type: ignore[
                 "prefix_cache_hit_rate_pct", "num_preemptions"):  # fmt: skip
         assert key in result
     assert 0 < result["kv_cache_utilization_pct"] <= 100
+    assert result["num_free_kv_blocks_after"] == result["num_kv_blocks"] > 0
     # 8 prompts of 32 tokens and 8 outputs each: at least 8 steps (all decoding together),
     # at most 9 * 8 (+ the warm-up's 8 steps, not counted: snapshots are taken after it).
     assert 8 <= result["num_steps"] <= 72
