@@ -171,7 +171,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 max_tokens=resolved.max_tokens,
                 stop_token_ids=resolved.stop_token_ids,
             ),
-            metadata=((REQUEST_ID_METADATA, request_id),),
+            metadata=((REQUEST_ID_METADATA, request_id.encode()),),
         )
         try:
             async for event in call:

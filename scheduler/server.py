@@ -34,7 +34,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.AddRequestRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         metadata = dict(context.invocation_metadata() or ())
-        rlog = log.bind(request_id=metadata.get(REQUEST_ID_METADATA, request.request_id))
+        traced = metadata.get(REQUEST_ID_METADATA)
+        request_id = (
+            traced.decode(errors="replace") if isinstance(traced, bytes) else request.request_id
+        )
+        rlog = log.bind(request_id=request_id)
         try:
             seq = self.engine.new_sequence(request)
         except NotReady as e:

@@ -23,8 +23,10 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
-# gRPC metadata key carrying the public request_id from the router to the scheduler.
-REQUEST_ID_METADATA = "x-request-id"
+# gRPC metadata key carrying the public request_id from the router to the scheduler. A
+# binary ("-bin") key: the id is any string the client chose, and plain metadata values
+# must be printable ASCII. The value is the id's UTF-8 bytes.
+REQUEST_ID_METADATA = "x-request-id-bin"
 
 
 def new_server(
