@@ -1,0 +1,90 @@
+"""Every invalid input of the public API: the exact status, a message naming the field, and
+the server keeps serving a valid request right after."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from sluiceway.client import Client
+from sluiceway.v1 import inference_pb2
+from tests.integration.conftest import Stack
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _request(**fields: object) -> inference_pb2.GenerateRequest:
+    prompt = fields.pop("prompt", "Hello")
+    return Client.request(prompt, **fields)  # type: ignore[arg-type]
+
+
+def _no_input() -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(sampling=inference_pb2.SamplingParams(max_tokens=2))
+
+
+CASES = [
+    ("empty prompt", lambda: _request(prompt=""), "input"),
+    ("no input", _no_input, "input"),
+    ("negative temperature", lambda: _request(temperature=-0.5), "sampling.temperature"),
+    ("NaN temperature", lambda: _request(temperature=float("nan")), "sampling.temperature"),
+    ("top_p 0", lambda: _request(top_p=0.0), "sampling.top_p"),
+    ("top_p over 1", lambda: _request(top_p=1.5), "sampling.top_p"),
+    ("top_k below -1", lambda: _request(top_k=-2), "sampling.top_k"),
+    ("repetition_penalty 0", lambda: _request(repetition_penalty=0.0),
+     "sampling.repetition_penalty"),
+    ("max_tokens 0", lambda: _request(max_tokens=0), "sampling.max_tokens"),
+    ("token id out of vocab", lambda: Client.request(prompt_token_ids=[1, 2, 10**6]),
+     "prompt_token_ids.ids[2]"),
+    ("unknown chat role", lambda: Client.request(messages=[("user", "hi"), ("wizard", "x")]),
+     "messages[1].role"),
+    ("17 stop strings", lambda: _request(stop=[str(i) for i in range(17)]), "sampling.stop"),
+    ("stop string over 256 bytes", lambda: _request(stop=["ok", "é" * 129]), "sampling.stop[1]"),
+    ("empty stop string", lambda: _request(stop=[""]), "sampling.stop[0]"),
+    ("stop token id out of vocab", lambda: _request(stop_token_ids=[10**6]),
+     "sampling.stop_token_ids[0]"),
+    ("request_id over 256 chars", lambda: Client.request("Hi", request_id="r" * 257),
+     "request_id"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "make", "field"), CASES, ids=[c[0] for c in CASES])
+def test_invalid_input_names_the_field(stack: Stack, name: str, make, field: str) -> None:  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(make(), timeout=60)
+        assert err.value.code() == INVALID, name
+        assert (err.value.details() or "").startswith(f"{field}:"), err.value.details()
+        _, ids, last = client.generate(
+            Client.request("Hello", temperature=0, max_tokens=2), timeout=60
+        )
+        assert len(ids) == 2 and last.finish_reason == inference_pb2.FINISH_REASON_LENGTH
+
+
+def test_prompt_at_max_model_len_is_invalid(stack: Stack) -> None:
+    with stack.client() as client:
+        limit = client.model_info().max_model_len
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(Client.request(prompt_token_ids=[42] * limit), timeout=60)
+    assert err.value.code() == INVALID
+    assert "max_model_len" in (err.value.details() or "")
+
+
+def test_a_message_over_4_mib_is_resource_exhausted(stack: Stack) -> None:
+    with grpc.insecure_channel(stack.target) as channel:  # no client-side size limit
+        call = channel.unary_stream(
+            "/sluiceway.v1.Inference/Generate",
+            request_serializer=inference_pb2.GenerateRequest.SerializeToString,
+            response_deserializer=inference_pb2.GenerateResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(_request(prompt="x" * (5 * 2**20)), timeout=60))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_control_characters_emoji_and_mixed_scripts_work(stack: Stack) -> None:
+    with stack.client() as client:
+        _, ids, last = client.generate(
+            Client.request("\x00\x07\t🙂 Привет, 世界! مرحبا\u200d", temperature=0, max_tokens=3),
+            timeout=60,
+        )
+    assert len(ids) == 3 and last.usage.prompt_tokens > 5
