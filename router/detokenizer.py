@@ -85,6 +85,11 @@ class IncrementalDetokenizer:
             for which one wins when several match.
         skip_special_tokens: leave special tokens (EOS, chat markers) out of
             the text, as vLLM does by default.
+        include_stop_str_in_output: end the text with the matched stop
+            string instead of just before it.
+        min_tokens: stop strings are matched only in the text of the
+            `min_tokens`-th generated token and later (vLLM checks them only
+            once that many tokens exist); earlier text is given out at once.
 
     Guarantees (for a stream that does not stop): the concatenation of every
     value returned by `add_tokens` and `flush` equals the tokenizer's decoding
@@ -104,6 +109,8 @@ class IncrementalDetokenizer:
         "_finished",
         "_held",
         "_ids",
+        "_include_stop",
+        "_min_tokens",
         "_parts",
         "_skip",
         "_stop_suffixes",
@@ -119,6 +126,8 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] = (),
         stop: Iterable[str] = (),
         skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         if not isinstance(backend, Tokenizer):
@@ -128,6 +137,8 @@ class IncrementalDetokenizer:
             )
         self._backend: Tokenizer = backend
         self._skip = skip_special_tokens
+        self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
         self._ids: list[int] = []  # every generated id
         self._decoded = 0  # how many of _ids the stream has turned into text
         self._context = self._safe_context(list(prompt_token_ids[-CONTEXT_TOKENS:]))
@@ -186,6 +197,8 @@ class IncrementalDetokenizer:
         new = self._decode(token_ids)
         if not new:
             return ""
+        if len(self._ids) < self._min_tokens:
+            return self._out(new)  # no stop string may end the text yet
         return self._out(self._release(new, final=False))
 
     def flush(self) -> str:
@@ -194,14 +207,16 @@ class IncrementalDetokenizer:
         That is text that could have begun a stop string, and the text of ids
         the decoder still held (output that ends in invalid or incomplete
         UTF-8 comes out here, with U+FFFD, as the full decoding has it). A stop
-        string completed by that text still cuts it. Returns "" once stopped,
-        and on a second call.
+        string completed by that text still cuts it (unless fewer than
+        `min_tokens` tokens came). Returns "" once stopped, and on a second call.
         """
         if self._finished:
             return ""
         self._finished = True
         if self._stopped:
             return ""
+        if len(self._ids) < self._min_tokens:
+            return self._out(self._window_text())
         return self._out(self._release(self._window_text(), final=True))
 
     # -- decoding -----------------------------------------------------------
@@ -324,7 +339,7 @@ class IncrementalDetokenizer:
             self._stopped = True
             self.stop_string = best
             self._held = ""
-            return buf[:best_start]
+            return buf[:best_end] if self._include_stop else buf[:best_start]
         if final:
             self._held = ""
             return buf

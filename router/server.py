@@ -161,7 +161,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         except InvalidRequest as e:
             await fail(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, resolved.stop)
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_ids,
+            resolved.stop,
+            skip_special_tokens=resolved.skip_special_tokens,
+            include_stop_str_in_output=resolved.include_stop_str_in_output,
+            min_tokens=resolved.min_tokens,
+        )
         self.num_in_flight += 1
         call = self._scheduler.AddRequest(
             scheduler_pb2.AddRequestRequest(
@@ -170,6 +177,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 sampling=resolved.sampling,
                 max_tokens=resolved.max_tokens,
                 stop_token_ids=resolved.stop_token_ids,
+                min_tokens=resolved.min_tokens,
             ),
             metadata=((REQUEST_ID_METADATA, request_id.encode()),),
         )
@@ -179,12 +187,21 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 if event.HasField("queue_seconds"):
                     recorder.on_queue_time(event.queue_seconds)
                 t0 = time.perf_counter()
-                text = detok.add_tokens(list(event.token_ids))
+                new_ids = list(event.token_ids)
+                if (
+                    event.finish_reason == inference_pb2.FINISH_REASON_STOP
+                    and not resolved.include_stop_str_in_output
+                ):
+                    new_ids = new_ids[:-1]  # a stop token id (EOS): its text is not output
+                text = detok.add_tokens(new_ids)
                 self.detokenize_seconds_total += time.perf_counter() - t0
                 self.detokenized_tokens_total += len(event.token_ids)
                 finish = inference_pb2.FINISH_REASON_STOP if detok.stopped else event.finish_reason
                 response = inference_pb2.GenerateResponse(
-                    request_id=request_id, token_ids=event.token_ids, finish_reason=finish
+                    request_id=request_id,
+                    token_ids=event.token_ids,
+                    finish_reason=finish,
+                    logprobs=event.logprobs,
                 )
                 if finish != UNSPECIFIED:
                     if not detok.stopped:

@@ -33,6 +33,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_BYTES = 256
 #: Longest client-chosen request_id, characters (it is echoed in every response).
 MAX_REQUEST_ID_CHARS = 256
+#: Top log-probabilities a request may ask for per token at most (vLLM's default cap).
+MAX_LOGPROBS = 20
+#: Presence and frequency penalties lie in [-PENALTY_LIMIT, PENALTY_LIMIT] (vLLM's range).
+PENALTY_LIMIT = 2.0
 #: A temperature below this is greedy sampling (vLLM's `_SAMPLING_EPS`).
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -53,12 +57,21 @@ class ResolvedSampling:
         stop_token_ids: ids that end generation (the token itself is
             generated): the request's, then the model's EOS ids unless
             ignore_eos, deduplicated.
+        min_tokens: no stop of any kind before this many generated tokens
+            (<= max_tokens).
+        include_stop_str_in_output: keep a matched stop string in the text.
+        skip_special_tokens: leave special tokens out of the text.
+        logprobs: top log-probabilities per token, or None (not asked).
     """
 
     sampling: scheduler_pb2.SequenceSamplingParams
     max_tokens: int
     stop: list[str]
     stop_token_ids: list[int]
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
 
 
 def _dedup(items: Iterable[int]) -> list[int]:
@@ -87,15 +100,22 @@ def resolve_request(
     Defaults and normalisation: temperature 1.0 (below 1e-5 it is greedy:
     0, with top_p 1 and top_k 0, as vLLM); top_p 1.0; top_k 0, where -1
     also means off and a top_k >= vocab_size keeps every token so is off
-    too; repetition_penalty 1.0; max_tokens 16, capped at
-    max_model_len - prompt_len.
+    too; repetition_penalty 1.0; min_p 0 (off; 0 for greedy); presence and
+    frequency penalties 0; max_tokens 16, capped at max_model_len -
+    prompt_len; min_tokens 0, capped with max_tokens; skip_special_tokens
+    true; logprobs unset (none returned).
 
     Raises:
         InvalidRequest("sampling.temperature"): negative, NaN or infinite.
         InvalidRequest("sampling.top_p"): outside (0, 1] (or NaN).
         InvalidRequest("sampling.top_k"): below -1.
         InvalidRequest("sampling.repetition_penalty"): <= 0, NaN or infinite.
+        InvalidRequest("sampling.min_p"): outside [0, 1] (or NaN).
+        InvalidRequest("sampling.presence_penalty" / "sampling.frequency_penalty"):
+            outside [-2, 2] (or NaN).
+        InvalidRequest("sampling.logprobs"): over 20.
         InvalidRequest("sampling.max_tokens"): set to 0.
+        InvalidRequest("sampling.min_tokens"): over max_tokens.
         InvalidRequest("sampling.stop"): more than 16 stop strings.
         InvalidRequest("sampling.stop[i]"): empty, or over 256 UTF-8 bytes.
         InvalidRequest("sampling.stop_token_ids[i]"): an id >= vocab_size.
@@ -128,8 +148,23 @@ def resolve_request(
             "sampling.repetition_penalty",
             f"must be a finite number > 0 (1 = off); got {repetition_penalty}",
         )
+    min_p = float(sp.min_p) if sp.HasField("min_p") else 0.0
+    if not 0.0 <= min_p <= 1.0:  # NaN fails too
+        raise InvalidRequest("sampling.min_p", f"must be in [0, 1] (0 = off); got {min_p}")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = float(getattr(sp, name)) if sp.HasField(name) else 0.0
+        if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+            raise InvalidRequest(
+                f"sampling.{name}",
+                f"must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}] (0 = off); got {value}",
+            )
+        penalties[name] = value
+    logprobs = int(sp.logprobs) if sp.HasField("logprobs") else None
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise InvalidRequest("sampling.logprobs", f"must be at most {MAX_LOGPROBS}; got {logprobs}")
     if temperature < GREEDY_TEMPERATURE_EPS:
-        temperature, top_p, top_k = 0.0, 1.0, 0
+        temperature, top_p, top_k, min_p = 0.0, 1.0, 0, 0.0
 
     if sp.HasField("max_tokens"):
         max_tokens = int(sp.max_tokens)
@@ -139,6 +174,11 @@ def resolve_request(
             )
     else:
         max_tokens = DEFAULT_MAX_TOKENS
+    min_tokens = int(sp.min_tokens) if sp.HasField("min_tokens") else 0
+    if min_tokens > max_tokens:
+        raise InvalidRequest(
+            "sampling.min_tokens", f"must be at most max_tokens ({max_tokens}); got {min_tokens}"
+        )
     room = max_model_len - prompt_len
     if room <= 0:
         raise InvalidRequest(
@@ -147,6 +187,7 @@ def resolve_request(
             f"so a prompt may have at most {max_model_len - 1}",
         )
     max_tokens = min(max_tokens, room)
+    min_tokens = min(min_tokens, max_tokens)
 
     if len(sp.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(
@@ -172,19 +213,31 @@ def resolve_request(
     if not sp.ignore_eos:
         stop_token_ids.extend(int(e) for e in eos_token_ids)
 
+    stop_token_ids = _dedup(stop_token_ids)
     resolved = scheduler_pb2.SequenceSamplingParams(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
         repetition_penalty=repetition_penalty,
+        min_p=min_p,
+        presence_penalty=penalties["presence_penalty"],
+        frequency_penalty=penalties["frequency_penalty"],
+        min_tokens=min_tokens,
+        stop_token_ids=stop_token_ids if min_tokens else [],
     )
     if sp.HasField("seed"):
         resolved.seed = sp.seed
+    if logprobs is not None:
+        resolved.num_logprobs = logprobs
     return ResolvedSampling(
         sampling=resolved,
         max_tokens=max_tokens,
         stop=stop,
-        stop_token_ids=_dedup(stop_token_ids),
+        stop_token_ids=stop_token_ids,
+        min_tokens=min_tokens,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+        skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
+        logprobs=logprobs,
     )
 
 

@@ -88,6 +88,18 @@ class StepTimeTotals:
         )
 
 
+def token_logprobs(sampled: worker_pb2.SampledToken) -> inference_pb2.TokenLogprobs:
+    """The public form of a sampled token's log-probabilities."""
+    return inference_pb2.TokenLogprobs(
+        token_id=sampled.token_id,
+        logprob=sampled.logprob,
+        top_logprobs=[
+            inference_pb2.TopLogprob(token_id=t, logprob=lp)
+            for t, lp in zip(sampled.top_token_ids, sampled.top_logprobs, strict=True)
+        ],
+    )
+
+
 def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepRequest:
     """Translates a `SchedulerOutput` into the wire message of one step."""
     req = worker_pb2.StepRequest(step_id=step_id, finished_seq_ids=out.finished_seq_ids)
@@ -99,6 +111,7 @@ def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepReq
                     prompt_token_ids=s.appended_token_ids,
                     sampling=s.seq.sampling,
                     request_id=s.seq.request_id,
+                    num_prompt_tokens=len(s.seq.prompt_token_ids),
                 )
             )
         req.scheduled.append(
@@ -214,6 +227,7 @@ class Engine:
             sampling=req.sampling,
             max_tokens=req.max_tokens,
             stop_token_ids=frozenset(req.stop_token_ids),
+            min_tokens=req.min_tokens,
         )
         if not seq.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
@@ -291,7 +305,8 @@ class Engine:
             if sched is not self.scheduler:
                 continue  # a worker re-registered while the step ran
             t2 = time.perf_counter()
-            sampled = {s.seq_id: s.token_id for s in response.sampled}
+            by_seq = {s.seq_id: s for s in response.sampled}
+            sampled = {seq_id: s.token_id for seq_id, s in by_seq.items()}
             for update in sched.apply_sampled(out, sampled):
                 queue = self._queues.get(update.seq.seq_id)
                 if queue is not None:
@@ -299,6 +314,8 @@ class Engine:
                         token_ids=[update.token_id], finish_reason=update.seq.finish_reason
                     )
                     seq = update.seq
+                    if seq.sampling.HasField("num_logprobs"):
+                        event.logprobs.append(token_logprobs(by_seq[seq.seq_id]))
                     if len(seq.output_token_ids) == 1 and seq.first_scheduled_time is not None:
                         event.queue_seconds = seq.first_scheduled_time - seq.arrival_time
                     queue.put_nowait(event)

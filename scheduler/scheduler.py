@@ -289,7 +289,7 @@ class Scheduler:
             seq.num_tokens_on_worker = 0
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        if token in seq.stop_token_ids:
+        if token in seq.stop_token_ids and len(seq.output_token_ids) >= seq.min_tokens:
             return inference_pb2.FINISH_REASON_STOP
         if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return inference_pb2.FINISH_REASON_LENGTH

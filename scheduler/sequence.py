@@ -36,6 +36,7 @@ class Sequence:
     sampling: scheduler_pb2.SequenceSamplingParams
     max_tokens: int
     stop_token_ids: frozenset[int]
+    min_tokens: int = 0  # stop_token_ids end the sequence only after this many outputs
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # time.monotonic() of its first step
     output_token_ids: list[int] = field(default_factory=list)

@@ -13,7 +13,7 @@ import logging
 import pathlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,7 @@ class SequenceData:
     block_table: list[int]  # physical KV block ids, in order
     sampling: SamplingOptions
     generator: torch.Generator | None = None  # created by ModelRunner when sampling.seed is set
+    num_prompt_tokens: int = 0  # the original prompt's length; the rest of token_ids is output
 
 
 @dataclass(slots=True)
@@ -66,11 +67,14 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class SampledToken:
-    """A token sampled for a sequence, with its logprob (log-softmax of the penalized logits)."""
+    """A token sampled for a sequence, with its logprob (log-softmax of the penalized logits)
+    and, when the sequence asked, the ``num_logprobs`` most likely ids and their logprobs."""
 
     seq_id: int
     token_id: int
     logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -270,10 +274,19 @@ class ModelRunner:
     # -- sequences and steps ----------------------------------------------------------------
 
     def make_sequence(
-        self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingOptions
+        self,
+        seq_id: int,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        num_prompt_tokens: int | None = None,
     ) -> SequenceData:
         """A new record with an empty block table (and a seeded generator when ``sampling.seed``
         is set).
+
+        ``num_prompt_tokens`` (default: all of them) is the original prompt's length when
+        ``prompt_token_ids`` also holds generated tokens: a preempted sequence recomputed. A
+        seeded generator then skips the draws those tokens used, so the sequence samples as if
+        it had never been preempted.
 
         Raises:
             ValueError: an empty prompt, a prompt longer than ``max_model_len`` or token ids out
@@ -288,11 +301,20 @@ class ModelRunner:
             )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"sequence {seq_id}: token id outside [0, {self.vocab_size})")
+        n_prompt = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        if not 0 < n_prompt <= len(prompt_token_ids):
+            raise ValueError(
+                f"sequence {seq_id}: num_prompt_tokens {n_prompt} outside "
+                f"[1, {len(prompt_token_ids)}]"
+            )
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=self._device)
             generator.manual_seed(sampling.seed)
-        return SequenceData(seq_id, list(prompt_token_ids), [], sampling, generator)
+            if sampling.temperature > 0:  # one uniform per sampled token (see worker.sampler)
+                for _ in range(len(prompt_token_ids) - n_prompt):
+                    torch.rand(1, generator=generator, device=self._device)
+        return SequenceData(seq_id, list(prompt_token_ids), [], sampling, generator, n_prompt)
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[SampledToken]:
         """Run one step: a single flattened forward over all chunks, logits for the chunks that
@@ -324,18 +346,27 @@ class ModelRunner:
             t2 = time.perf_counter()
             timings.forward_s = t2 - t1
             seqs = [chunks[i].seq for i in inputs.sampling]
-            tokens, logprobs = sample(
+            result = sample(
                 logits,
                 [s.sampling for s in seqs],
                 [s.generator for s in seqs],
                 [s.token_ids for s in seqs],
+                [s.num_prompt_tokens for s in seqs],
             )
-            tok_list = tokens.tolist()
-            lp_list = logprobs.tolist()
+            out = [
+                SampledToken(s.seq_id, t, lp)
+                for s, t, lp in zip(
+                    seqs, result.token_ids.tolist(), result.logprobs.tolist(), strict=True
+                )
+            ]
+            if result.top_ids is not None and result.top_logprobs is not None:
+                top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
+                for i, (s, token) in enumerate(zip(seqs, out, strict=True)):
+                    n = s.sampling.num_logprobs
+                    if n:
+                        token.top_ids, token.top_logprobs = top_ids[i][:n], top_lps[i][:n]
             timings.sample_s = time.perf_counter() - t2
-        return [
-            SampledToken(s.seq_id, t, lp) for s, t, lp in zip(seqs, tok_list, lp_list, strict=True)
-        ]
+        return out
 
     def compute_logits_for_test(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor]:
         """Like :meth:`execute` (same metadata, same KV writes) but return the logits of every

@@ -1,9 +1,11 @@
 """Sampling on the device for a batch of rows, each with its own parameters.
 
-Order, as in transformers' ``generate``: repetition penalty (on the raw logits), then
-temperature, top-k, top-p, then one draw. ``temperature == 0`` is greedy (argmax after the
-penalty). The logprob returned is that of the chosen token under ``log_softmax`` of the logits
-after the penalty (before temperature and truncation).
+Order, as in vLLM's sampler: penalties on the raw logits (repetition over prompt + output,
+CTRL / HF; then frequency and presence over the output, OpenAI / vLLM; stop ids masked while
+a sequence is under ``min_tokens``), then temperature, min-p, top-k, top-p, then one draw.
+``temperature == 0`` is greedy (argmax after the penalties). The logprobs returned (the chosen
+token's and the top ``num_logprobs``) come from ``log_softmax`` of the logits after the
+penalties (before temperature and truncation).
 
 Rows that share nothing are handled together: one argmax for all greedy rows, one softmax and
 one inverse-CDF draw for all sampled rows; rows with top-k/top-p draw among their
@@ -21,8 +23,11 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "SampleResult",
     "SamplingOptions",
+    "apply_output_penalties",
     "apply_repetition_penalty",
+    "min_p_mask",
     "sample",
     "top_k_top_p_mask",
     "truncated_candidates",
@@ -39,6 +44,13 @@ class SamplingOptions:
         top_k: keep the ``k`` most likely tokens; ``0`` = off.
         repetition_penalty: CTRL penalty ``> 0`` over prompt + output tokens; ``1`` = off.
         seed: when set, the sequence samples from its own generator seeded with it.
+        min_p: drop tokens whose probability (after temperature) is below ``min_p`` times the
+            most likely one's; ``0`` = off.
+        presence_penalty: subtracted from the logit of every token already in the output.
+        frequency_penalty: times its count in the output, subtracted from a token's logit.
+        min_tokens: while the output is shorter, ``stop_token_ids`` cannot be sampled.
+        stop_token_ids: the ids ``min_tokens`` masks (EOS and the request's stop ids).
+        num_logprobs: top log-probabilities to return per token; None = none.
     """
 
     temperature: float = 1.0
@@ -46,6 +58,12 @@ class SamplingOptions:
     top_k: int = 0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    num_logprobs: int | None = None
 
 
 def apply_repetition_penalty(
@@ -66,6 +84,43 @@ def apply_repetition_penalty(
     p = penalty[:, None]
     score = torch.where(score < 0, score * p, score / p)
     return logits.scatter_(1, token_ids, score)
+
+
+def apply_output_penalties(
+    logits: torch.Tensor,
+    output_ids: Sequence[Sequence[int]],
+    presence: Sequence[float],
+    frequency: Sequence[float],
+) -> None:
+    """OpenAI / vLLM presence and frequency penalties, in place, over each row's output tokens:
+    ``logit[t] -= frequency * count(t) + presence * (count(t) > 0)``.
+
+    Args:
+        logits: ``[R, V]`` float32.
+        output_ids: per row, the tokens generated so far.
+        presence, frequency: per row.
+    """
+    rows = len(output_ids)
+    counts = torch.zeros_like(logits)
+    width = max((len(x) for x in output_ids), default=0)
+    if width == 0:
+        return
+    ids = torch.tensor([list(x) + [0] * (width - len(x)) for x in output_ids], device=logits.device)
+    ones = torch.tensor(
+        [[1.0] * len(x) + [0.0] * (width - len(x)) for x in output_ids], device=logits.device
+    )
+    counts.scatter_add_(1, ids, ones)
+    freq = torch.tensor(frequency, dtype=torch.float32, device=logits.device)[:rows, None]
+    pres = torch.tensor(presence, dtype=torch.float32, device=logits.device)[:rows, None]
+    logits -= freq * counts + pres * (counts > 0).float()
+
+
+def min_p_mask(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Logits ``[R, V]`` (after temperature) with ``-inf`` where the probability is below
+    ``min_p [R]`` times the row's largest (vLLM's min-p); a new tensor."""
+    probs = torch.softmax(scaled, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return scaled.masked_fill(probs < threshold, float("-inf"))
 
 
 def top_k_top_p_mask(
@@ -171,23 +226,39 @@ def _draw(scaled: torch.Tensor, opts: Sequence[SamplingOptions], u: torch.Tensor
     return draw
 
 
+@dataclass(slots=True)
+class SampleResult:
+    """What :func:`sample` picked: ``token_ids [R] int64``, ``logprobs [R] float32`` (of the
+    chosen tokens), and for rows that asked, ``top_ids``/``top_logprobs`` ``[R, N]`` with
+    ``N`` the largest ``num_logprobs`` asked (None when no row asked)."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
 def sample(
     logits: torch.Tensor,
     options: Sequence[SamplingOptions],
     generators: Sequence[torch.Generator | None],
     seen_token_ids: Sequence[Sequence[int]],
-) -> tuple[torch.Tensor, torch.Tensor]:
+    num_prompt_tokens: Sequence[int] | None = None,
+) -> SampleResult:
     """Pick one token per row.
 
     Args:
-        logits: ``[R, V]`` float32, raw model logits; modified in place by the penalty.
+        logits: ``[R, V]`` float32, raw model logits; modified in place by the penalties.
         options: per-row parameters (``R`` entries).
         generators: per-row generator for seeded rows (None for the others), on ``logits``'
             device.
-        seen_token_ids: per-row prompt + output ids, read only for rows with a penalty.
+        seen_token_ids: per-row prompt + output ids, read only for rows with a penalty or
+            ``min_tokens``.
+        num_prompt_tokens: per-row prompt length within ``seen_token_ids`` (the rest is
+            output); None = all prompt (no output yet).
 
     Returns:
-        ``(token_ids [R] int64, logprobs [R] float32)`` on ``logits``' device.
+        A :class:`SampleResult` on ``logits``' device.
 
     Raises:
         ValueError: a negative temperature, ``top_p`` outside ``(0, 1]``, a negative ``top_k``
@@ -210,6 +281,26 @@ def sample(
         )
         logits[idx] = apply_repetition_penalty(logits[idx], padded, penalty)
 
+    def output_of(i: int) -> Sequence[int]:
+        start = num_prompt_tokens[i] if num_prompt_tokens is not None else len(seen_token_ids[i])
+        return seen_token_ids[i][start:]
+
+    out_rows = [i for i, o in enumerate(options) if o.presence_penalty or o.frequency_penalty]
+    if out_rows:
+        idx = torch.tensor(out_rows, device=device)
+        part = logits[idx]
+        apply_output_penalties(
+            part,
+            [output_of(i) for i in out_rows],
+            [options[i].presence_penalty for i in out_rows],
+            [options[i].frequency_penalty for i in out_rows],
+        )
+        logits[idx] = part
+    for i, o in enumerate(options):
+        if o.min_tokens and o.stop_token_ids and len(output_of(i)) < o.min_tokens:
+            stop_ids = torch.tensor(o.stop_token_ids, device=device)
+            logits[i, stop_ids] = float("-inf")
+
     greedy = [i for i, o in enumerate(options) if o.temperature == 0]
     sampled = [i for i, o in enumerate(options) if o.temperature != 0]
     if len(greedy) == rows:
@@ -227,6 +318,13 @@ def sample(
             [options[i].temperature for i in sampled], dtype=torch.float32, device=device
         )
         sub = sub / temps[:, None]
+        min_p_rows = [j for j, i in enumerate(sampled) if options[i].min_p > 0]
+        if min_p_rows:
+            mp = torch.tensor(min_p_rows, device=device)
+            threshold = torch.tensor(
+                [options[sampled[j]].min_p for j in min_p_rows], dtype=torch.float32, device=device
+            )
+            sub[mp] = min_p_mask(sub[mp], threshold)
         u = torch.rand(len(sampled), device=device)
         for j, i in enumerate(sampled):
             gen = generators[i]
@@ -238,5 +336,9 @@ def sample(
         else:
             tokens[s_idx] = draw
 
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return tokens, logprobs
+    log_probs = torch.log_softmax(logits, dim=-1)
+    result = SampleResult(tokens, log_probs.gather(1, tokens[:, None]).squeeze(1))
+    top_n = max((o.num_logprobs or 0 for o in options), default=0)
+    if top_n:
+        result.top_logprobs, result.top_ids = torch.topk(log_probs, top_n, dim=-1)
+    return result

@@ -30,6 +30,12 @@ def sampling_options(p: scheduler_pb2.SequenceSamplingParams) -> SamplingOptions
         top_k=p.top_k,
         repetition_penalty=p.repetition_penalty,
         seed=p.seed if p.HasField("seed") else None,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        min_tokens=p.min_tokens,
+        stop_token_ids=tuple(p.stop_token_ids),
+        num_logprobs=p.num_logprobs if p.HasField("num_logprobs") else None,
     )
 
 
@@ -51,7 +57,10 @@ class StepExecutor:
             self.sequences.pop(seq_id, None)
         for new in request.new_sequences:
             self.sequences[new.seq_id] = self.runner.make_sequence(
-                new.seq_id, list(new.prompt_token_ids), sampling_options(new.sampling)
+                new.seq_id,
+                list(new.prompt_token_ids),
+                sampling_options(new.sampling),
+                new.num_prompt_tokens or None,
             )
             log.info(
                 "sequence_added",
@@ -82,7 +91,13 @@ class StepExecutor:
         return worker_pb2.StepResponse(
             step_id=request.step_id,
             sampled=[
-                worker_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob)
+                worker_pb2.SampledToken(
+                    seq_id=t.seq_id,
+                    token_id=t.token_id,
+                    logprob=t.logprob,
+                    top_token_ids=t.top_ids,
+                    top_logprobs=t.top_logprobs,
+                )
                 for t in sampled
             ],
             prepare_seconds=timings.prepare_s,

@@ -39,13 +39,16 @@ def generate_requests(draw: st.DrawFn) -> inference_pb2.GenerateRequest:
     for name, strategy in (
         ("temperature", FLOAT32), ("top_p", FLOAT32), ("repetition_penalty", FLOAT32),
         ("top_k", st.integers(-(2**31), 2**31 - 1)), ("max_tokens", st.integers(0, 6)),
-        ("seed", st.integers(0, 2**64 - 1)),
+        ("seed", st.integers(0, 2**64 - 1)), ("min_p", FLOAT32), ("presence_penalty", FLOAT32),
+        ("frequency_penalty", FLOAT32), ("min_tokens", st.integers(0, 2**32 - 1)),
+        ("logprobs", st.integers(0, 2**32 - 1)), ("skip_special_tokens", st.booleans()),
     ):  # fmt: skip
         if draw(st.booleans()):
             setattr(s, name, draw(strategy))
     s.stop.extend(draw(st.lists(TEXT, max_size=18)))
     s.stop_token_ids.extend(draw(st.lists(st.integers(0, 2**32 - 1), max_size=3)))
     s.ignore_eos = draw(st.booleans())
+    s.include_stop_str_in_output = draw(st.booleans())
     if not s.HasField("max_tokens"):
         s.max_tokens = 4  # keep each example short
     return req

@@ -429,3 +429,24 @@ def test_old_decode_stream_without_ids(tokenizer: Any, monkeypatch: pytest.Monke
     text = " Sunny, 晴天 🎉."
     _, deltas = run(tokenizer, tokenizer.encode(text), prompt=prompt)
     assert_deltas_match(text, deltas)
+
+
+def test_include_stop_str_in_output_keeps_the_stop(tokenizer: Any) -> None:
+    ids = tokenizer.encode(" one, two, three, four")
+    kept = IncrementalDetokenizer(tokenizer, [], ["three"], include_stop_str_in_output=True)
+    text = "".join(kept.add_tokens([t]) for t in ids) + kept.flush()
+    assert text == " one, two, three" and kept.stopped
+    cut = IncrementalDetokenizer(tokenizer, [], ["three"])
+    assert "".join(cut.add_tokens([t]) for t in ids) + cut.flush() == " one, two, "
+
+
+def test_min_tokens_delays_stop_strings(tokenizer: Any) -> None:
+    ids = tokenizer.encode("a\nb\nc\nd")  # one token per character
+    assert len(ids) == 7
+    early = IncrementalDetokenizer(tokenizer, [], ["\n"], min_tokens=0)
+    assert "".join(early.add_tokens([t]) for t in ids) == "a"
+    # stop strings count from the 4th token on: "\n" (token 2) is given out, token 4 stops
+    late = IncrementalDetokenizer(tokenizer, [], ["\n"], min_tokens=4)
+    assert "".join(late.add_tokens([t]) for t in ids) == "a\nb" and late.stopped
+    short = IncrementalDetokenizer(tokenizer, [], ["\n"], min_tokens=20)
+    assert "".join(short.add_tokens([t]) for t in ids) + short.flush() == "a\nb\nc\nd"

@@ -228,3 +228,49 @@ def test_request_id_length_is_bounded() -> None:
     with pytest.raises(InvalidRequest) as err:
         validate_request_id("x" * (MAX_REQUEST_ID_CHARS + 1))
     assert err.value.field == "request_id"
+
+
+def test_new_sampling_defaults_are_vllms() -> None:
+    r = resolve()
+    assert (r.sampling.min_p, r.sampling.presence_penalty, r.sampling.frequency_penalty) == (
+        0.0, 0.0, 0.0,
+    )  # fmt: skip
+    assert (r.min_tokens, r.include_stop_str_in_output, r.skip_special_tokens) == (0, False, True)
+    assert r.logprobs is None and not r.sampling.HasField("num_logprobs")
+    assert list(r.sampling.stop_token_ids) == []  # only sent when min_tokens masks them
+
+
+def test_new_sampling_values_travel() -> None:
+    r = resolve(min_p=0.1, presence_penalty=-2.0, frequency_penalty=1.5, min_tokens=5,
+                max_tokens=20, logprobs=0, include_stop_str_in_output=True,
+                skip_special_tokens=False, stop_token_ids=[7])  # fmt: skip
+    assert r.sampling.min_p == pytest.approx(0.1)
+    assert (r.sampling.presence_penalty, r.sampling.frequency_penalty) == (-2.0, 1.5)
+    assert r.min_tokens == r.sampling.min_tokens == 5
+    assert list(r.sampling.stop_token_ids) == [7, 2]  # masked until 5 tokens: EOS included
+    assert r.logprobs == 0 and r.sampling.HasField("num_logprobs")
+    assert r.include_stop_str_in_output and not r.skip_special_tokens
+
+
+def test_min_p_is_off_for_greedy_and_min_tokens_capped_with_max_tokens() -> None:
+    assert resolve(temperature=0, min_p=0.5).sampling.min_p == 0.0
+    r = resolve(prompt_len=MAX_LEN - 3, max_tokens=10, min_tokens=8)
+    assert (r.max_tokens, r.min_tokens) == (3, 3)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"min_p": -0.1}, "sampling.min_p"),
+        ({"min_p": 1.5}, "sampling.min_p"),
+        ({"min_p": math.nan}, "sampling.min_p"),
+        ({"presence_penalty": 2.5}, "sampling.presence_penalty"),
+        ({"presence_penalty": math.nan}, "sampling.presence_penalty"),
+        ({"frequency_penalty": -3.0}, "sampling.frequency_penalty"),
+        ({"logprobs": 21}, "sampling.logprobs"),
+        ({"min_tokens": 17}, "sampling.min_tokens"),  # over the default max_tokens 16
+        ({"min_tokens": 5, "max_tokens": 4}, "sampling.min_tokens"),
+    ],
+)
+def test_new_sampling_values_rejected(fields: dict[str, object], field: str) -> None:
+    assert field_of(**fields) == field

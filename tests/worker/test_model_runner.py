@@ -132,6 +132,25 @@ def test_properties(tiny_models: dict[str, pathlib.Path]) -> None:
         runner.make_sequence(2, [1] * 101, SamplingOptions())
 
 
+def test_a_recomputed_seeded_sequence_resumes_its_random_stream(
+    tiny_models: dict[str, pathlib.Path],
+) -> None:
+    """After preemption the prompt holds 2 generated tokens: their 2 draws are skipped."""
+    runner = ModelRunner(tiny_models["qwen2"], dtype="float32", kv_cache_memory=1 << 20)
+    sampled = SamplingOptions(temperature=0.8, seed=5)
+    fresh = runner.make_sequence(1, [1, 2, 3], sampled)
+    assert fresh.generator is not None
+    draws = [float(torch.rand(1, generator=fresh.generator)) for _ in range(3)]
+    resumed = runner.make_sequence(2, [1, 2, 3, 7, 8], sampled, num_prompt_tokens=3)
+    assert resumed.num_prompt_tokens == 3 and resumed.generator is not None
+    assert float(torch.rand(1, generator=resumed.generator)) == draws[2]
+    greedy = runner.make_sequence(3, [1, 2, 3, 7], SamplingOptions(temperature=0, seed=5), 3)
+    assert greedy.generator is not None  # greedy rows draw nothing: nothing to skip
+    assert float(torch.rand(1, generator=greedy.generator)) == draws[0]
+    with pytest.raises(ValueError, match="num_prompt_tokens"):
+        runner.make_sequence(4, [1, 2], sampled, num_prompt_tokens=3)
+
+
 def test_bad_chunks_rejected(tiny_models: dict[str, pathlib.Path]) -> None:
     runner = ModelRunner(tiny_models["llama-tied"], dtype="float32", kv_cache_memory=1 << 20)
     seq = runner.make_sequence(1, [1, 2, 3], SamplingOptions())

@@ -22,13 +22,18 @@ from worker.sampler import (
 V = 1000
 
 
+def _tokens_and_logprobs(*args):  # type: ignore[no-untyped-def]
+    result = sample(*args)
+    return result.token_ids, result.logprobs
+
+
 def _logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
 
 
 def test_greedy_is_argmax() -> None:
     logits = _logits(6)
-    tokens, logprobs = sample(
+    tokens, logprobs = _tokens_and_logprobs(
         logits.clone(), [SamplingOptions(temperature=0)] * 6, [None] * 6, [[]] * 6
     )
     assert tokens.tolist() == logits.argmax(-1).tolist()
@@ -38,7 +43,7 @@ def test_greedy_is_argmax() -> None:
 def test_top_k_1_is_greedy() -> None:
     logits = _logits(5, seed=1)
     opts = [SamplingOptions(temperature=t, top_k=1) for t in (0.5, 1.0, 2.0, 0.7, 1.3)]
-    tokens, _ = sample(logits.clone(), opts, [None] * 5, [[]] * 5)
+    tokens, _ = _tokens_and_logprobs(logits.clone(), opts, [None] * 5, [[]] * 5)
     assert tokens.tolist() == logits.argmax(-1).tolist()
 
 
@@ -66,7 +71,7 @@ def _draws(rows_before: int, rows_after: int, steps: int = 8) -> list[int]:
             + [torch.Generator().manual_seed(6) if o.seed else None for o in after]
         )
         opts = [*before, target, *after]
-        tokens, _ = sample(logits, opts, gens, [[1, 2, 3]] * len(opts))
+        tokens, _ = _tokens_and_logprobs(logits, opts, gens, [[1, 2, 3]] * len(opts))
         out.append(int(tokens[rows_before]))
     return out
 
@@ -93,7 +98,9 @@ def test_repetition_penalty_matches_transformers() -> None:
     torch.testing.assert_close(mine, ref, rtol=0, atol=0)
     # through sample(): greedy after the penalty, logprob of the penalized distribution
     opts = [SamplingOptions(temperature=0, repetition_penalty=p) for p in penalties]
-    tokens, logprobs = sample(logits.clone(), opts, [None] * 4, [r.tolist() for r in ids])
+    tokens, logprobs = _tokens_and_logprobs(
+        logits.clone(), opts, [None] * 4, [r.tolist() for r in ids]
+    )
     assert tokens.tolist() == ref.argmax(-1).tolist()
     torch.testing.assert_close(logprobs, torch.log_softmax(ref, -1).max(-1).values)
 
@@ -146,7 +153,9 @@ def test_fallback_rows_sample_inside_the_nucleus(monkeypatch: pytest.MonkeyPatch
     warped = TopPLogitsWarper(0.9)(None, logits[:1].clone())[0]
     kept = set(torch.nonzero(torch.isfinite(warped)).squeeze(1).tolist())
     assert len(kept) > 2
-    tokens, _ = sample(logits.clone(), [SamplingOptions(top_p=0.9)] * 200, [None] * 200, [[]] * 200)
+    tokens, _ = _tokens_and_logprobs(
+        logits.clone(), [SamplingOptions(top_p=0.9)] * 200, [None] * 200, [[]] * 200
+    )
     assert set(tokens.tolist()) <= kept
     assert len(set(tokens.tolist())) > 2
 
@@ -154,7 +163,7 @@ def test_fallback_rows_sample_inside_the_nucleus(monkeypatch: pytest.MonkeyPatch
 def test_samples_follow_the_truncated_distribution() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(4000, 1)
     opts = [SamplingOptions(temperature=1.0, top_p=0.8)] * 4000
-    tokens, _ = sample(logits.clone(), opts, [None] * 4000, [[]] * 4000)
+    tokens, _ = _tokens_and_logprobs(logits.clone(), opts, [None] * 4000, [[]] * 4000)
     kept = top_k_top_p_mask(logits[:1], None, torch.tensor([0.8]))[0]
     probs = torch.softmax(kept, -1)
     freq = torch.bincount(tokens, minlength=6).double() / 4000
@@ -165,3 +174,58 @@ def test_samples_follow_the_truncated_distribution() -> None:
 def test_invalid_options() -> None:
     with pytest.raises(ValueError, match="invalid sampling"):
         sample(_logits(1), [SamplingOptions(top_p=0.0)], [None], [[]])
+
+
+def test_presence_and_frequency_penalties_use_output_counts_only() -> None:
+    from worker.sampler import apply_output_penalties
+
+    logits = torch.zeros(2, 6)
+    apply_output_penalties(logits, [[1, 1, 3], []], presence=[0.5, 0.5], frequency=[0.25, 0.25])
+    # token 1 twice: 0.5 + 2 * 0.25; token 3 once: 0.5 + 0.25; row 2 has no output yet
+    assert logits[0].tolist() == [0.0, -1.0, 0.0, -0.75, 0.0, 0.0]
+    assert logits[1].tolist() == [0.0] * 6
+
+
+def test_sample_applies_penalties_to_the_right_tokens() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.9, 0.0]])
+    prompt_and_output = [[1, 0, 2]]  # prompt [1], output [0, 2]
+    opts = [SamplingOptions(temperature=0, presence_penalty=1.0)]
+    # presence counts the output only: token 2 (output) drops to 1.9, token 1 (prompt) stays
+    r = sample(logits.clone(), opts, [None], prompt_and_output, [1])
+    assert r.token_ids.tolist() == [1]
+    opts = [SamplingOptions(temperature=0, presence_penalty=0.0, repetition_penalty=2.0)]
+    # repetition covers prompt and output: 3.0 -> 1.5, 2.9 -> 1.45; token 1 still wins
+    r = sample(logits.clone(), opts, [None], prompt_and_output, [1])
+    assert r.token_ids.tolist() == [1]
+    logits2 = torch.tensor([[0.0, 3.0, 2.0, 2.5]])
+    r = sample(logits2.clone(), opts, [None], [[1]], [1])  # 1 only in the prompt: 1.5 < 2.5
+    assert r.token_ids.tolist() == [3]
+
+
+def test_min_tokens_masks_stop_ids_until_reached() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    opts = [SamplingOptions(temperature=0, min_tokens=2, stop_token_ids=(1,))]
+    assert sample(logits.clone(), opts, [None], [[9, 4]], [1]).token_ids.tolist() == [2]
+    assert sample(logits.clone(), opts, [None], [[9, 4, 4]], [1]).token_ids.tolist() == [1]
+
+
+def test_min_p_keeps_tokens_near_the_top() -> None:
+    from worker.sampler import min_p_mask
+
+    scaled = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = min_p_mask(scaled, torch.tensor([0.5]))  # threshold 0.25
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
+    opts = [SamplingOptions(temperature=1.0, min_p=0.5)] * 2000
+    tokens = sample(scaled.repeat(2000, 1), opts, [None] * 2000, [[]] * 2000).token_ids
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_top_logprobs_are_the_top_of_the_returned_distribution() -> None:
+    logits = _logits(3)
+    opts = [SamplingOptions(temperature=0, num_logprobs=n) for n in (0, 3, None)]
+    r = sample(logits.clone(), opts, [None] * 3, [[]] * 3)
+    assert r.top_ids is not None and r.top_logprobs is not None
+    ref_lp, ref_ids = torch.topk(torch.log_softmax(logits, -1), 3, dim=-1)
+    assert r.top_ids.tolist() == ref_ids.tolist()
+    torch.testing.assert_close(r.top_logprobs, ref_lp)
+    assert r.token_ids.tolist() == ref_ids[:, 0].tolist()  # greedy = the top entry

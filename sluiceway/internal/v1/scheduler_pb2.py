@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from sluiceway.v1 import inference_pb2 as sluiceway_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%sluiceway/internal/v1/scheduler.proto\x12\x15sluiceway.internal.v1\x1a\x1csluiceway/v1/inference.proto\"\x83\x01\n\x16SequenceSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xae\x01\n\x11\x41\x64\x64RequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12?\n\x08sampling\x18\x03 \x01(\x0b\x32-.sluiceway.internal.v1.SequenceSamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\"\x80\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.sluiceway.v1.FinishReason\x12\x1a\n\rqueue_seconds\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_queue_seconds\"\x19\n\x17GetSchedulerInfoRequest\"\xcf\x02\n\rSchedulerInfo\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14num_requests_running\x18\x07 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x35\n\x08kv_cache\x18\n \x01(\x0b\x32#.sluiceway.internal.v1.KvCacheStats\x12\x38\n\nstep_times\x18\x0b \x01(\x0b\x32$.sluiceway.internal.v1.StepTimeStats\"\x98\x02\n\rStepTimeStats\x12\x17\n\x0fnum_steps_total\x18\x01 \x01(\x04\x12\x1e\n\x16schedule_seconds_total\x18\x02 \x01(\x01\x12\x1d\n\x15\x65xecute_seconds_total\x18\x03 \x01(\x01\x12!\n\x19worker_step_seconds_total\x18\x04 \x01(\x01\x12$\n\x1cworker_prepare_seconds_total\x18\x05 \x01(\x01\x12$\n\x1cworker_forward_seconds_total\x18\x06 \x01(\x01\x12#\n\x1bworker_sample_seconds_total\x18\x07 \x01(\x01\x12\x1b\n\x13\x61pply_seconds_total\x18\x08 \x01(\x01\"\xc3\x01\n\x0cKvCacheStats\x12\x13\n\x0butilization\x18\x01 \x01(\x02\x12\x1b\n\x13tokens_stored_total\x18\x02 \x01(\x04\x12\x1d\n\x15slots_allocated_total\x18\x03 \x01(\x04\x12\"\n\x1aprefix_cache_queries_total\x18\x04 \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x05 \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\x06 \x01(\x04\"\x9e\x01\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\"/\n\x16RegisterWorkerResponse\x12\x15\n\rmax_model_len\x18\x01 \x01(\r2\xc1\x02\n\tScheduler\x12[\n\nAddRequest\x12(.sluiceway.internal.v1.AddRequestRequest\x1a!.sluiceway.internal.v1.TokenEvent0\x01\x12h\n\x10GetSchedulerInfo\x12..sluiceway.internal.v1.GetSchedulerInfoRequest\x1a$.sluiceway.internal.v1.SchedulerInfo\x12m\n\x0eRegisterWorker\x12,.sluiceway.internal.v1.RegisterWorkerRequest\x1a-.sluiceway.internal.v1.RegisterWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%sluiceway/internal/v1/scheduler.proto\x12\x15sluiceway.internal.v1\x1a\x1csluiceway/v1/inference.proto\"\x9f\x02\n\x16SequenceSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x19\n\x0cnum_logprobs\x18\x0b \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0f\n\r_num_logprobs\"\xc2\x01\n\x11\x41\x64\x64RequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12?\n\x08sampling\x18\x03 \x01(\x0b\x32-.sluiceway.internal.v1.SequenceSamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\"\xaf\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.sluiceway.v1.TokenLogprobs\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.sluiceway.v1.FinishReason\x12\x1a\n\rqueue_seconds\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_queue_seconds\"\x19\n\x17GetSchedulerInfoRequest\"\xcf\x02\n\rSchedulerInfo\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14num_requests_running\x18\x07 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x35\n\x08kv_cache\x18\n \x01(\x0b\x32#.sluiceway.internal.v1.KvCacheStats\x12\x38\n\nstep_times\x18\x0b \x01(\x0b\x32$.sluiceway.internal.v1.StepTimeStats\"\x98\x02\n\rStepTimeStats\x12\x17\n\x0fnum_steps_total\x18\x01 \x01(\x04\x12\x1e\n\x16schedule_seconds_total\x18\x02 \x01(\x01\x12\x1d\n\x15\x65xecute_seconds_total\x18\x03 \x01(\x01\x12!\n\x19worker_step_seconds_total\x18\x04 \x01(\x01\x12$\n\x1cworker_prepare_seconds_total\x18\x05 \x01(\x01\x12$\n\x1cworker_forward_seconds_total\x18\x06 \x01(\x01\x12#\n\x1bworker_sample_seconds_total\x18\x07 \x01(\x01\x12\x1b\n\x13\x61pply_seconds_total\x18\x08 \x01(\x01\"\xc3\x01\n\x0cKvCacheStats\x12\x13\n\x0butilization\x18\x01 \x01(\x02\x12\x1b\n\x13tokens_stored_total\x18\x02 \x01(\x04\x12\x1d\n\x15slots_allocated_total\x18\x03 \x01(\x04\x12\"\n\x1aprefix_cache_queries_total\x18\x04 \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x05 \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\x06 \x01(\x04\"\x9e\x01\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\"/\n\x16RegisterWorkerResponse\x12\x15\n\rmax_model_len\x18\x01 \x01(\r2\xc1\x02\n\tScheduler\x12[\n\nAddRequest\x12(.sluiceway.internal.v1.AddRequestRequest\x1a!.sluiceway.internal.v1.TokenEvent0\x01\x12h\n\x10GetSchedulerInfo\x12..sluiceway.internal.v1.GetSchedulerInfoRequest\x1a$.sluiceway.internal.v1.SchedulerInfo\x12m\n\x0eRegisterWorker\x12,.sluiceway.internal.v1.RegisterWorkerRequest\x1a-.sluiceway.internal.v1.RegisterWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sluiceway.internal.v1.sched
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SEQUENCESAMPLINGPARAMS']._serialized_start=95
-  _globals['_SEQUENCESAMPLINGPARAMS']._serialized_end=226
-  _globals['_ADDREQUESTREQUEST']._serialized_start=229
-  _globals['_ADDREQUESTREQUEST']._serialized_end=403
-  _globals['_TOKENEVENT']._serialized_start=406
-  _globals['_TOKENEVENT']._serialized_end=534
-  _globals['_GETSCHEDULERINFOREQUEST']._serialized_start=536
-  _globals['_GETSCHEDULERINFOREQUEST']._serialized_end=561
-  _globals['_SCHEDULERINFO']._serialized_start=564
-  _globals['_SCHEDULERINFO']._serialized_end=899
-  _globals['_STEPTIMESTATS']._serialized_start=902
-  _globals['_STEPTIMESTATS']._serialized_end=1182
-  _globals['_KVCACHESTATS']._serialized_start=1185
-  _globals['_KVCACHESTATS']._serialized_end=1380
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1383
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1541
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1543
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1590
-  _globals['_SCHEDULER']._serialized_start=1593
-  _globals['_SCHEDULER']._serialized_end=1914
+  _globals['_SEQUENCESAMPLINGPARAMS']._serialized_end=382
+  _globals['_ADDREQUESTREQUEST']._serialized_start=385
+  _globals['_ADDREQUESTREQUEST']._serialized_end=579
+  _globals['_TOKENEVENT']._serialized_start=582
+  _globals['_TOKENEVENT']._serialized_end=757
+  _globals['_GETSCHEDULERINFOREQUEST']._serialized_start=759
+  _globals['_GETSCHEDULERINFOREQUEST']._serialized_end=784
+  _globals['_SCHEDULERINFO']._serialized_start=787
+  _globals['_SCHEDULERINFO']._serialized_end=1122
+  _globals['_STEPTIMESTATS']._serialized_start=1125
+  _globals['_STEPTIMESTATS']._serialized_end=1405
+  _globals['_KVCACHESTATS']._serialized_start=1408
+  _globals['_KVCACHESTATS']._serialized_end=1603
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1606
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1764
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1766
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1813
+  _globals['_SCHEDULER']._serialized_start=1816
+  _globals['_SCHEDULER']._serialized_end=2137
 # @@protoc_insertion_point(module_scope)

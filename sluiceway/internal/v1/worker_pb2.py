@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from sluiceway.internal.v1 import scheduler_pb2 as sluiceway_dot_internal_dot_v1_dot_scheduler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"sluiceway/internal/v1/worker.proto\x12\x15sluiceway.internal.v1\x1a%sluiceway/internal/v1/scheduler.proto\"\x8c\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12?\n\x08sampling\x18\x03 \x01(\x0b\x32-.sluiceway.internal.v1.SequenceSamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\x8b\x01\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x61ppended_token_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\r\x12\x15\n\rnew_block_ids\x18\x05 \x03(\r\"\xb0\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x39\n\rnew_sequences\x18\x02 \x03(\x0b\x32\".sluiceway.internal.v1.NewSequence\x12;\n\tscheduled\x18\x03 \x03(\x0b\x32(.sluiceway.internal.v1.ScheduledSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\x04\"A\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\xb5\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x07sampled\x18\x02 \x03(\x0b\x32#.sluiceway.internal.v1.SampledToken\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\x04 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x06 \x01(\x01\x32`\n\x06Worker\x12V\n\x0b\x45xecuteStep\x12\".sluiceway.internal.v1.StepRequest\x1a#.sluiceway.internal.v1.StepResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"sluiceway/internal/v1/worker.proto\x12\x15sluiceway.internal.v1\x1a%sluiceway/internal/v1/scheduler.proto\"\xa7\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12?\n\x08sampling\x18\x03 \x01(\x0b\x32-.sluiceway.internal.v1.SequenceSamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\"\x8b\x01\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x61ppended_token_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\r\x12\x15\n\rnew_block_ids\x18\x05 \x03(\r\"\xb0\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x39\n\rnew_sequences\x18\x02 \x03(\x0b\x32\".sluiceway.internal.v1.NewSequence\x12;\n\tscheduled\x18\x03 \x03(\x0b\x32(.sluiceway.internal.v1.ScheduledSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\x04\"n\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\xb5\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x07sampled\x18\x02 \x03(\x0b\x32#.sluiceway.internal.v1.SampledToken\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\x04 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x06 \x01(\x01\x32`\n\x06Worker\x12V\n\x0b\x45xecuteStep\x12\".sluiceway.internal.v1.StepRequest\x1a#.sluiceway.internal.v1.StepResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sluiceway.internal.v1.worke
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_NEWSEQUENCE']._serialized_start=101
-  _globals['_NEWSEQUENCE']._serialized_end=241
-  _globals['_SCHEDULEDSEQUENCE']._serialized_start=244
-  _globals['_SCHEDULEDSEQUENCE']._serialized_end=383
-  _globals['_STEPREQUEST']._serialized_start=386
-  _globals['_STEPREQUEST']._serialized_end=562
-  _globals['_SAMPLEDTOKEN']._serialized_start=564
-  _globals['_SAMPLEDTOKEN']._serialized_end=629
-  _globals['_STEPRESPONSE']._serialized_start=632
-  _globals['_STEPRESPONSE']._serialized_end=813
-  _globals['_WORKER']._serialized_start=815
-  _globals['_WORKER']._serialized_end=911
+  _globals['_NEWSEQUENCE']._serialized_end=268
+  _globals['_SCHEDULEDSEQUENCE']._serialized_start=271
+  _globals['_SCHEDULEDSEQUENCE']._serialized_end=410
+  _globals['_STEPREQUEST']._serialized_start=413
+  _globals['_STEPREQUEST']._serialized_end=589
+  _globals['_SAMPLEDTOKEN']._serialized_start=591
+  _globals['_SAMPLEDTOKEN']._serialized_end=701
+  _globals['_STEPRESPONSE']._serialized_start=704
+  _globals['_STEPRESPONSE']._serialized_end=885
+  _globals['_WORKER']._serialized_start=887
+  _globals['_WORKER']._serialized_end=983
 # @@protoc_insertion_point(module_scope)
