@@ -309,7 +309,7 @@ async def watch_scheduler(
                     model_id=service.limits.model_id,
                     max_model_len=service.limits.max_model_len,
                 )
-            elif serving is not None:
+            elif serving is not None and not service.draining:
                 log.warning("scheduler_unavailable")
             serving = now_serving
         await asyncio.sleep(poll_s)

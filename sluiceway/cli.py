@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from sluiceway.argtypes import positive_int
 from sluiceway.sizes import parse_size
 
 DEFAULT_PORT = 50051
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}")
     gen.add_argument("--chat", action="store_true", help="send PROMPT as one user message")
-    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--max-tokens", type=positive_int, default=None)
     gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=None)
@@ -203,14 +204,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_async(coro) -> int:  # type: ignore[no-untyped-def]
+    """Runs a process's main coroutine; a port it cannot bind is a clear error (exit 2)."""
+    from sluiceway.grpc_server import BindError
+    from sluiceway.metrics import MetricsPortError
+
     try:
-        import uvloop
+        try:
+            import uvloop
 
-        uvloop.run(coro)
-    except ImportError:  # uvloop has no Windows build
-        import asyncio
+            uvloop.run(coro)
+        except ImportError:  # uvloop has no Windows build
+            import asyncio
 
-        asyncio.run(coro)
+            asyncio.run(coro)
+    except (MetricsPortError, BindError) as e:
+        print(f"sluiceway: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

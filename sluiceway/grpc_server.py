@@ -33,21 +33,31 @@ def new_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """An asyncio gRPC server with the standard `grpc.health.v1` service added (NOT_SERVING)."""
-    server = grpc.aio.server(options=channel_options(max_message_bytes))
+    # No SO_REUSEPORT (gRPC's default on Linux): a second server on a taken port must fail,
+    # not share the port and split the clients between two unrelated servers.
+    server = grpc.aio.server(
+        options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server, health_servicer
 
 
+class BindError(RuntimeError):
+    """A gRPC server cannot listen on its address (taken, or not ours)."""
+
+
 def bind(server: grpc.aio.Server, address: str) -> str:
     """Binds `address` (host:port, port 0 = any free port, or unix:PATH); returns the bound address.
 
-    Raises RuntimeError when the address cannot be bound.
+    Raises BindError when the address cannot be bound.
     """
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as e:
-        raise RuntimeError(f"cannot listen on {address}: {e}") from e
+        raise BindError(f"cannot listen on {address}: {e}") from e
+    if port == 0 and not address.startswith("unix:"):
+        raise BindError(f"cannot listen on {address}: the address is taken or not available")
     if address.startswith("unix:"):
         return address
     host = address.rsplit(":", 1)[0]

@@ -3,9 +3,11 @@
 The children talk over Unix sockets in a private temp folder; only the router
 listens on TCP. Children get SIGTERM if this process dies (PR_SET_PDEATHSIG),
 so nothing is orphaned; on SIGINT/SIGTERM the router drains and stops first,
-then the scheduler and the worker. A child that dies is started again (a
+then the scheduler and the worker. A child that fails is started again (a
 restarted scheduler takes the worker with it, which must register anew), at
-most MAX_RESTARTS times a minute.
+most MAX_RESTARTS times a minute; one that exits 0 (a router drained by
+SIGTERM) stops the stack, and so does one that exits 2 (a usage or
+configuration error, such as a taken port).
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ def serve_command(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     model_dir = resolve_model(args.model)  # convert a GGUF once, before the children race for it
     model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    taken = _taken_port(args.host, args.port)
+    if taken:
+        print(f"sluiceway: cannot listen on {args.host}:{args.port}: {taken}", file=sys.stderr)
+        return 2
     tmp = tempfile.mkdtemp(prefix="sluiceway-")
     scheduler_addr = f"unix:{tmp}/scheduler.sock"
     worker_addr = f"unix:{tmp}/worker.sock"
@@ -164,6 +170,14 @@ def serve_command(args: argparse.Namespace) -> int:
             )
             print(f"sluiceway: metrics: {urls}", flush=True)
         while not stopping:
+            done = next((c for c in children if c.process.poll() in (0, 2)), None)
+            if done is not None and done.process.returncode == 0:
+                # stopped on purpose (e.g. a router drained on SIGTERM)
+                print(f"sluiceway: {done.name} exited with 0; stopping", flush=True)
+                return 0
+            if done is not None:  # 2: a usage or configuration error; restarting cannot help
+                print(f"sluiceway: {done.name} exited with 2; stopping", file=sys.stderr)
+                return 1
             _restart_exited(children)
             time.sleep(0.2)
         return 0
@@ -176,8 +190,9 @@ def serve_command(args: argparse.Namespace) -> int:
 
 
 def _restart_exited(children: list[Child]) -> None:
-    """Starts again each child that exited; a restarted scheduler has lost its workers'
-    registration, so the worker restarts with it. Raises RuntimeError (see `Child.restart`)."""
+    """Starts again each child that failed (crashed or killed by a signal); a
+    restarted scheduler has lost its workers' registration, so the worker restarts with it.
+    Raises RuntimeError (see `Child.restart`)."""
     by_name = {c.name: c for c in children}
     for child in children:
         if child.process.poll() is None:
@@ -208,6 +223,21 @@ def _wait_healthy(child: Child, children: list[Child], stopping) -> None:  # typ
                 raise TimeoutError(
                     f"{child.name} not healthy after {STARTUP_TIMEOUT_S:.0f} s"
                 ) from None
+
+
+def _taken_port(host: str, port: int) -> str:
+    """Why `host:port` cannot be listened on ("" when it can): checked before the children
+    start, so that another server answering health checks there is never taken for ours."""
+    if port == 0:
+        return ""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            # as gRPC does: a port left in TIME_WAIT by a server just stopped is free
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        return e.strerror or str(e)
+    return ""
 
 
 def _metrics_ports(first: int) -> dict[str, int]:

@@ -22,7 +22,15 @@ def configure_logging(process: str, log_format: str = "json", level: str = "INFO
         if log_format == "json"
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
+
+    def add_process(
+        _logger: object, _method: str, event: structlog.typing.EventDict
+    ) -> structlog.typing.EventDict:
+        event.setdefault("process", process)  # every thread, unlike a contextvar
+        return event
+
     shared: list[structlog.typing.Processor] = [
+        add_process,
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -40,7 +48,7 @@ def configure_logging(process: str, log_format: str = "json", level: str = "INFO
     structlog.configure(
         processors=[*shared, structlog.processors.EventRenamer("event"), renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # one write() per line: processes sharing a pipe never splice their lines
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
-    structlog.contextvars.bind_contextvars(process=process)

@@ -30,8 +30,17 @@ TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(0, 14))
 def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
     """Serves the default registry on http://host:port/metrics in a daemon thread.
 
-    Returns the bound port (a free one when `port` is 0). Raises OSError when
-    the port is taken.
+    Returns the bound port (a free one when `port` is 0). Raises
+    MetricsPortError (an OSError) naming the address when it cannot be bound.
     """
-    server, _thread = start_http_server(port, addr=host)
+    try:
+        server, _thread = start_http_server(port, addr=host)
+    except OSError as e:
+        raise MetricsPortError(
+            f"cannot serve metrics on {host}:{port}: {e.strerror or e} (--metrics-port)"
+        ) from e
     return int(server.server_port)
+
+
+class MetricsPortError(OSError):
+    """The metrics endpoint's address cannot be bound (taken, or not ours)."""

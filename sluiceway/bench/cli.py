@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from sluiceway.argtypes import positive_int
 from sluiceway.bench.step import add_step_args
 from sluiceway.bench.workload import add_workload_args
 
@@ -34,12 +35,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     compare.add_argument(
         "--static-batch-size",
-        type=int,
+        type=positive_int,
         default=32,
         help="batch of the static policy and of the transformers baseline",
     )
     compare.add_argument(
-        "--reference", default=None, help="label the ratios compare against (default: continuous)"
+        "--reference",
+        default=None,
+        help="the column the ratios compare against: a label or its start, e.g. static "
+        "(default: continuous)",
     )
     compare.add_argument(
         "--serve-args",

@@ -23,9 +23,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 
-from sluiceway.bench.serve import BenchRun, print_figures, run_workload
+from sluiceway.bench.serve import BenchRun, json_safe, print_figures, run_workload
 from sluiceway.bench.workload import load_requests, request_intervals
 
 SERVER_START_TIMEOUT_S = 600.0
@@ -158,11 +159,22 @@ def run_sluiceway(
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            try:
-                wait_until_serving(target, SERVER_START_TIMEOUT_S)
-            except TimeoutError as e:
-                log.seek(0)
-                raise RuntimeError(f"{config.label}: server did not start\n{log.read()}") from e
+            deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+            while True:
+                try:
+                    wait_until_serving(target, 1.0)
+                    break
+                except TimeoutError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        log.seek(0)
+                        why = (
+                            f"exited with {proc.returncode}"
+                            if proc.poll() is not None
+                            else (f"not serving after {SERVER_START_TIMEOUT_S:.0f} s")
+                        )
+                        raise RuntimeError(
+                            f"{config.label}: the server {why}:\n{log.read()[-4000:]}"
+                        ) from None
             return asyncio.run(
                 run_workload(
                     target, requests, intervals, args.max_concurrency, args.ignore_eos,
@@ -211,9 +223,11 @@ def compare_command(args: argparse.Namespace) -> int:
         print(f"sluiceway bench compare: {e}", file=sys.stderr)
         return 2
     labels = [c.label for c in configs]
-    reference = args.reference or next(
-        (c.label for c in configs if c.label.startswith("continuous")), labels[0]
-    )
+    reference = args.reference or "continuous"
+    matching = [label for label in labels if label == reference or label.startswith(reference)]
+    reference = matching[0] if len(matching) == 1 or reference in labels else reference
+    if args.reference is None and reference not in labels:
+        reference = labels[0]
     if reference not in labels:
         print(
             f"sluiceway bench compare: --reference {reference!r} not in {labels}", file=sys.stderr
@@ -223,19 +237,12 @@ def compare_command(args: argparse.Namespace) -> int:
     intervals = request_intervals(len(requests), args.request_rate, args.burstiness, args.seed)
     extra = shlex.split(args.serve_args)
     runs: dict[str, BenchRun] = {}
-    for config in configs:
-        if config.backend == "transformers":
-            from sluiceway.bench.transformers_baseline import run_transformers
-
-            print(f"[{config.label}] transformers generate, static batches of {config.batch_size}")
-            runs[config.label] = run_transformers(
-                requests, intervals, model=args.model, batch_size=config.batch_size,
-                ignore_eos=args.ignore_eos, dtype=args.dtype,
-            )  # fmt: skip
-        else:
-            runs[config.label] = run_sluiceway(config, extra, args, requests, intervals)
-        print(f"[{config.label}]")
-        print_figures(runs[config.label].figures, runs[config.label].errors)
+    try:
+        for config in configs:
+            runs[config.label] = _run_config(config, args, extra, requests, intervals)
+    except RuntimeError as e:
+        print(f"sluiceway bench compare: {e}", file=sys.stderr)
+        return 1
     figures = {label: run.figures for label, run in runs.items()}
     table, ratios = comparison_table(labels, figures, reference)
     rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate} req/s"
@@ -254,6 +261,23 @@ def compare_command(args: argparse.Namespace) -> int:
         )
         print(f"plot saved to {args.plot}")
     return 1 if any(run.figures["failed_requests"] for run in runs.values()) else 0
+
+
+def _run_config(config: Configuration, args, extra, requests, intervals) -> BenchRun:  # type: ignore[no-untyped-def]
+    """One column: the transformers baseline in this process, or a sluiceway server."""
+    if config.backend == "transformers":
+        from sluiceway.bench.transformers_baseline import run_transformers
+
+        print(f"[{config.label}] transformers generate, static batches of {config.batch_size}")
+        run = run_transformers(
+            requests, intervals, model=args.model, batch_size=config.batch_size,
+            ignore_eos=args.ignore_eos, dtype=args.dtype,
+        )  # fmt: skip
+    else:
+        run = run_sluiceway(config, extra, args, requests, intervals)
+    print(f"[{config.label}]")
+    print_figures(run.figures, run.errors)
+    return run
 
 
 def _split(value: str) -> list[str]:
@@ -281,4 +305,4 @@ def _save(args, configs, runs, reference, ratios, table) -> None:  # type: ignor
         ],
     }
     with open(args.save_result, "w") as f:
-        json.dump(result, f, indent=2, default=str)
+        json.dump(json_safe(result), f, indent=2, default=str)

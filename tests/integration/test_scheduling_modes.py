@@ -149,6 +149,9 @@ def test_chunked_prefill_keeps_decodes_flowing(tokenizer) -> None:  # type: igno
         )
     chunked_gap, chunked_ttft = figures["chunked, 256-token steps"]
     print(f"one 256-token step takes about {chunked_ttft / 7 * 1e3:.0f} ms (TTFT / 7 steps)")
-    # Unchunked, every stream waits for the whole 1600-token prefill; chunked, for one
-    # 256-token step at most.
-    assert chunked_gap < figures["unchunked"][0] / 2
+    # Unchunked, every stream waits for the whole 1600-token prefill; chunked, for about one
+    # 256-token step of the 7 it takes. Each stack is compared with its own prefill time, so
+    # a machine busier during one run than the other does not decide the outcome.
+    unchunked_gap, unchunked_ttft = figures["unchunked"]
+    assert chunked_gap < chunked_ttft / 3
+    assert unchunked_gap > unchunked_ttft / 2
