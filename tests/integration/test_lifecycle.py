@@ -42,3 +42,35 @@ def test_no_orphans(sig: signal.Signals) -> None:
     rc = stack.process.wait(timeout=60)
     assert rc == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
     assert wait_gone(children, timeout_s=20) == []
+
+
+def test_a_second_serve_on_a_taken_port_fails_and_the_first_keeps_serving() -> None:
+    import subprocess
+    import sys
+
+    from sluiceway.client import Client
+
+    first = start_stack()
+    try:
+        port = first.target.rsplit(":", 1)[1]
+        second = subprocess.run(
+            [sys.executable, "-m", "sluiceway.cli", "serve", "--port", port,
+             "--metrics-port", "0"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert second.returncode == 2
+        assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in second.stderr
+        with first.client() as client:
+            _, ids, _ = client.generate(Client.request("Hi", temperature=0, max_tokens=2))
+        assert len(ids) == 2
+    finally:
+        first.process.send_signal(signal.SIGTERM)
+        assert first.process.wait(timeout=60) == 0
+
+
+def test_a_router_drained_by_sigterm_stops_serve_with_0() -> None:
+    stack = start_stack()
+    os.kill(stack.pids["router"], signal.SIGTERM)
+    assert stack.process.wait(timeout=60) == 0
+    assert wait_gone(list(stack.pids.values()), 30) == []
+    assert any("router exited with 0; stopping" in line for line in stack.log)
