@@ -25,6 +25,7 @@ from router.metrics import RequestRecorder
 from router.tokenizer import encode_chat, encode_prompt, load_tokenizer
 from router.validation import resolve_request, validate_prompt_token_ids, validate_request_id
 from sluiceway.grpc_server import (
+    DEFAULT_MAX_MESSAGE_BYTES,
     NOT_SERVING,
     REQUEST_ID_METADATA,
     SERVING,
@@ -323,8 +324,11 @@ async def serve(
     drain_timeout_s: float = 30.0,
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> None:
     """Serves the public API on `address` until SIGINT/SIGTERM, then drains.
+
+    A request or response over `max_message_bytes` bytes gets RESOURCE_EXHAUSTED.
 
     Health is NOT_SERVING until the scheduler reports ready, and again whenever
     it stops answering. On a signal the router drains: health NOT_SERVING, new
@@ -340,7 +344,7 @@ async def serve(
         log.info("metrics_listening", url=f"http://{metrics_host}:{port}/metrics")
     tokenizer = load_tokenizer(model_dir)
     service = InferenceService(tokenizer, model_dir, scheduler_address)
-    server, health = new_server()
+    server, health = new_server(max_message_bytes)
     inference_pb2_grpc.add_InferenceServicer_to_server(service, server)
     service_name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     reflection.enable_server_reflection(

@@ -93,6 +93,16 @@ def _add_metrics(p: argparse.ArgumentParser, process: str) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics")
 
 
+def _add_max_message_size(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-message-size",
+        type=parse_size,
+        default=4 * 1024 * 1024,
+        help="largest gRPC request or response of the public API, bytes or e.g. 16MiB; larger "
+        "ones get RESOURCE_EXHAUSTED (default 4MiB)",
+    )
+
+
 def _add_drain(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drain-timeout",
@@ -125,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "worker the one after (0 = free ports, -1 = off)",
     )
     _add_drain(serve)
+    _add_max_message_size(serve)
     _add_model(serve)
     _add_worker(serve)
     _add_scheduler(serve)
@@ -148,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(router)
     _add_metrics(router, "router")
     _add_drain(router)
+    _add_max_message_size(router)
     _add_common(router)
 
     sched = sub.add_parser("scheduler", help="run the scheduler process")
@@ -235,6 +247,7 @@ def _run_router(args: argparse.Namespace) -> int:
             drain_timeout_s=args.drain_timeout,
             metrics_port=_metrics_port(args),
             metrics_host=args.metrics_host,
+            max_message_bytes=args.max_message_size,
         )
     )
 

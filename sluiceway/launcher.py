@@ -152,6 +152,7 @@ def serve_command(args: argparse.Namespace) -> int:
             "--model", str(model_dir),
             "--metrics-port", str(metrics_ports["router"]), "--metrics-host", args.host,
             "--drain-timeout", str(args.drain_timeout),
+            "--max-message-size", str(args.max_message_size),
             *common,
         ]  # fmt: skip
         children.append(Child.start("router", router_addr, router_argv))

@@ -96,3 +96,22 @@ def test_control_characters_emoji_and_mixed_scripts_work(stack: Stack) -> None:
             timeout=60,
         )
     assert len(ids) == 3 and last.usage.prompt_tokens > 5
+
+
+def test_max_message_size_is_a_flag() -> None:
+    from tests.integration.conftest import start_stack, stop_stack
+
+    stack = start_stack("--max-message-size", "8MiB")
+    try:
+        with grpc.insecure_channel(stack.target) as channel:
+            call = channel.unary_stream(
+                "/sluiceway.v1.Inference/Generate",
+                request_serializer=inference_pb2.GenerateRequest.SerializeToString,
+                response_deserializer=inference_pb2.GenerateResponse.FromString,
+            )
+            with pytest.raises(grpc.RpcError) as err:  # through, then too many tokens
+                list(call(_request(prompt="x " * (5 * 2**19)), timeout=120))
+        assert err.value.code() == INVALID
+        assert "max_model_len" in (err.value.details() or "")
+    finally:
+        assert stop_stack(stack) == 0
