@@ -40,6 +40,9 @@ from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 log = structlog.get_logger("router")
 
 UNSPECIFIED = inference_pb2.FINISH_REASON_UNSPECIFIED
+# A stream cancelled with less than this left before its deadline ended by the deadline:
+# the cancellation reaches the handler a little before the deadline itself.
+DEADLINE_SLACK_S = 0.1
 # finish reason -> the `finished_reason` label and log field (vLLM's words)
 FINISHED_REASONS = {
     inference_pb2.FINISH_REASON_STOP: "stop",
@@ -135,8 +138,28 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         rlog = log.bind(request_id=request_id)
         limits = self.limits
-        model = limits.model_id if limits is not None else ""
-        recorder = RequestRecorder(model, arrival)
+        recorder = RequestRecorder(limits.model_id if limits is not None else "", arrival)
+        try:
+            async for response in self._generate(request, context, request_id, rlog, recorder):
+                yield response
+        except asyncio.CancelledError:  # the client left, or its deadline passed
+            remaining = context.time_remaining()
+            code = grpc.StatusCode.CANCELLED
+            if remaining is not None and remaining <= DEADLINE_SLACK_S:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
+            recorder.on_failure(code.name)
+            rlog.info("request_cancelled", code=code.name, completion_tokens=recorder.num_generated)
+            raise
+
+    async def _generate(
+        self,
+        request: inference_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        request_id: str,
+        rlog: structlog.typing.FilteringBoundLogger,
+        recorder: RequestRecorder,
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        limits = self.limits
 
         async def fail(code: grpc.StatusCode, details: str) -> None:
             recorder.on_failure(code.name)
@@ -150,7 +173,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return
         try:
             validate_request_id(request.request_id)
-            prompt_ids = self._prompt_token_ids(request)
+            # a thread: tokenizing a megabyte prompt takes seconds; other streams go on
+            prompt_ids = await asyncio.to_thread(self._prompt_token_ids, request)
             validate_prompt_token_ids(prompt_ids, limits.vocab_size, limits.max_model_len)
             resolved = resolve_request(
                 request.sampling,
@@ -226,14 +250,6 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         except grpc.aio.AioRpcError as e:
             await fail(e.code(), e.details() or "scheduler error")
             return
-        except asyncio.CancelledError:  # the client left, or its deadline passed
-            remaining = context.time_remaining()
-            code = grpc.StatusCode.CANCELLED
-            if remaining is not None and remaining <= 0:
-                code = grpc.StatusCode.DEADLINE_EXCEEDED
-            recorder.on_failure(code.name)
-            rlog.info("request_cancelled", code=code.name, completion_tokens=recorder.num_generated)
-            raise
         finally:
             call.cancel()  # a client gone, a stop string or an error: abort upstream
             self.num_in_flight -= 1
@@ -243,7 +259,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.TokenizeResponse:
         try:
-            ids = self._prompt_token_ids(request)
+            ids = await asyncio.to_thread(self._prompt_token_ids, request)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return inference_pb2.TokenizeResponse(token_ids=ids)
@@ -259,7 +275,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler: {e.details()}")
         if not info.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler not ready")
-        return inference_pb2.ModelInfo(
+        reply = inference_pb2.ModelInfo(
             model_id=info.model_id,
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
@@ -273,19 +289,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             prefix_cache_queries_total=info.kv_cache.prefix_cache_queries_total,
             prefix_cache_hits_total=info.kv_cache.prefix_cache_hits_total,
             num_preemptions_total=info.kv_cache.num_preemptions_total,
-            step_times=inference_pb2.StepTimes(
-                num_steps_total=info.step_times.num_steps_total,
-                schedule_seconds_total=info.step_times.schedule_seconds_total,
-                execute_seconds_total=info.step_times.execute_seconds_total,
-                worker_step_seconds_total=info.step_times.worker_step_seconds_total,
-                worker_prepare_seconds_total=info.step_times.worker_prepare_seconds_total,
-                worker_forward_seconds_total=info.step_times.worker_forward_seconds_total,
-                worker_sample_seconds_total=info.step_times.worker_sample_seconds_total,
-                apply_seconds_total=info.step_times.apply_seconds_total,
-                detokenize_seconds_total=self.detokenize_seconds_total,
-                detokenized_tokens_total=self.detokenized_tokens_total,
-            ),
+            step_times=info.step_times,
         )
+        reply.step_times.detokenize_seconds_total = self.detokenize_seconds_total
+        reply.step_times.detokenized_tokens_total = self.detokenized_tokens_total
+        return reply
 
 
 async def watch_scheduler(

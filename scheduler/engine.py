@@ -56,8 +56,8 @@ class WorkerInfo:
 class StepTimeTotals:
     """Seconds the step loop spent in each phase, summed over `num_steps` steps.
 
-    Mirrors `StepTimeStats` in scheduler.proto; the worker's share comes from
-    its `StepResponse`, so execute - worker_step is RPC and (de)serialization.
+    Sent as `sluiceway.v1.StepTimes`; the worker's share comes from its
+    `StepResponse`, so execute - worker_step is RPC and (de)serialization.
     """
 
     num_steps: int = 0
@@ -75,8 +75,8 @@ class StepTimeTotals:
         self.worker_forward_s += response.forward_seconds
         self.worker_sample_s += response.sample_seconds
 
-    def to_proto(self) -> scheduler_pb2.StepTimeStats:
-        return scheduler_pb2.StepTimeStats(
+    def to_proto(self) -> inference_pb2.StepTimes:
+        return inference_pb2.StepTimes(
             num_steps_total=self.num_steps,
             schedule_seconds_total=self.schedule_s,
             execute_seconds_total=self.execute_s,
@@ -163,11 +163,14 @@ class Engine:
         self._channel = grpc.aio.insecure_channel(info.address)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self.worker = info
+        previous = self.scheduler
         self.scheduler = Scheduler(
             self.config,
             BlockManager(info.num_kv_blocks, info.block_size, self.config.enable_prefix_caching),
             requested,
         )
+        if previous is not None:  # counters are "since start": a new worker does not reset them
+            self.scheduler.carry_counters_from(previous)
         max_model_len = self.scheduler.max_model_len
         if max_model_len < requested:
             log.warning(
@@ -296,10 +299,13 @@ class Engine:
             except (grpc.aio.AioRpcError, WorkerUnavailable) as e:
                 if sched is not self.scheduler:
                     continue  # a new worker registered while the step ran: it has failed those
-                log.error("step_failed", error=str(e))
-                self._lost_reason = f"the worker failed a step; waiting for a worker: {e}"
+                reason = (
+                    f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else e
+                )
+                log.error("step_failed", error=str(reason))
+                self._lost_reason = f"the worker failed a step ({reason}); waiting for a worker"
                 self._ready.clear()  # NOT_SERVING until a worker registers again
-                self._fail_all(WorkerUnavailable(f"worker failed a step: {e}"))
+                self._fail_all(WorkerUnavailable(f"the worker failed a step ({reason})"))
                 await self._ready.wait()
                 continue
             if sched is not self.scheduler:

@@ -160,6 +160,15 @@ class Scheduler:
         if not self._batch:
             self._release_holding()
 
+    def carry_counters_from(self, previous: Scheduler) -> None:
+        """Continues the cumulative counters (prefix cache, preemptions, KV utilization sums)
+        of the scheduler this one replaces when a worker registers again."""
+        self.num_preemptions = previous.num_preemptions
+        self.kv_usage.tokens_stored_total = previous.kv_usage.tokens_stored_total
+        self.kv_usage.slots_allocated_total = previous.kv_usage.slots_allocated_total
+        self.block_manager.prefix_cache_queries = previous.block_manager.prefix_cache_queries
+        self.block_manager.prefix_cache_hits = previous.block_manager.prefix_cache_hits
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._forgotten_seq_ids)

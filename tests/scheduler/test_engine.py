@@ -224,6 +224,8 @@ def test_after_a_worker_failure_the_scheduler_is_unready_until_one_registers() -
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             info = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
             assert not info.ready and info.num_free_kv_blocks == NUM_BLOCKS
+            queries = info.kv_cache.prefix_cache_queries_total
+            assert queries == 10  # the failed request's prompt was looked up
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in stub.AddRequest(add_request(10, 4)):
                     pass
@@ -233,6 +235,7 @@ def test_after_a_worker_failure_the_scheduler_is_unready_until_one_registers() -
             await stub.RegisterWorker(register(fake.address))  # the worker is back
             info = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
             assert info.ready
+            assert info.kv_cache.prefix_cache_queries_total == queries  # not reset by the worker
             events = [e async for e in stub.AddRequest(add_request(10, 4))]
             assert [t for e in events for t in e.token_ids] == [110, 111, 112, 113]
         finally:

@@ -88,28 +88,8 @@ class SchedulerInfo(_message.Message):
     num_requests_waiting: int
     vocab_size: int
     kv_cache: KvCacheStats
-    step_times: StepTimeStats
-    def __init__(self, ready: _Optional[bool] = ..., model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache: _Optional[_Union[KvCacheStats, _Mapping]] = ..., step_times: _Optional[_Union[StepTimeStats, _Mapping]] = ...) -> None: ...
-
-class StepTimeStats(_message.Message):
-    __slots__ = ("num_steps_total", "schedule_seconds_total", "execute_seconds_total", "worker_step_seconds_total", "worker_prepare_seconds_total", "worker_forward_seconds_total", "worker_sample_seconds_total", "apply_seconds_total")
-    NUM_STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    SCHEDULE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    EXECUTE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    WORKER_STEP_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    WORKER_PREPARE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    WORKER_FORWARD_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    WORKER_SAMPLE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    APPLY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    num_steps_total: int
-    schedule_seconds_total: float
-    execute_seconds_total: float
-    worker_step_seconds_total: float
-    worker_prepare_seconds_total: float
-    worker_forward_seconds_total: float
-    worker_sample_seconds_total: float
-    apply_seconds_total: float
-    def __init__(self, num_steps_total: _Optional[int] = ..., schedule_seconds_total: _Optional[float] = ..., execute_seconds_total: _Optional[float] = ..., worker_step_seconds_total: _Optional[float] = ..., worker_prepare_seconds_total: _Optional[float] = ..., worker_forward_seconds_total: _Optional[float] = ..., worker_sample_seconds_total: _Optional[float] = ..., apply_seconds_total: _Optional[float] = ...) -> None: ...
+    step_times: _inference_pb2.StepTimes
+    def __init__(self, ready: _Optional[bool] = ..., model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache: _Optional[_Union[KvCacheStats, _Mapping]] = ..., step_times: _Optional[_Union[_inference_pb2.StepTimes, _Mapping]] = ...) -> None: ...
 
 class KvCacheStats(_message.Message):
     __slots__ = ("utilization", "tokens_stored_total", "slots_allocated_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total")
