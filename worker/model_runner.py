@@ -320,6 +320,10 @@ class ModelRunner:
         """Run one step: a single flattened forward over all chunks, logits for the chunks that
         reach the end of their sequence, sampling on the device.
 
+        A seeded sequence that samples (temperature > 0) runs in a forward of its own, so its
+        logits, and so its tokens, do not depend on what else is in the batch: batched
+        matmuls round differently by batch shape (visibly in bfloat16).
+
         Returns:
             One :class:`SampledToken` per sampling chunk, in chunk order. The caller appends
             the tokens to the sequences.
@@ -328,23 +332,39 @@ class ModelRunner:
             ValueError: an inconsistent chunk (see :meth:`_prepare`).
         """
         timings = self.last_timings = StepTimings()
+        isolated: list[ScheduledChunk] = []
+        shared: list[ScheduledChunk] = []
+        for c in chunks:
+            seeded = c.seq.sampling.seed is not None and c.seq.sampling.temperature > 0
+            (isolated if seeded else shared).append(c)
+        if not isolated or (not shared and len(isolated) == 1):
+            return self._execute_batch(chunks, timings)
+        by_seq = {t.seq_id: t for t in self._execute_batch(shared, timings)}
+        for chunk in isolated:
+            by_seq.update((t.seq_id, t) for t in self._execute_batch([chunk], timings))
+        return [by_seq[c.seq.seq_id] for c in chunks if c.seq.seq_id in by_seq]
+
+    def _execute_batch(
+        self, chunks: list[ScheduledChunk], timings: StepTimings
+    ) -> list[SampledToken]:
+        """One flattened forward over `chunks` and its sampling; adds to `timings`."""
         if not chunks:
             return []
         with torch.inference_mode():
             t0 = time.perf_counter()
             inputs = self._prepare(chunks)
             t1 = time.perf_counter()
-            timings.prepare_s = t1 - t0
+            timings.prepare_s += t1 - t0
             if not inputs.sampling:
                 self._forward(inputs)
-                timings.forward_s = time.perf_counter() - t1
+                timings.forward_s += time.perf_counter() - t1
                 return []
             hidden = self._forward(inputs)
             rows = [inputs.row_start[i] + chunks[i].num_new_tokens - 1 for i in inputs.sampling]
             rows_t = torch.tensor(rows, dtype=torch.int64, device=self._device)
             logits = self.model.compute_logits(hidden.index_select(0, rows_t))
             t2 = time.perf_counter()
-            timings.forward_s = t2 - t1
+            timings.forward_s += t2 - t1
             seqs = [chunks[i].seq for i in inputs.sampling]
             result = sample(
                 logits,
@@ -365,7 +385,7 @@ class ModelRunner:
                     n = s.sampling.num_logprobs
                     if n:
                         token.top_ids, token.top_logprobs = top_ids[i][:n], top_lps[i][:n]
-            timings.sample_s = time.perf_counter() - t2
+            timings.sample_s += time.perf_counter() - t2
         return out
 
     def compute_logits_for_test(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor]:

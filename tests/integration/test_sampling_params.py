@@ -123,3 +123,27 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(stack: Stac
         for f in futures:
             f.result()
     assert in_batch == alone
+
+
+def test_seeded_request_is_batch_invariant_in_bfloat16_too() -> None:
+    """bfloat16 matmuls round differently by batch shape: the worker gives a seeded sampled
+    sequence a forward of its own, so its tokens cannot depend on the batch."""
+    from tests.integration.conftest import start_stack, stop_stack
+
+    stack = start_stack("--dtype", "bfloat16")
+    try:
+        test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(stack)
+        seeded = Client.request("Once upon a time, in a land far away,", temperature=1.0,
+                                seed=7, max_tokens=40, ignore_eos=True, top_p=0.95)  # fmt: skip
+        _, alone = text_and_ids(stack, seeded)
+        noise = [Client.request(f"Story {i}:", temperature=0.9, max_tokens=45, ignore_eos=True)
+                 for i in range(18)]  # fmt: skip
+        with ThreadPoolExecutor(19) as pool:
+            busy = [pool.submit(text_and_ids, stack, r) for r in noise[:9]]
+            mine = pool.submit(text_and_ids, stack, seeded)
+            busy += [pool.submit(text_and_ids, stack, r) for r in noise[9:]]
+            assert mine.result()[1] == alone
+            for f in busy:
+                f.result()
+    finally:
+        assert stop_stack(stack) == 0
