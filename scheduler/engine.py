@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scheduler import metrics
 from scheduler.block_manager import BlockManager
@@ -25,6 +26,10 @@ from sluiceway.internal.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from sluiceway.v1 import inference_pb2
 
 log = structlog.get_logger("scheduler")
+
+# While idle, the step loop checks the worker is still reachable this often, seconds.
+IDLE_PROBE_INTERVAL_S = 1.0
+IDLE_PROBE_TIMEOUT_S = 5.0
 
 
 class WorkerUnavailable(Exception):
@@ -271,7 +276,10 @@ class Engine:
             assert sched is not None
             if not sched.has_work:
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), IDLE_PROBE_INTERVAL_S)
+                except TimeoutError:
+                    await self._probe_idle_worker()
                 continue
             preemptions = sched.num_preemptions
             t0 = time.perf_counter()
@@ -326,6 +334,32 @@ class Engine:
                         event.queue_seconds = seq.first_scheduled_time - seq.arrival_time
                     queue.put_nowait(event)
             self._record_step(out, response, t0, t1, t2)
+
+    async def _probe_idle_worker(self) -> None:
+        """While no step runs, asks the worker's health service whether it is still there: a
+        worker that died idle is noticed within seconds, not at the next request's first step.
+
+        Only an unreachable worker counts (UNAVAILABLE, or no answer within
+        IDLE_PROBE_TIMEOUT_S), so a busy machine cannot make a live worker look dead.
+        """
+        if self._channel is None or not self.ready:
+            return
+        sched = self.scheduler
+        try:
+            await health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=IDLE_PROBE_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as e:
+            if sched is not self.scheduler or e.code() not in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ):
+                return
+            log.error("worker_unreachable", code=e.code().name, details=e.details())
+            self._lost_reason = f"the worker is unreachable ({e.code().name}); waiting for a worker"
+            self._ready.clear()
+            self._fail_all(WorkerUnavailable(self._lost_reason))
+            await self._ready.wait()
 
     def _record_step(
         self,

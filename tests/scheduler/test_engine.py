@@ -25,6 +25,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.steps: list[worker_pb2.StepRequest] = []
         self.fail = fail
         self.address = ""  # set by _serve
+        self.server: grpc.aio.Server | None = None  # set by _serve
         self.gate: asyncio.Event | None = None  # when set, steps wait for it
 
     async def ExecuteStep(self, request, context):  # type: ignore[no-untyped-def]
@@ -57,6 +58,7 @@ async def _serve(fake: FakeWorker, config: SchedulerConfig):  # type: ignore[no-
     worker_pb2_grpc.add_WorkerServicer_to_server(fake, worker_server)
     worker_addr = bind(worker_server, "127.0.0.1:0")
     fake.address = worker_addr
+    fake.server = worker_server
     await worker_server.start()
     engine = Engine(config)
     sched_server, _ = new_server()
@@ -271,6 +273,32 @@ def test_requests_beyond_max_waiting_requests_get_resource_exhausted(fake: FakeW
             outs = await asyncio.gather(*running)
             assert outs == [[100 + 10 + i + k for k in range(3)] for i in range(3)]
             assert await free_blocks(stub) == NUM_BLOCKS
+        finally:
+            await close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_dies_idle_is_noticed_without_a_request(fake: FakeWorker) -> None:
+    async def main() -> None:
+        stub, close = await _serve(fake, SchedulerConfig())
+        try:
+            events = [e async for e in stub.AddRequest(add_request(10, 2))]
+            assert len(events) == 2
+            await asyncio.sleep(0.5)  # the step that tells the worker to forget it has run
+            assert fake.server is not None
+            await fake.server.stop(None)  # the worker goes away while nothing runs
+            for _ in range(100):  # probed every second while idle
+                info = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
+                if not info.ready:
+                    break
+                await asyncio.sleep(0.1)
+            assert not info.ready
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.AddRequest(add_request(10, 2)):
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "unreachable" in (err.value.details() or "")
         finally:
             await close()
 
