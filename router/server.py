@@ -26,13 +26,12 @@ from router.tokenizer import encode_chat, encode_prompt, load_tokenizer
 from router.validation import resolve_request, validate_prompt_token_ids, validate_request_id
 from sluiceway.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
-    NOT_SERVING,
     REQUEST_ID_METADATA,
-    SERVING,
     bind,
     channel_options,
     new_server,
     on_shutdown_signal,
+    set_health,
 )
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sluiceway.v1 import inference_pb2, inference_pb2_grpc
@@ -309,8 +308,7 @@ async def watch_scheduler(
         ready = await service.scheduler_ready(timeout_s=max(poll_s, 1.0))
         now_serving = ready and not service.draining
         if now_serving != serving:
-            for name in names:
-                await health_servicer.set(name, SERVING if now_serving else NOT_SERVING)
+            await set_health(health_servicer, names, now_serving)
             if now_serving:
                 assert service.limits is not None
                 log.info(
@@ -348,8 +346,7 @@ async def serve(
     if metrics_port is not None:
         from sluiceway.metrics import serve_metrics
 
-        port = serve_metrics(metrics_port, metrics_host)
-        log.info("metrics_listening", url=f"http://{metrics_host}:{port}/metrics")
+        serve_metrics(metrics_port, metrics_host)
     tokenizer = load_tokenizer(model_dir)
     service = InferenceService(tokenizer, model_dir, scheduler_address)
     server, health = new_server(max_message_bytes)
@@ -360,8 +357,7 @@ async def serve(
     )
     bound = bind(server, address)
     names = ["", service_name]
-    for name in names:
-        await health.set(name, NOT_SERVING)
+    await set_health(health, names, serving=False)
     await server.start()
     log.info("router_listening", address=bound, scheduler=scheduler_address)
     stop = asyncio.Event()
@@ -369,8 +365,7 @@ async def serve(
     watcher = asyncio.create_task(watch_scheduler(service, health, names))
     await stop.wait()
     service.draining = True
-    for name in names:
-        await health.set(name, NOT_SERVING)
+    await set_health(health, names, serving=False)
     log.info("router_draining", in_flight=service.num_in_flight, drain_timeout_s=drain_timeout_s)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + drain_timeout_s

@@ -311,10 +311,7 @@ class Engine:
                     f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else e
                 )
                 log.error("step_failed", error=str(reason))
-                self._lost_reason = f"the worker failed a step ({reason}); waiting for a worker"
-                self._ready.clear()  # NOT_SERVING until a worker registers again
-                self._fail_all(WorkerUnavailable(f"the worker failed a step ({reason})"))
-                await self._ready.wait()
+                await self._lose_worker(f"the worker failed a step ({reason})")
                 continue
             if sched is not self.scheduler:
                 continue  # a worker re-registered while the step ran
@@ -356,10 +353,16 @@ class Engine:
             ):
                 return
             log.error("worker_unreachable", code=e.code().name, details=e.details())
-            self._lost_reason = f"the worker is unreachable ({e.code().name}); waiting for a worker"
-            self._ready.clear()
-            self._fail_all(WorkerUnavailable(self._lost_reason))
-            await self._ready.wait()
+            await self._lose_worker(f"the worker is unreachable ({e.code().name})")
+
+    async def _lose_worker(self, reason: str) -> None:
+        """The worker is gone: NOT_SERVING, every sequence in flight ends with
+        WorkerUnavailable(`reason`), new requests get NotReady; returns once a worker has
+        registered again."""
+        self._lost_reason = f"{reason}; waiting for a worker"
+        self._ready.clear()
+        self._fail_all(WorkerUnavailable(reason))
+        await self._ready.wait()
 
     def _record_step(
         self,

@@ -11,12 +11,11 @@ import structlog
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine, NotReady, QueueFull, WorkerInfo, WorkerUnavailable
 from sluiceway.grpc_server import (
-    NOT_SERVING,
     REQUEST_ID_METADATA,
-    SERVING,
     bind,
     new_server,
     on_shutdown_signal,
+    set_health,
 )
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sluiceway.v1 import inference_pb2
@@ -137,8 +136,7 @@ async def serve(
         from sluiceway.metrics import serve_metrics
 
         REGISTRY.register(SchedulerCollector(engine))
-        port = serve_metrics(metrics_port, metrics_host)
-        log.info("metrics_listening", url=f"http://{metrics_host}:{port}/metrics")
+        serve_metrics(metrics_port, metrics_host)
     server, health = new_server()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(engine), server)
     bound = bind(server, address)
@@ -154,8 +152,7 @@ async def serve(
         while True:
             if engine.ready != serving:
                 serving = engine.ready
-                for name in ("", "sluiceway.internal.v1.Scheduler"):
-                    await health.set(name, SERVING if serving else NOT_SERVING)
+                await set_health(health, ["", "sluiceway.internal.v1.Scheduler"], serving)
             await asyncio.sleep(poll_s)
 
     ready_task = asyncio.create_task(follow_readiness())

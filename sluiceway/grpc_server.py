@@ -43,6 +43,14 @@ def new_server(
     return server, health_servicer
 
 
+async def set_health(
+    health_servicer: health.aio.HealthServicer, services: list[str], serving: bool
+) -> None:
+    """Sets every name in `services` ("" = the whole server) to SERVING or NOT_SERVING."""
+    for name in services:
+        await health_servicer.set(name, SERVING if serving else NOT_SERVING)
+
+
 class BindError(RuntimeError):
     """A gRPC server cannot listen on its address (taken, or not ours)."""
 

@@ -249,12 +249,15 @@ def _metrics_ports(first: int) -> dict[str, int]:
         return dict.fromkeys(names, -1)
     if first > 0:
         return {name: first + i for i, name in enumerate(names)}
-    ports = {}
-    for name in names:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports[name] = int(s.getsockname()[1])
-    return ports
+    return {name: free_port() for name in names}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the OS's pick; another process may take it
+    before it is used)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def _stop_all(children: list[Child], router_timeout_s: float) -> None:

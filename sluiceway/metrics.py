@@ -7,6 +7,7 @@ every series carries a `model_name` label, and each process serves its own
 
 from __future__ import annotations
 
+import structlog
 from prometheus_client import start_http_server
 
 PREFIX = "sluiceway:"
@@ -28,7 +29,8 @@ TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(0, 14))
 
 
 def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
-    """Serves the default registry on http://host:port/metrics in a daemon thread.
+    """Serves the default registry on http://host:port/metrics in a daemon thread and logs
+    its URL (`metrics_listening`).
 
     Returns the bound port (a free one when `port` is 0). Raises
     MetricsPortError (an OSError) naming the address when it cannot be bound.
@@ -39,7 +41,9 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
         raise MetricsPortError(
             f"cannot serve metrics on {host}:{port}: {e.strerror or e} (--metrics-port)"
         ) from e
-    return int(server.server_port)
+    bound = int(server.server_port)
+    structlog.get_logger("metrics").info("metrics_listening", url=f"http://{host}:{bound}/metrics")
+    return bound
 
 
 class MetricsPortError(OSError):

@@ -171,8 +171,7 @@ async def serve(
         from worker.metrics import WorkerCollector
 
         REGISTRY.register(WorkerCollector(runner, model_id))
-        port = serve_metrics(metrics_port, metrics_host)
-        log.info("metrics_listening", url=f"http://{metrics_host}:{port}/metrics")
+        serve_metrics(metrics_port, metrics_host)
     server, health = new_server(max_message_bytes=64 * 1024 * 1024)
     executor = StepExecutor(runner, model_id)
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(executor), server)

@@ -19,7 +19,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from sluiceway.bench.serve import BenchRun, json_safe, print_figures, run_workload
 from sluiceway.bench.workload import load_requests, request_intervals
+from sluiceway.launcher import free_port
 
 SERVER_START_TIMEOUT_S = 600.0
 
@@ -132,12 +132,6 @@ def comparison_table(
     return "\n".join([line(header), sep, *(line(r) for r in rows)]), ratios
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_sluiceway(
     config: Configuration,
     extra_serve_args: list[str],
@@ -151,7 +145,7 @@ def run_sluiceway(
     """
     from sluiceway.client import wait_until_serving
 
-    port = _free_port()
+    port = free_port()
     target = f"127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "sluiceway.cli", "serve", "--port", str(port), "--metrics-port", "0",
            "--log-format", "console", *config.serve_args, *extra_serve_args]  # fmt: skip

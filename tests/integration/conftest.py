@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,15 +16,10 @@ from dataclasses import dataclass
 import pytest
 
 from sluiceway.client import Client
+from sluiceway.launcher import free_port
 from sluiceway.v1 import inference_pb2
 
 START_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
