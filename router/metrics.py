@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from sluiceway.metrics import (
     PREFIX,
@@ -56,6 +56,17 @@ REQUEST_QUEUE_TIME = Histogram(
     "From the request's arrival at the scheduler to its first scheduled step, seconds.",
     ["model_name"],
     buckets=REQUEST_LATENCY_BUCKETS,
+)
+# Per scheduler (a router over several spreads requests over them; router/balancer.py).
+OUTSTANDING_REQUESTS = Gauge(
+    f"{PREFIX}router_outstanding_requests",
+    "Generate streams this router forwarded to the scheduler and that have not ended yet.",
+    ["scheduler"],
+)
+SCHEDULER_READY = Gauge(
+    f"{PREFIX}router_scheduler_ready",
+    "1 while this router sees the scheduler ready (it gets new requests), else 0.",
+    ["scheduler"],
 )
 
 

@@ -2,7 +2,8 @@
 
 Stateless: tokenizes, validates, forwards token ids to a scheduler, and turns
 the token stream that comes back into text deltas. Any number of routers can
-serve the same schedulers.
+serve the same schedulers; a router given several schedulers (model replicas)
+spreads its requests over them (router/balancer.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import structlog
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
+from router.balancer import ModelLimits, SchedulerPool, SchedulerReplica, merge_scheduler_infos
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import InvalidRequest
 from router.metrics import RequestRecorder
@@ -28,12 +30,11 @@ from sluiceway.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     REQUEST_ID_METADATA,
     bind,
-    channel_options,
     new_server,
     on_shutdown_signal,
     set_health,
 )
-from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from sluiceway.internal.v1 import scheduler_pb2
 from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 
 log = structlog.get_logger("router")
@@ -47,16 +48,6 @@ FINISHED_REASONS = {
     inference_pb2.FINISH_REASON_STOP: "stop",
     inference_pb2.FINISH_REASON_LENGTH: "length",
 }
-
-
-@dataclass(slots=True, frozen=True)
-class ModelLimits:
-    """The static facts about the served model, read once from a ready scheduler."""
-
-    model_id: str
-    max_model_len: int
-    vocab_size: int
-    block_size: int
 
 
 def eos_token_ids(tokenizer, model_dir: Path) -> list[int]:  # type: ignore[no-untyped-def]
@@ -75,44 +66,44 @@ def eos_token_ids(tokenizer, model_dir: Path) -> list[int]:  # type: ignore[no-u
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
-    """Generate / Tokenize / GetModelInfo over one scheduler."""
+    """Generate / Tokenize / GetModelInfo over one scheduler or several.
 
-    def __init__(self, tokenizer, model_dir: Path, scheduler_address: str) -> None:  # type: ignore[no-untyped-def]
+    With several, each `Generate` goes to the scheduler `SchedulerPool.pick`
+    chooses (least outstanding requests, prefix affinity on ties). A scheduler
+    that fails a stream with UNAVAILABLE ends only the streams it held (with
+    UNAVAILABLE) and gets no new requests until the health watcher sees it
+    ready again. A request is never moved to another scheduler once a token
+    of it was sent to the client (no duplicated output); one whose
+    `AddRequest` fails with UNAVAILABLE *before* its first token is retried
+    once on another ready scheduler.
+    """
+
+    def __init__(  # type: ignore[no-untyped-def]
+        self, tokenizer, model_dir: Path, scheduler_addresses: str | Sequence[str]
+    ) -> None:
+        """`scheduler_addresses`: one address, a comma-separated string or a list."""
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(tokenizer, model_dir)
-        # Reconnect within a second once a scheduler (re)appears: health follows it closely.
-        options = [
-            *channel_options(),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ]
-        self._channel = grpc.aio.insecure_channel(scheduler_address, options=options)
-        self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        self.limits: ModelLimits | None = None
+        self.pool = SchedulerPool(scheduler_addresses)
         self.detokenize_seconds_total = 0.0  # seconds in IncrementalDetokenizer.add_tokens
         self.draining = False  # set on SIGTERM: new streams get UNAVAILABLE
         self.num_in_flight = 0  # Generate streams forwarded to the scheduler, not yet ended
         self.detokenized_tokens_total = 0
 
-    async def scheduler_ready(self, timeout_s: float) -> bool:
-        """Asks the scheduler whether its workers have registered; caches the model limits.
+    @property
+    def limits(self) -> ModelLimits | None:
+        """The model's limits, once a scheduler has been ready (see `SchedulerPool.limits`)."""
+        return self.pool.limits
 
-        False when it answers not ready or does not answer within `timeout_s` seconds.
+    async def scheduler_ready(self, timeout_s: float) -> bool:
+        """Asks every scheduler whether its workers have registered; caches the model limits.
+
+        True when at least one answers ready within `timeout_s` seconds.
         """
-        try:
-            info = await self._scheduler.GetSchedulerInfo(
-                scheduler_pb2.GetSchedulerInfoRequest(), timeout=timeout_s
-            )
-        except grpc.aio.AioRpcError:
-            return False
-        if info.ready:
-            self.limits = ModelLimits(
-                info.model_id, info.max_model_len, info.vocab_size, info.block_size
-            )
-        return info.ready
+        return await self.pool.refresh(timeout_s)
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self.pool.close()
 
     def _prompt_token_ids(
         self, request: inference_pb2.GenerateRequest | inference_pb2.TokenizeRequest
@@ -193,66 +184,101 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             include_stop_str_in_output=resolved.include_stop_str_in_output,
             min_tokens=resolved.min_tokens,
         )
-        self.num_in_flight += 1
-        call = self._scheduler.AddRequest(
-            scheduler_pb2.AddRequestRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt_ids,
-                sampling=resolved.sampling,
-                max_tokens=resolved.max_tokens,
-                stop_token_ids=resolved.stop_token_ids,
-                min_tokens=resolved.min_tokens,
-            ),
-            metadata=((REQUEST_ID_METADATA, request_id.encode()),),
-        )
-        try:
-            async for event in call:
-                recorder.on_tokens(len(event.token_ids), time.monotonic())
-                if event.HasField("queue_seconds"):
-                    recorder.on_queue_time(event.queue_seconds)
-                t0 = time.perf_counter()
-                new_ids = list(event.token_ids)
-                if (
-                    event.finish_reason == inference_pb2.FINISH_REASON_STOP
-                    and not resolved.include_stop_str_in_output
-                ):
-                    new_ids = new_ids[:-1]  # a stop token id (EOS): its text is not output
-                text = detok.add_tokens(new_ids)
-                self.detokenize_seconds_total += time.perf_counter() - t0
-                self.detokenized_tokens_total += len(event.token_ids)
-                finish = inference_pb2.FINISH_REASON_STOP if detok.stopped else event.finish_reason
-                response = inference_pb2.GenerateResponse(
-                    request_id=request_id,
-                    token_ids=event.token_ids,
-                    finish_reason=finish,
-                    logprobs=event.logprobs,
-                )
-                if finish != UNSPECIFIED:
-                    if not detok.stopped:
-                        text += detok.flush()
-                    response.usage.prompt_tokens = len(prompt_ids)
-                    response.usage.completion_tokens = recorder.num_generated
-                response.text = text
-                yield response
-                if finish != UNSPECIFIED:
-                    reason = FINISHED_REASONS.get(finish, "abort")
-                    recorder.on_success(reason, len(prompt_ids))
-                    rlog.info(
-                        "request_finished",
-                        prompt_tokens=len(prompt_ids),
-                        completion_tokens=recorder.num_generated,
-                        ttft_s=round(recorder.ttft, 6),
-                        e2e_s=round(recorder.e2e, 6),
-                        finish_reason=reason,
-                    )
-                    return
-        except grpc.aio.AioRpcError as e:
-            await fail(e.code(), e.details() or "scheduler error")
+        replica = self.pool.pick(prompt_ids)
+        if replica is None:
+            await fail(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready")
             return
+        add_request = scheduler_pb2.AddRequestRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=resolved.sampling,
+            max_tokens=resolved.max_tokens,
+            stop_token_ids=resolved.stop_token_ids,
+            min_tokens=resolved.min_tokens,
+        )
+        tried: list[SchedulerReplica] = []
+        self.num_in_flight += 1
+        try:
+            while True:
+                current = replica
+                tried.append(current)
+                sent = False  # a response of this request reached the client
+                self.pool.begin(current)
+                call = current.stub.AddRequest(
+                    add_request, metadata=((REQUEST_ID_METADATA, request_id.encode()),)
+                )
+                try:
+                    async for event in call:
+                        recorder.on_tokens(len(event.token_ids), time.monotonic())
+                        if event.HasField("queue_seconds"):
+                            recorder.on_queue_time(event.queue_seconds)
+                        t0 = time.perf_counter()
+                        new_ids = list(event.token_ids)
+                        if (
+                            event.finish_reason == inference_pb2.FINISH_REASON_STOP
+                            and not resolved.include_stop_str_in_output
+                        ):
+                            new_ids = new_ids[:-1]  # a stop token id (EOS): its text is not output
+                        text = detok.add_tokens(new_ids)
+                        self.detokenize_seconds_total += time.perf_counter() - t0
+                        self.detokenized_tokens_total += len(event.token_ids)
+                        finish = (
+                            inference_pb2.FINISH_REASON_STOP
+                            if detok.stopped
+                            else event.finish_reason
+                        )
+                        response = inference_pb2.GenerateResponse(
+                            request_id=request_id,
+                            token_ids=event.token_ids,
+                            finish_reason=finish,
+                            logprobs=event.logprobs,
+                        )
+                        if finish != UNSPECIFIED:
+                            if not detok.stopped:
+                                text += detok.flush()
+                            response.usage.prompt_tokens = len(prompt_ids)
+                            response.usage.completion_tokens = recorder.num_generated
+                        response.text = text
+                        sent = True
+                        yield response
+                        if finish != UNSPECIFIED:
+                            reason = FINISHED_REASONS.get(finish, "abort")
+                            recorder.on_success(reason, len(prompt_ids))
+                            rlog.info(
+                                "request_finished",
+                                prompt_tokens=len(prompt_ids),
+                                completion_tokens=recorder.num_generated,
+                                ttft_s=round(recorder.ttft, 6),
+                                e2e_s=round(recorder.e2e, 6),
+                                finish_reason=reason,
+                                scheduler=current.address,
+                            )
+                            return
+                except grpc.aio.AioRpcError as e:
+                    details = e.details() or "scheduler error"
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        self.pool.mark_unavailable(current, details)
+                        retry = (
+                            None if sent or len(tried) > 1 else self.pool.pick(prompt_ids, tried)
+                        )
+                        if retry is not None:  # nothing sent yet: no output can be duplicated
+                            rlog.warning(
+                                "request_retried",
+                                scheduler=current.address,
+                                retry_scheduler=retry.address,
+                                error=details,
+                            )
+                            replica = retry
+                            continue
+                    await fail(e.code(), details)
+                    return
+                finally:
+                    call.cancel()  # a client gone, a stop string or an error: abort upstream
+                    self.pool.end(current)
+                await fail(grpc.StatusCode.UNAVAILABLE, "scheduler ended the stream early")
+                return
         finally:
-            call.cancel()  # a client gone, a stop string or an error: abort upstream
             self.num_in_flight -= 1
-        await fail(grpc.StatusCode.UNAVAILABLE, "scheduler ended the stream early")
 
     async def Tokenize(
         self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -266,14 +292,36 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def GetModelInfo(
         self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ModelInfo:
-        try:
-            info = await self._scheduler.GetSchedulerInfo(
-                scheduler_pb2.GetSchedulerInfoRequest(), timeout=5.0
-            )
-        except grpc.aio.AioRpcError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler: {e.details()}")
-        if not info.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler not ready")
+        """Model facts from the first ready scheduler (in `--scheduler` order); KV pool sizes
+        and every `_total` counter summed over the ready schedulers, `kv_cache_utilization`
+        their mean weighted by blocks in use (`merge_scheduler_infos`). With one scheduler:
+        its own figures. The detokenization step times are this router's."""
+        targets = self.pool.ready_replicas() or self.pool.replicas
+        answers = await asyncio.gather(
+            *(
+                r.stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest(), timeout=5.0)
+                for r in targets
+            ),
+            return_exceptions=True,
+        )
+        infos: list[scheduler_pb2.SchedulerInfo] = []
+        errors: list[str] = []  # as one scheduler's router has always said them
+        for answer in answers:
+            if isinstance(answer, scheduler_pb2.SchedulerInfo):
+                if answer.ready:
+                    infos.append(answer)
+                else:
+                    errors.append("scheduler not ready")
+            elif isinstance(answer, grpc.aio.AioRpcError):
+                errors.append(f"scheduler: {answer.details()}")
+            else:
+                raise answer
+        if not infos:
+            if len(targets) == 1:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, errors[0])
+            reasons = "; ".join(f"{r.address}: {e}" for r, e in zip(targets, errors, strict=True))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no scheduler is ready ({reasons})")
+        info = merge_scheduler_infos(infos)
         reply = inference_pb2.ModelInfo(
             model_id=info.model_id,
             max_model_len=info.max_model_len,
@@ -301,8 +349,11 @@ async def watch_scheduler(
     names: list[str],
     poll_s: float = 0.5,
 ) -> None:
-    """Keeps the router's health in step with its scheduler: SERVING while the scheduler
-    answers ready (and the router is not draining), NOT_SERVING otherwise."""
+    """Keeps the router's health in step with its schedulers: SERVING while at least one
+    answers ready (and the router is not draining), NOT_SERVING otherwise.
+
+    Polls every scheduler every `poll_s` seconds, and at once when a request saw one fail.
+    """
     serving: bool | None = None
     while True:
         ready = await service.scheduler_ready(timeout_s=max(poll_s, 1.0))
@@ -315,40 +366,41 @@ async def watch_scheduler(
                     "router_ready",
                     model_id=service.limits.model_id,
                     max_model_len=service.limits.max_model_len,
+                    schedulers=[r.address for r in service.pool.ready_replicas()],
                 )
             elif serving is not None and not service.draining:
-                log.warning("scheduler_unavailable")
+                log.warning("no_scheduler_ready", schedulers=service.pool.addresses)
             serving = now_serving
-        await asyncio.sleep(poll_s)
+        await service.pool.wait_changed(poll_s)
 
 
-async def serve(
+@dataclass
+class Router:
+    """A started router: its gRPC server, service and health watcher."""
+
+    server: grpc.aio.Server
+    service: InferenceService
+    health: health.aio.HealthServicer
+    names: list[str]  # the health service names it sets ("" and the Inference service)
+    address: str  # as bound (a free port resolved)
+    watcher: asyncio.Task[None]
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stops the watcher and the server, then closes the scheduler channels."""
+        self.watcher.cancel()
+        await self.server.stop(grace)
+        await self.service.close()
+
+
+async def start_router(
+    service: InferenceService,
     address: str,
-    scheduler_address: str,
-    model_dir: Path,
     *,
-    drain_timeout_s: float = 30.0,
-    metrics_port: int | None = None,
-    metrics_host: str = "127.0.0.1",
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-) -> None:
-    """Serves the public API on `address` until SIGINT/SIGTERM, then drains.
-
-    A request or response over `max_message_bytes` bytes gets RESOURCE_EXHAUSTED.
-
-    Health is NOT_SERVING until the scheduler reports ready, and again whenever
-    it stops answering. On a signal the router drains: health NOT_SERVING, new
-    `Generate` streams get UNAVAILABLE, the streams in flight run to their end
-    for at most `drain_timeout_s` seconds, then the server stops. Prometheus
-    metrics on `metrics_host:metrics_port` unless the port is None (OSError if
-    it is taken).
-    """
-    if metrics_port is not None:
-        from sluiceway.metrics import serve_metrics
-
-        serve_metrics(metrics_port, metrics_host)
-    tokenizer = load_tokenizer(model_dir)
-    service = InferenceService(tokenizer, model_dir, scheduler_address)
+    poll_s: float = 0.5,
+) -> Router:
+    """Serves `service` (with health and reflection) on `address`; health NOT_SERVING until
+    the watcher (polling every `poll_s` seconds) sees a scheduler ready."""
     server, health = new_server(max_message_bytes)
     inference_pb2_grpc.add_InferenceServicer_to_server(service, server)
     service_name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -359,19 +411,52 @@ async def serve(
     names = ["", service_name]
     await set_health(health, names, serving=False)
     await server.start()
-    log.info("router_listening", address=bound, scheduler=scheduler_address)
+    watcher = asyncio.create_task(watch_scheduler(service, health, names, poll_s))
+    return Router(server, service, health, names, bound, watcher)
+
+
+async def serve(
+    address: str,
+    scheduler_addresses: str | Sequence[str],
+    model_dir: Path,
+    *,
+    drain_timeout_s: float = 30.0,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> None:
+    """Serves the public API on `address` until SIGINT/SIGTERM, then drains.
+
+    `scheduler_addresses`: one scheduler address, several comma-separated in a
+    string, or a list; requests are spread over them (router/balancer.py).
+    Raises ValueError when there is none or one is given twice.
+
+    A request or response over `max_message_bytes` bytes gets RESOURCE_EXHAUSTED.
+
+    Health is NOT_SERVING until a scheduler reports ready, and again whenever
+    none does. On a signal the router drains: health NOT_SERVING, new
+    `Generate` streams get UNAVAILABLE, the streams in flight run to their end
+    for at most `drain_timeout_s` seconds, then the server stops. Prometheus
+    metrics on `metrics_host:metrics_port` unless the port is None (OSError if
+    it is taken).
+    """
+    if metrics_port is not None:
+        from sluiceway.metrics import serve_metrics
+
+        serve_metrics(metrics_port, metrics_host)
+    tokenizer = load_tokenizer(model_dir)
+    service = InferenceService(tokenizer, model_dir, scheduler_addresses)
+    router = await start_router(service, address, max_message_bytes=max_message_bytes)
+    log.info("router_listening", address=router.address, schedulers=service.pool.addresses)
     stop = asyncio.Event()
     on_shutdown_signal(stop.set)
-    watcher = asyncio.create_task(watch_scheduler(service, health, names))
     await stop.wait()
     service.draining = True
-    await set_health(health, names, serving=False)
+    await set_health(router.health, router.names, serving=False)
     log.info("router_draining", in_flight=service.num_in_flight, drain_timeout_s=drain_timeout_s)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + drain_timeout_s
     while service.num_in_flight and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    watcher.cancel()
     log.info("router_stopping", unfinished=service.num_in_flight)
-    await server.stop(grace=1.0)
-    await service.close()
+    await router.stop(grace=1.0)

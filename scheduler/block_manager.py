@@ -139,11 +139,18 @@ class BlockManager:
         is left. Raises RuntimeError if there are not enough free blocks
         (call `can_allocate` first).
         """
-        missing = self.num_missing_blocks(seq, num_new_tokens)
-        if missing > len(self._free):
-            raise RuntimeError(f"need {missing} blocks, {len(self._free)} free")
+        new_blocks = self.allocate_blocks(self.num_missing_blocks(seq, num_new_tokens))
+        seq.block_table.extend(new_blocks)
+        return new_blocks
+
+    def allocate_blocks(self, num_blocks: int) -> list[int]:
+        """Takes `num_blocks` blocks (reference count 1) that belong to no sequence yet, e.g. the
+        destination of a block copy; give them to a sequence's table or back with
+        `release_blocks`. Evicts as `allocate` does. Raises RuntimeError if too few are free."""
+        if num_blocks > len(self._free):
+            raise RuntimeError(f"need {num_blocks} blocks, {len(self._free)} free")
         new_blocks = []
-        for _ in range(missing):
+        for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evict
@@ -151,7 +158,6 @@ class BlockManager:
                 block.block_hash = None
             block.ref_count = 1
             new_blocks.append(block_id)
-        seq.block_table.extend(new_blocks)
         return new_blocks
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -182,14 +188,29 @@ class BlockManager:
         the back (evicted last, tail blocks of a sequence before its head),
         unhashed ones at the front (reused first).
         """
-        for block_id in reversed(seq.block_table):
+        self.release_blocks(seq.block_table)
+        seq.block_table = []
+
+    def release_blocks(self, block_ids: Seq[int]) -> None:
+        """Drops one reference to each of `block_ids` (released last to first), as `free`."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
-        seq.block_table = []
+
+    def register_hashes(self, seq: Sequence) -> None:
+        """Enters the already-computed hashes of `seq`'s full blocks into this pool's cache
+        (for a sequence whose blocks were copied in from another pool)."""
+        if not self.enable_prefix_caching:
+            return
+        for h, block_id in zip(seq.block_hashes, seq.block_table, strict=False):
+            block = self.blocks[block_id]
+            if h not in self._cached and block.block_hash is None:
+                block.block_hash = h
+                self._cached[h] = block_id
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]

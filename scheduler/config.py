@@ -24,6 +24,12 @@ class SchedulerConfig:
     max_waiting_requests: requests that may wait for their first step at
         once; more are rejected at once with RESOURCE_EXHAUSTED (backpressure
         instead of a queue that grows without end).
+    tensor_parallel_size: worker ranks per model instance (vLLM's name); each step goes to
+        every rank, rank 0 answers.
+    num_prefill_workers, num_decode_workers: disaggregated prefill. Both 0 (the default): one
+        model instance prefills and decodes. Otherwise that many instances only prefill and
+        that many only decode; a prompt is prefilled on a prefill instance, its KV blocks
+        are copied to a decode instance (device to device), which continues the sequence.
     """
 
     max_num_seqs: int = 256
@@ -34,6 +40,9 @@ class SchedulerConfig:
     scheduling_policy: str = "continuous"
     static_batch_size: int = 8
     max_waiting_requests: int = 1024
+    tensor_parallel_size: int = 1
+    num_prefill_workers: int = 0
+    num_decode_workers: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -55,5 +64,29 @@ class SchedulerConfig:
             )
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_prefill_workers < 0 or self.num_decode_workers < 0:
+            raise ValueError("num_prefill_workers and num_decode_workers must be >= 0")
+        if (self.num_prefill_workers == 0) != (self.num_decode_workers == 0):
+            raise ValueError(
+                "disaggregated prefill needs both num_prefill_workers and num_decode_workers "
+                f">= 1, got {self.num_prefill_workers} and {self.num_decode_workers}"
+            )
+        if self.is_disaggregated and self.scheduling_policy == "static":
+            raise ValueError("the static policy cannot be combined with disaggregated prefill")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def is_disaggregated(self) -> bool:
+        """Whether prefill and decode run on different worker groups."""
+        return self.num_prefill_workers > 0
+
+    @property
+    def group_roles(self) -> list[str]:
+        """The role of each worker group, by index: ``["both"]``, or P "prefill" then D
+        "decode"."""
+        if not self.is_disaggregated:
+            return ["both"]
+        return ["prefill"] * self.num_prefill_workers + ["decode"] * self.num_decode_workers

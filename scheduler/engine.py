@@ -1,8 +1,14 @@
-"""The step loop: schedule, send one `ExecuteStep` to every worker rank, apply the tokens.
+"""The step loops: schedule, send one `ExecuteStep` to every worker rank, apply the tokens.
 
-Runs as one asyncio task in the scheduler process. Requests arrive through
-`add_request` (one async iterator of `TokenEvent`s per request); cancelling
-that iterator aborts the request and frees its blocks before the next step.
+One asyncio task per worker group (see :mod:`scheduler.worker_group`) in the
+scheduler process. Requests arrive through `new_sequence` + `stream` (one
+async iterator of `TokenEvent`s per request); closing that iterator aborts
+the request and frees its blocks before the next step. In disaggregated mode
+a prefill group hands each sequence that has sampled its first token to the
+least loaded decode group: the decode group's ranks copy the prompt's blocks
+from the prefill ranks' pools (`CopyBlocks`), then the sequence decodes
+there. A sequence that finds no decode group with room keeps decoding where
+it was prefilled, and tries again after every step.
 """
 
 from __future__ import annotations
@@ -15,14 +21,13 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scheduler import metrics
-from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler, SchedulerOutput
 from scheduler.sequence import Sequence
-from sluiceway.internal.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
+from scheduler.worker_group import WorkerGroup, WorkerInfo
+from sluiceway.internal.v1 import scheduler_pb2, worker_pb2
 from sluiceway.v1 import inference_pb2
 
 log = structlog.get_logger("scheduler")
@@ -37,24 +42,15 @@ class WorkerUnavailable(Exception):
 
 
 class NotReady(Exception):
-    """No worker is registered: none yet, or the last one failed."""
+    """Not every worker rank has registered: none yet, or one failed."""
+
+
+class RegistrationError(ValueError):
+    """A worker's registration contradicts the scheduler's configuration or the other ranks."""
 
 
 class QueueFull(Exception):
     """`max_waiting_requests` requests are already waiting."""
-
-
-@dataclass(slots=True)
-class WorkerInfo:
-    """What a worker rank reported when it registered."""
-
-    address: str
-    rank: int
-    model_id: str
-    num_kv_blocks: int
-    block_size: int
-    max_model_len: int
-    vocab_size: int
 
 
 @dataclass(slots=True)
@@ -131,98 +127,204 @@ def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepReq
     return req
 
 
+@dataclass(slots=True)
+class EngineStats:
+    """The KV pools and queues of every worker group, summed (what `GetSchedulerInfo` and the
+    Prometheus collector report)."""
+
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage_perc: float = 0.0  # blocks held by live requests / all blocks
+    utilization: float = 0.0  # last steps: tokens stored / slots allocated, block-weighted
+    tokens_stored_total: int = 0
+    slots_allocated_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    num_preemptions_total: int = 0
+
+
 class Engine:
-    """Owns the `Scheduler`, the worker connections and the per-request event queues."""
+    """Owns the worker groups (a `Scheduler` and the worker ranks of each) and the
+    per-request event queues."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.scheduler: Scheduler | None = None
-        self.worker: WorkerInfo | None = None
-        self._stub: worker_pb2_grpc.WorkerStub | None = None
-        self._channel: grpc.aio.Channel | None = None
+        self.groups = [
+            WorkerGroup(i, role, config.tensor_parallel_size, config)
+            for i, role in enumerate(config.group_roles)
+        ]
+        self._group_of: dict[int, WorkerGroup] = {}  # seq_id -> the group that holds it
         self._queues: dict[int, asyncio.Queue[scheduler_pb2.TokenEvent | Exception]] = {}
         self._seq_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
-        self._wakeup = asyncio.Event()
-        self._ready = asyncio.Event()
-        self._loop_task: asyncio.Task[None] | None = None
-        self._lost_reason = ""
+        self._loop_tasks: list[asyncio.Task[None]] = []
         self.step_times = StepTimeTotals()
+        self.num_kv_transfers = 0  # sequences whose blocks moved to a decode group
+        self.kv_transfer_bytes = 0
 
     # -- workers ----------------------------------------------------------------
 
     async def register_worker(self, info: WorkerInfo) -> int:
-        """Connects to a worker that announced itself and sizes the block pool from it.
+        """Connects to a worker rank that announced itself; once every rank of its group has
+        registered, sizes the group's block pool from them.
 
-        Returns the max_model_len the scheduler enforces: the smaller of the
-        model's and `--max-model-len`, capped as `Scheduler` explains. A worker registering again (a restart)
-        replaces the old one: requests in flight end with UNAVAILABLE.
+        Returns the max_model_len the scheduler enforces for the group (the rank's own until
+        the group is complete): the smaller of the model's and `--max-model-len`, capped as
+        `Scheduler` explains. A rank registering again (a restart) ends the requests its group
+        holds with UNAVAILABLE.
+
+        Raises RegistrationError for a group or rank the configuration does not have, a
+        tensor-parallel size that differs from `--tensor-parallel-size`, a pool without a
+        handle in disaggregated mode, or a model or block size that differs from the other
+        groups'.
         """
-        requested = info.max_model_len
-        if self.config.max_model_len is not None:
-            requested = min(requested, self.config.max_model_len)
-        if self.scheduler is not None:
-            self._fail_all(WorkerUnavailable("worker restarted"))
-        if self._channel is not None:
-            await self._channel.close()
-        self._channel = grpc.aio.insecure_channel(info.address)
-        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
-        self.worker = info
-        previous = self.scheduler
-        self.scheduler = Scheduler(
-            self.config,
-            BlockManager(info.num_kv_blocks, info.block_size, self.config.enable_prefix_caching),
-            requested,
-        )
-        if previous is not None:  # counters are "since start": a new worker does not reset them
-            self.scheduler.carry_counters_from(previous)
-        max_model_len = self.scheduler.max_model_len
-        if max_model_len < requested:
-            log.warning(
-                "max_model_len_capped",
-                requested=requested,
-                max_model_len=max_model_len,
-                kv_pool_tokens=info.num_kv_blocks * info.block_size,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                enable_chunked_prefill=self.config.enable_chunked_prefill,
+        cfg = self.config
+        if info.worker_group >= len(self.groups):
+            raise RegistrationError(
+                f"worker_group {info.worker_group} does not exist: this scheduler has "
+                f"{len(self.groups)} worker group(s) (--num-prefill-workers "
+                f"{cfg.num_prefill_workers}, --num-decode-workers {cfg.num_decode_workers})"
             )
-        self._ready.set()
+        if info.tensor_parallel_size != cfg.tensor_parallel_size:
+            raise RegistrationError(
+                f"worker started with --tensor-parallel-size {info.tensor_parallel_size}, "
+                f"the scheduler with {cfg.tensor_parallel_size}"
+            )
+        if not 0 <= info.rank < cfg.tensor_parallel_size:
+            raise RegistrationError(
+                f"rank {info.rank} outside [0, {cfg.tensor_parallel_size}) "
+                f"(--tensor-parallel-size {cfg.tensor_parallel_size})"
+            )
+        if cfg.is_disaggregated and info.kv_pool is None:
+            raise RegistrationError(
+                "disaggregated prefill copies KV blocks between workers: start the worker "
+                "with --share-kv-pool"
+            )
+        for other in self.groups:
+            leader = other.leader
+            if leader is None or (other.index == info.worker_group and info.rank == 0):
+                continue
+            if (leader.model_id, leader.block_size, leader.vocab_size) != (
+                info.model_id,
+                info.block_size,
+                info.vocab_size,
+            ):
+                raise RegistrationError(
+                    f"worker serves {info.model_id!r} (block_size {info.block_size}, vocab "
+                    f"{info.vocab_size}); group {other.name} serves {leader.model_id!r} "
+                    f"(block_size {leader.block_size}, vocab {leader.vocab_size})"
+                )
+        group = self.groups[info.worker_group]
+        if group.scheduler is not None and group.is_complete:
+            group.ready.clear()
+            self._fail_group(group, WorkerUnavailable("worker restarted"))
+        complete = await group.add_rank(info)
         log.info(
             "worker_registered",
             address=info.address,
+            group=group.name,
             rank=info.rank,
             num_kv_blocks=info.num_kv_blocks,
-            max_model_len=max_model_len,
+            complete=complete,
         )
-        return max_model_len
+        if not complete:
+            return info.max_model_len
+        requested = min(r.max_model_len for r in group.ranks.values())
+        if cfg.max_model_len is not None:
+            requested = min(requested, cfg.max_model_len)
+        sched = group.new_scheduler(requested)
+        if sched.max_model_len < requested:
+            log.warning(
+                "max_model_len_capped",
+                group=group.name,
+                requested=requested,
+                max_model_len=sched.max_model_len,
+                kv_pool_tokens=sched.block_manager.num_blocks * sched.block_manager.block_size,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                enable_chunked_prefill=cfg.enable_chunked_prefill,
+            )
+        group.ready.set()
+        group.wakeup.set()
+        return sched.max_model_len
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set()
+        """Every rank of every group has registered and none has failed since."""
+        return all(g.ready.is_set() for g in self.groups)
+
+    @property
+    def model_id(self) -> str:
+        leader = self.groups[0].leader
+        return leader.model_id if leader is not None else ""
+
+    @property
+    def vocab_size(self) -> int:
+        leader = self.groups[0].leader
+        return leader.vocab_size if leader is not None else 0
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence every group accepts (0 before all are sized)."""
+        lens = [g.scheduler.max_model_len for g in self.groups if g.scheduler is not None]
+        return min(lens) if len(lens) == len(self.groups) else 0
+
+    @property
+    def block_size(self) -> int:
+        leader = self.groups[0].leader
+        return leader.block_size if leader is not None else 0
+
+    def stats(self) -> EngineStats:
+        """Queues and KV pools of every group that has a scheduler, summed."""
+        st = EngineStats()
+        weighted_utilization = 0.0
+        for g in self.groups:
+            sched = g.scheduler
+            if sched is None:
+                continue
+            bm = sched.block_manager
+            st.num_kv_blocks += bm.num_blocks
+            st.num_free_kv_blocks += bm.num_free_blocks
+            st.num_running += len(sched.running)
+            st.num_waiting += len(sched.waiting)
+            weighted_utilization += sched.kv_usage.utilization * bm.num_blocks
+            st.tokens_stored_total += sched.kv_usage.tokens_stored_total
+            st.slots_allocated_total += sched.kv_usage.slots_allocated_total
+            st.prefix_cache_queries_total += bm.prefix_cache_queries
+            st.prefix_cache_hits_total += bm.prefix_cache_hits
+            st.num_preemptions_total += sched.num_preemptions
+        if st.num_kv_blocks:
+            st.kv_usage_perc = (st.num_kv_blocks - st.num_free_kv_blocks) / st.num_kv_blocks
+            st.utilization = weighted_utilization / st.num_kv_blocks
+        return st
 
     def start(self) -> None:
-        self._loop_task = asyncio.create_task(self._run(), name="step-loop")
+        self._loop_tasks = [
+            asyncio.create_task(self._run(g), name=f"step-loop-{g.name}") for g in self.groups
+        ]
 
     async def stop(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-        if self._channel is not None:
-            await self._channel.close()
+        for task in self._loop_tasks:
+            task.cancel()
+        await asyncio.gather(*self._loop_tasks, return_exceptions=True)
+        for g in self.groups:
+            await g.close()
 
     # -- requests ---------------------------------------------------------------
 
     def new_sequence(self, req: scheduler_pb2.AddRequestRequest) -> Sequence:
-        """Validates and queues a request.
+        """Validates and queues a request on the least loaded group that prefills.
 
-        Raises NotReady (no worker), QueueFull (`max_waiting_requests` waiting), or
+        Raises NotReady (a worker missing), QueueFull (`max_waiting_requests` waiting), or
         ValueError if it can never run.
         """
-        if self.scheduler is None or not self.ready:
-            raise NotReady(
-                "no worker has registered yet" if self.scheduler is None else self._lost_reason
-            )
-        waiting = len(self.scheduler.waiting)
+        if not self.ready:
+            missing = [g for g in self.groups if not g.ready.is_set()]
+            reasons = [g.lost_reason for g in missing if g.lost_reason]
+            raise NotReady(reasons[0] if reasons else "no worker has registered yet")
+        entry = [g for g in self.groups if g.role != "decode"]
+        waiting = sum(len(g.scheduler.waiting) for g in entry if g.scheduler is not None)
         if waiting >= self.config.max_waiting_requests:
             raise QueueFull(
                 f"{waiting} requests are waiting (--max-waiting-requests "
@@ -241,15 +343,22 @@ class Engine:
             raise ValueError("prompt_token_ids is empty")
         if seq.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        self.scheduler.add(seq)
+        if seq.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {seq.num_tokens} tokens, max_model_len is {self.max_model_len}"
+            )
+        group = min(entry, key=lambda g: g.load)
+        assert group.scheduler is not None
+        group.scheduler.add(seq)
+        self._group_of[seq.seq_id] = group
         self._queues[seq.seq_id] = asyncio.Queue()
-        self._wakeup.set()
+        group.wakeup.set()
         return seq
 
     async def stream(self, seq: Sequence) -> AsyncGenerator[scheduler_pb2.TokenEvent, None]:
         """Yields the events of `seq` until it finishes; closing the iterator early aborts it.
 
-        Raises WorkerUnavailable if the worker fails while `seq` is in flight.
+        Raises WorkerUnavailable if a worker of its group fails while `seq` is in flight.
         """
         queue = self._queues[seq.seq_id]
         try:
@@ -262,24 +371,25 @@ class Engine:
                     return
         finally:
             self._queues.pop(seq.seq_id, None)
-            if self.scheduler is not None and not seq.is_finished:
-                self.scheduler.finish(seq, inference_pb2.FINISH_REASON_ABORT)
+            group = self._group_of.pop(seq.seq_id, None)
+            if group is not None and group.scheduler is not None and not seq.is_finished:
+                group.scheduler.finish(seq, inference_pb2.FINISH_REASON_ABORT)
                 log.info("request_aborted", request_id=seq.request_id)
-                self._wakeup.set()
+                group.wakeup.set()
 
-    # -- the loop ---------------------------------------------------------------
+    # -- the loops --------------------------------------------------------------
 
-    async def _run(self) -> None:
-        await self._ready.wait()
+    async def _run(self, group: WorkerGroup) -> None:
+        await group.ready.wait()
         while True:
-            sched = self.scheduler
+            sched = group.scheduler
             assert sched is not None
             if not sched.has_work:
-                self._wakeup.clear()
+                group.wakeup.clear()
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), IDLE_PROBE_INTERVAL_S)
+                    await asyncio.wait_for(group.wakeup.wait(), IDLE_PROBE_INTERVAL_S)
                 except TimeoutError:
-                    await self._probe_idle_worker()
+                    await self._probe_idle_group(group)
                 continue
             preemptions = sched.num_preemptions
             t0 = time.perf_counter()
@@ -288,6 +398,7 @@ class Engine:
             if sched.num_preemptions > preemptions:
                 log.info(
                     "preempted",
+                    group=group.name,
                     num_preemptions=sched.num_preemptions - preemptions,
                     num_free_kv_blocks=sched.block_manager.num_free_blocks,
                     num_waiting=len(sched.waiting),
@@ -299,73 +410,148 @@ class Engine:
             if out.is_empty:
                 # Nothing fits right now (e.g. every block held by a step in flight);
                 # wait for an abort or a new request to change that.
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                group.wakeup.clear()
+                await group.wakeup.wait()
                 continue
             try:
-                response = await self._execute(out)
-            except (grpc.aio.AioRpcError, WorkerUnavailable) as e:
-                if sched is not self.scheduler:
-                    continue  # a new worker registered while the step ran: it has failed those
-                reason = (
-                    f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else e
-                )
-                log.error("step_failed", error=str(reason))
-                await self._lose_worker(f"the worker failed a step ({reason})")
+                request = build_step_request(next(self._step_ids), out)
+                response = await group.execute(request)
+            except grpc.aio.AioRpcError as e:
+                if sched is not group.scheduler:
+                    continue  # a rank re-registered while the step ran: it has failed those
+                reason = f"{e.code().name}: {e.details()}"
+                log.error("step_failed", group=group.name, error=reason)
+                await self._lose_group(group, f"the worker failed a step ({reason})")
                 continue
-            if sched is not self.scheduler:
-                continue  # a worker re-registered while the step ran
+            if sched is not group.scheduler:
+                continue  # a rank re-registered while the step ran
             t2 = time.perf_counter()
-            by_seq = {s.seq_id: s for s in response.sampled}
-            sampled = {seq_id: s.token_id for seq_id, s in by_seq.items()}
-            for update in sched.apply_sampled(out, sampled):
-                queue = self._queues.get(update.seq.seq_id)
-                if queue is not None:
-                    event = scheduler_pb2.TokenEvent(
-                        token_ids=[update.token_id], finish_reason=update.seq.finish_reason
-                    )
-                    seq = update.seq
-                    if seq.sampling.HasField("num_logprobs"):
-                        event.logprobs.append(token_logprobs(by_seq[seq.seq_id]))
-                    if len(seq.output_token_ids) == 1 and seq.first_scheduled_time is not None:
-                        event.queue_seconds = seq.first_scheduled_time - seq.arrival_time
-                    queue.put_nowait(event)
-            self._record_step(out, response, t0, t1, t2)
+            self._apply(sched, out, response)
+            self._record_step(group, out, response, t0, t1, t2)
+            if group.role == "prefill":
+                await self._hand_off(group)
 
-    async def _probe_idle_worker(self) -> None:
-        """While no step runs, asks the worker's health service whether it is still there: a
-        worker that died idle is noticed within seconds, not at the next request's first step.
+    def _apply(
+        self, sched: Scheduler, out: SchedulerOutput, response: worker_pb2.StepResponse
+    ) -> None:
+        """Appends the step's sampled tokens and sends each to its request's stream."""
+        by_seq = {s.seq_id: s for s in response.sampled}
+        sampled = {seq_id: s.token_id for seq_id, s in by_seq.items()}
+        for update in sched.apply_sampled(out, sampled):
+            queue = self._queues.get(update.seq.seq_id)
+            if queue is None:
+                continue
+            seq = update.seq
+            event = scheduler_pb2.TokenEvent(
+                token_ids=[update.token_id], finish_reason=seq.finish_reason
+            )
+            if seq.sampling.HasField("num_logprobs"):
+                event.logprobs.append(token_logprobs(by_seq[seq.seq_id]))
+            if len(seq.output_token_ids) == 1 and seq.first_scheduled_time is not None:
+                event.queue_seconds = seq.first_scheduled_time - seq.arrival_time
+            queue.put_nowait(event)
+
+    async def _hand_off(self, source: WorkerGroup) -> None:
+        """Moves every sequence of prefill group `source` that has sampled a token to the least
+        loaded decode group with room (a slot under `max_num_seqs` and free blocks for its
+        K/V): the decode ranks copy the blocks from the source ranks' pools, then the source
+        forgets the sequence. A failed copy leaves the sequence where it is (logged)."""
+        src_sched = source.scheduler
+        assert src_sched is not None
+        ready = [s for s in src_sched.running if s.output_token_ids]
+        if not ready:
+            return
+        plans: dict[int, tuple[WorkerGroup, list[tuple[Sequence, int, list[int]]]]] = {}
+        for seq in ready:
+            candidates = []
+            for g in self.groups:
+                sched = g.scheduler
+                if g.role != "decode" or not g.ready.is_set() or sched is None:
+                    continue
+                planned = len(plans.get(g.index, (g, []))[1])
+                need = sched.block_manager.blocks_for(seq.num_computed_tokens)
+                if (
+                    len(sched.running) + planned < self.config.max_num_seqs
+                    and sched.block_manager.num_free_blocks >= need
+                ):
+                    candidates.append(g)
+            if not candidates:
+                continue  # keeps decoding here; tried again after the next step
+            dest = min(candidates, key=lambda g: g.load)
+            assert dest.scheduler is not None
+            n = seq.num_computed_tokens
+            blocks = dest.scheduler.block_manager.allocate_blocks(
+                dest.scheduler.block_manager.blocks_for(n)
+            )
+            plans.setdefault(dest.index, (dest, []))[1].append((seq, n, blocks))
+        if not plans:
+            return
+
+        async def move(dest: WorkerGroup, moves: list[tuple[Sequence, int, list[int]]]) -> None:
+            dest_sched = dest.scheduler
+            assert dest_sched is not None
+            src_ids = [b for seq, _, blocks in moves for b in seq.block_table[: len(blocks)]]
+            dst_ids = [b for _, _, blocks in moves for b in blocks]
+            try:
+                nbytes = await dest.copy_blocks_from(source, src_ids, dst_ids)
+            except grpc.aio.AioRpcError as e:
+                log.error(
+                    "kv_transfer_failed",
+                    source=source.name,
+                    destination=dest.name,
+                    error=f"{e.code().name}: {e.details()}",
+                )
+                for _, _, blocks in moves:
+                    dest_sched.block_manager.release_blocks(blocks)
+                return
+            if dest.scheduler is not dest_sched or source.scheduler is not src_sched:
+                return  # a worker re-registered meanwhile: its sequences have failed
+            self.num_kv_transfers += len(moves)
+            self.kv_transfer_bytes += nbytes
+            for seq, n, blocks in moves:
+                if seq.is_finished:  # aborted while its blocks moved
+                    dest_sched.block_manager.release_blocks(blocks)
+                    continue
+                src_sched.detach(seq)
+                dest_sched.admit_prefilled(seq, blocks, n)
+                self._group_of[seq.seq_id] = dest
+            dest.wakeup.set()
+
+        await asyncio.gather(*(move(dest, moves) for dest, moves in plans.values()))
+
+    async def _probe_idle_group(self, group: WorkerGroup) -> None:
+        """While no step runs, asks the group's ranks whether they are still there: a worker
+        that died idle is noticed within seconds, not at the next request's first step.
 
         Only an unreachable worker counts (UNAVAILABLE, or no answer within
         IDLE_PROBE_TIMEOUT_S), so a busy machine cannot make a live worker look dead.
         """
-        if self._channel is None or not self.ready:
+        if not group.ready.is_set():
             return
-        sched = self.scheduler
+        sched = group.scheduler
         try:
-            await health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=IDLE_PROBE_TIMEOUT_S
-            )
+            await group.probe(IDLE_PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
-            if sched is not self.scheduler or e.code() not in (
+            if sched is not group.scheduler or e.code() not in (
                 grpc.StatusCode.UNAVAILABLE,
                 grpc.StatusCode.DEADLINE_EXCEEDED,
             ):
                 return
-            log.error("worker_unreachable", code=e.code().name, details=e.details())
-            await self._lose_worker(f"the worker is unreachable ({e.code().name})")
+            log.error("worker_unreachable", group=group.name, code=e.code().name)
+            await self._lose_group(group, f"the worker is unreachable ({e.code().name})")
 
-    async def _lose_worker(self, reason: str) -> None:
-        """The worker is gone: NOT_SERVING, every sequence in flight ends with
-        WorkerUnavailable(`reason`), new requests get NotReady; returns once a worker has
-        registered again."""
-        self._lost_reason = f"{reason}; waiting for a worker"
-        self._ready.clear()
-        self._fail_all(WorkerUnavailable(reason))
-        await self._ready.wait()
+    async def _lose_group(self, group: WorkerGroup, reason: str) -> None:
+        """A worker of `group` is gone: NOT_SERVING, every sequence the group holds ends with
+        WorkerUnavailable(`reason`), new requests get NotReady; returns once the group is
+        complete again."""
+        group.lost_reason = f"{reason}; waiting for a worker"
+        group.ready.clear()
+        self._fail_group(group, WorkerUnavailable(reason))
+        await group.ready.wait()
 
     def _record_step(
         self,
+        group: WorkerGroup,
         out: SchedulerOutput,
         response: worker_pb2.StepResponse,
         t0: float,
@@ -383,20 +569,15 @@ class Engine:
         times.add_worker(response)
         if not out.scheduled:
             return
-        model = self.worker.model_id if self.worker is not None else ""
+        model = self.model_id
         metrics.SCHEDULER_STEP_SECONDS.labels(model).observe(t1 - t0)
         metrics.MODEL_STEP_SECONDS.labels(model).observe(t2 - t1)
         metrics.BATCH_SIZE.labels(model).observe(len(out.scheduled))
         metrics.BATCHED_TOKENS.labels(model).observe(sum(s.num_new_tokens for s in out.scheduled))
 
-    async def _execute(self, out: SchedulerOutput) -> worker_pb2.StepResponse:
-        assert self._stub is not None
-        request = build_step_request(next(self._step_ids), out)
-        return await self._stub.ExecuteStep(request)
-
-    def _fail_all(self, error: Exception) -> None:
-        """Ends every sequence in flight with `error` and frees its blocks."""
-        sched = self.scheduler
+    def _fail_group(self, group: WorkerGroup, error: Exception) -> None:
+        """Ends every sequence `group` holds with `error` and frees its blocks."""
+        sched = group.scheduler
         if sched is None:
             return
         for seq in [*sched.running, *sched.waiting]:

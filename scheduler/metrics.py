@@ -52,8 +52,8 @@ class SchedulerCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        sched, worker = self.engine.scheduler, self.engine.worker
-        model = worker.model_id if worker is not None else ""
+        model = self.engine.model_id
+        st = self.engine.stats()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(f"{PREFIX}{name}", doc, labels=["model_name"])
@@ -65,16 +65,10 @@ class SchedulerCollector(Collector):
             c.add_metric([model], value)
             return c
 
-        if sched is None:
-            running = waiting = 0
-            usage = utilization = queries = hits = preemptions = 0.0
-        else:
-            bm = sched.block_manager
-            running, waiting = len(sched.running), len(sched.waiting)
-            usage = 1.0 - bm.num_free_blocks / bm.num_blocks
-            utilization = sched.kv_usage.utilization
-            queries, hits = bm.prefix_cache_queries, bm.prefix_cache_hits
-            preemptions = sched.num_preemptions
+        running, waiting = st.num_running, st.num_waiting
+        usage, utilization = st.kv_usage_perc, st.utilization
+        queries, hits = st.prefix_cache_queries_total, st.prefix_cache_hits_total
+        preemptions = st.num_preemptions_total
         yield gauge("num_requests_running", "Requests in the running batch.", running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", waiting)
         yield gauge(
@@ -93,3 +87,13 @@ class SchedulerCollector(Collector):
         )
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
         yield counter("num_preemptions", "Sequences preempted (recomputed later).", preemptions)
+        yield counter(
+            "kv_transfers",
+            "Sequences whose prompt KV blocks moved from a prefill to a decode worker.",
+            self.engine.num_kv_transfers,
+        )
+        yield counter(
+            "kv_transfer_bytes",
+            "Bytes of KV blocks copied from prefill to decode workers (all ranks).",
+            self.engine.kv_transfer_bytes,
+        )

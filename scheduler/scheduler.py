@@ -160,6 +160,34 @@ class Scheduler:
         if not self._batch:
             self._release_holding()
 
+    def detach(self, seq: Sequence) -> None:
+        """Gives running `seq` up to another scheduler (disaggregated prefill: its prompt's
+        K/V have been copied to a decode worker): frees its blocks here (full ones stay in the
+        prefix cache) and has this worker forget it. Its tokens are kept; its status is for
+        the scheduler that takes it over to set."""
+        self.running.remove(seq)
+        self._forget(seq)
+        self.block_manager.free(seq)
+
+    def admit_prefilled(
+        self, seq: Sequence, block_ids: list[int], num_computed_tokens: int
+    ) -> None:
+        """Takes over `seq`, whose first `num_computed_tokens` tokens' K/V were copied into
+        `block_ids` of this pool (from `block_manager.allocate_blocks`): it runs from the next
+        step, announced to this worker as new, computing from `num_computed_tokens` on."""
+        seq.block_table = list(block_ids)
+        seq.num_computed_tokens = num_computed_tokens
+        seq.num_tokens_on_worker = 0
+        seq.status = SequenceStatus.RUNNING
+        self.block_manager.register_hashes(seq)
+        self.running.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """Queues `seq`, which holds no blocks but may have outputs already, at the front of
+        the waiting queue, to be recomputed here (as after a preemption)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
     def carry_counters_from(self, previous: Scheduler) -> None:
         """Continues the cumulative counters (prefix cache, preemptions, KV utilization sums)
         of the scheduler this one replaces when a worker registers again."""

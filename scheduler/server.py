@@ -9,7 +9,8 @@ import grpc
 import structlog
 
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine, NotReady, QueueFull, WorkerInfo, WorkerUnavailable
+from scheduler.engine import Engine, NotReady, QueueFull, RegistrationError, WorkerUnavailable
+from scheduler.worker_group import WorkerInfo
 from sluiceway.grpc_server import (
     REQUEST_ID_METADATA,
     bind,
@@ -75,28 +76,28 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.GetSchedulerInfoRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerInfo:
         engine = self.engine
-        sched, worker = engine.scheduler, engine.worker
-        if sched is None or worker is None:
+        if engine.max_model_len == 0:
             return scheduler_pb2.SchedulerInfo(ready=False)
+        st = engine.stats()
         return scheduler_pb2.SchedulerInfo(
             ready=engine.ready,
-            model_id=worker.model_id,
-            max_model_len=sched.max_model_len,
-            block_size=sched.block_manager.block_size,
-            num_kv_blocks=sched.block_manager.num_blocks,
-            num_free_kv_blocks=sched.block_manager.num_free_blocks,
-            num_requests_running=len(sched.running),
-            num_requests_waiting=len(sched.waiting),
-            vocab_size=worker.vocab_size,
+            model_id=engine.model_id,
+            max_model_len=engine.max_model_len,
+            block_size=engine.block_size,
+            num_kv_blocks=st.num_kv_blocks,
+            num_free_kv_blocks=st.num_free_kv_blocks,
+            num_requests_running=st.num_running,
+            num_requests_waiting=st.num_waiting,
+            vocab_size=engine.vocab_size,
             kv_cache=scheduler_pb2.KvCacheStats(
-                utilization=sched.kv_usage.utilization,
-                tokens_stored_total=sched.kv_usage.tokens_stored_total,
-                slots_allocated_total=sched.kv_usage.slots_allocated_total,
-                prefix_cache_queries_total=sched.block_manager.prefix_cache_queries,
-                prefix_cache_hits_total=sched.block_manager.prefix_cache_hits,
-                num_preemptions_total=sched.num_preemptions,
+                utilization=st.utilization,
+                tokens_stored_total=st.tokens_stored_total,
+                slots_allocated_total=st.slots_allocated_total,
+                prefix_cache_queries_total=st.prefix_cache_queries_total,
+                prefix_cache_hits_total=st.prefix_cache_hits_total,
+                num_preemptions_total=st.num_preemptions_total,
             ),
-            step_times=self.engine.step_times.to_proto(),
+            step_times=engine.step_times.to_proto(),
         )
 
     async def RegisterWorker(
@@ -106,17 +107,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "num_kv_blocks and block_size must be > 0"
             )
-        max_model_len = await self.engine.register_worker(
-            WorkerInfo(
-                address=request.address,
-                rank=request.rank,
-                model_id=request.model_id,
-                num_kv_blocks=request.num_kv_blocks,
-                block_size=request.block_size,
-                max_model_len=request.max_model_len,
-                vocab_size=request.vocab_size,
-            )
+        info = WorkerInfo(
+            address=request.address,
+            rank=request.rank,
+            model_id=request.model_id,
+            num_kv_blocks=request.num_kv_blocks,
+            block_size=request.block_size,
+            max_model_len=request.max_model_len,
+            vocab_size=request.vocab_size,
+            worker_group=request.worker_group,
+            tensor_parallel_size=request.tensor_parallel_size or 1,
+            kv_pool=request.kv_pool if request.HasField("kv_pool") else None,
         )
+        try:
+            max_model_len = await self.engine.register_worker(info)
+        except RegistrationError as e:
+            log.error("worker_refused", address=request.address, error=str(e))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return scheduler_pb2.RegisterWorkerResponse(max_model_len=max_model_len)
 
 

@@ -57,6 +57,46 @@ def _add_worker(p: argparse.ArgumentParser) -> None:
         help="torch CPU threads of the worker (default: every core; 2 threads gave 161 vs 112 "
         "output tokens/s over 1 on a 2-core CPU)",
     )
+    p.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="paged attention kernels: auto = Triton on CUDA, the torch reference on CPU",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="never capture CUDA graphs for decode steps (vLLM's flag; CUDA only)",
+    )
+
+
+def _add_parallel(p: argparse.ArgumentParser) -> None:
+    """Layout flags shared by serve, scheduler and worker."""
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=positive_int,
+        default=1,
+        help="worker ranks per model instance (attention heads and MLP columns split across "
+        "them; gloo on CPU, NCCL on CUDA)",
+    )
+
+
+def _add_disaggregation(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--num-prefill-workers",
+        type=int,
+        default=0,
+        help="disaggregated prefill: model instances that only prefill (with "
+        "--num-decode-workers; 0 = one instance does both)",
+    )
+    p.add_argument(
+        "--num-decode-workers",
+        type=int,
+        default=0,
+        help="disaggregated prefill: model instances that decode sequences whose prompt KV "
+        "blocks were copied to them from a prefill instance",
+    )
 
 
 def _add_scheduler(p: argparse.ArgumentParser) -> None:
@@ -132,13 +172,29 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_METRICS_PORT["router"],
         help="Prometheus /metrics of the router; the scheduler gets the next port and the "
-        "worker the one after (0 = free ports, -1 = off)",
+        "worker the one after (more routers, replicas or workers: the next ports, in that "
+        "order; 0 = free ports, -1 = off)",
     )
     _add_drain(serve)
     _add_max_message_size(serve)
     _add_model(serve)
     _add_worker(serve)
     _add_scheduler(serve)
+    _add_parallel(serve)
+    _add_disaggregation(serve)
+    serve.add_argument(
+        "--num-replicas",
+        type=positive_int,
+        default=1,
+        help="model replicas, each a scheduler with its own workers; the routers spread "
+        "requests over them",
+    )
+    serve.add_argument(
+        "--num-routers",
+        type=positive_int,
+        default=1,
+        help="router processes, on consecutive ports from --port, each over every replica",
+    )
     _add_max_model_len(serve)
     _add_common(serve)
 
@@ -155,7 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
     router = sub.add_parser("router", help="run the router process (public gRPC API)")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=DEFAULT_PORT)
-    router.add_argument("--scheduler", default=DEFAULT_SCHEDULER, help="scheduler address")
+    router.add_argument(
+        "--scheduler",
+        default=DEFAULT_SCHEDULER,
+        help="scheduler address (host:port or unix:PATH), or several comma-separated (one per "
+        "model replica): each request goes to the ready one with the fewest requests in flight "
+        "from this router, ties by prefix affinity",
+    )
     _add_model(router)
     _add_metrics(router, "router")
     _add_drain(router)
@@ -165,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     sched = sub.add_parser("scheduler", help="run the scheduler process")
     sched.add_argument("--listen", default=DEFAULT_SCHEDULER, help="host:port or unix:PATH")
     _add_scheduler(sched)
+    _add_parallel(sched)
+    _add_disaggregation(sched)
     _add_max_model_len(sched)
     _add_metrics(sched, "scheduler")
     _add_common(sched)
@@ -177,6 +241,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--advertise", default=None, help="address the scheduler dials (default: --listen)"
     )
     worker.add_argument("--scheduler", default=DEFAULT_SCHEDULER, help="scheduler address")
+    worker.add_argument(
+        "--worker-group",
+        type=int,
+        default=0,
+        help="which of the scheduler's model instances this worker belongs to (0; with "
+        "--num-prefill-workers P on the scheduler, 0..P-1 prefill and the next ones decode)",
+    )
+    worker.add_argument(
+        "--share-kv-pool",
+        action="store_true",
+        help="allocate the KV pool so that peer workers can copy blocks out of it (POSIX "
+        "shared memory on CPU, CUDA IPC on GPU); needed for disaggregated prefill",
+    )
+    worker.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this worker")
+    worker.add_argument(
+        "--distributed-init-method",
+        default=None,
+        help="torch.distributed rendezvous of the ranks, e.g. tcp://HOST:PORT (needed when "
+        "--tensor-parallel-size > 1)",
+    )
+    _add_parallel(worker)
     _add_model(worker)
     _add_worker(worker)
     _add_max_model_len(worker)
@@ -217,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_async(coro) -> int:  # type: ignore[no-untyped-def]
     """Runs a process's main coroutine; a port it cannot bind is a clear error (exit 2)."""
-    from sluiceway.grpc_server import BindError
+    from sluiceway.grpc_server import BindError, RegistrationRefused
     from sluiceway.metrics import MetricsPortError
 
     try:
@@ -229,20 +314,26 @@ def _run_async(coro) -> int:  # type: ignore[no-untyped-def]
             import asyncio
 
             asyncio.run(coro)
-    except (MetricsPortError, BindError) as e:
+    except (MetricsPortError, BindError, RegistrationRefused) as e:
         print(f"sluiceway: {e}", file=sys.stderr)
         return 2
     return 0
 
 
 def _run_router(args: argparse.Namespace) -> int:
+    from router.balancer import parse_scheduler_addresses
     from router.server import serve
     from sluiceway.model_files import resolve_model
 
+    try:
+        schedulers = parse_scheduler_addresses(args.scheduler)
+    except ValueError as e:
+        print(f"sluiceway router: --scheduler: {e}", file=sys.stderr)
+        return 2
     return _run_async(
         serve(
             f"{args.host}:{args.port}",
-            args.scheduler,
+            schedulers,
             resolve_model(args.model),
             drain_timeout_s=args.drain_timeout,
             metrics_port=_metrics_port(args),
@@ -270,6 +361,9 @@ def _run_scheduler(args: argparse.Namespace) -> int:
             scheduling_policy=args.scheduling_policy,
             static_batch_size=args.static_batch_size,
             max_waiting_requests=args.max_waiting_requests,
+            tensor_parallel_size=args.tensor_parallel_size,
+            num_prefill_workers=args.num_prefill_workers,
+            num_decode_workers=args.num_decode_workers,
         )
     except ValueError as e:
         print(f"sluiceway scheduler: {e}", file=sys.stderr)
@@ -281,19 +375,53 @@ def _run_worker(args: argparse.Namespace) -> int:
     import torch
 
     from sluiceway.model_files import resolve_model
+    from worker.kv_pool import SharedKvPool, allocate_shared_kv_pool
     from worker.model_runner import ModelRunner
-    from worker.server import serve
+    from worker.server import Placement, serve
 
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
-    runner = ModelRunner(
-        resolve_model(args.model),
-        device=args.device,  # the runner resolves "auto"
-        dtype=args.dtype,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=args.max_model_len,
-    )
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    tp = args.tensor_parallel_size
+    if tp > 1:
+        from worker.parallel import init_tensor_parallel
+
+        if not args.distributed_init_method:
+            print("sluiceway worker: --tensor-parallel-size > 1 needs --distributed-init-method "
+                  "tcp://HOST:PORT (the same on every rank)", file=sys.stderr)  # fmt: skip
+            return 2
+        if device == "cuda" and torch.cuda.device_count() > 1:
+            device = f"cuda:{args.rank % torch.cuda.device_count()}"  # one GPU per rank
+        try:
+            init_tensor_parallel(args.rank, tp, args.distributed_init_method, device)
+        except ValueError as e:
+            print(f"sluiceway worker: {e}", file=sys.stderr)
+            return 2
+    shared: list[SharedKvPool] = []
+
+    def shared_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):  # type: ignore[no-untyped-def]
+        shared.append(allocate_shared_kv_pool(shape, dtype, device))
+        return shared[0].tensor
+
+    try:
+        runner = ModelRunner(
+            resolve_model(args.model),
+            device=device,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_model_len,
+            kv_pool_factory=shared_pool if args.share_kv_pool else None,
+            attention_backend=args.attention_backend,
+            tensor_parallel_rank=args.rank,
+            tensor_parallel_size=tp,
+            enforce_eager=args.enforce_eager,
+        )
+    except (ValueError, ImportError) as e:
+        print(f"sluiceway worker: {e}", file=sys.stderr)
+        return 2
     model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     return _run_async(
         serve(
@@ -304,6 +432,8 @@ def _run_worker(args: argparse.Namespace) -> int:
             args.advertise,
             metrics_port=_metrics_port(args),
             metrics_host=args.metrics_host,
+            placement=Placement(args.worker_group, args.rank, args.tensor_parallel_size),
+            kv_pool=shared[0] if shared else None,
         )
     )
 

@@ -23,6 +23,11 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+class RegistrationRefused(Exception):
+    """The scheduler refused a worker's registration (a worker group, rank or model its
+    configuration does not have): a configuration error, not worth restarting for."""
+
+
 # gRPC metadata key carrying the public request_id from the router to the scheduler. A
 # binary ("-bin") key: the id is any string the client chose, and plain metadata values
 # must be printable ASCII. The value is the id's UTF-8 bytes.

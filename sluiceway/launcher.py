@@ -1,11 +1,20 @@
-"""`sluiceway serve`: worker, scheduler and router as three OS processes on one machine.
+"""`sluiceway serve`: workers, schedulers and routers as OS processes on one machine.
 
-The children talk over Unix sockets in a private temp folder; only the router
-listens on TCP. Children get SIGTERM if this process dies (PR_SET_PDEATHSIG),
-so nothing is orphaned; on SIGINT/SIGTERM the router drains and stops first,
-then the scheduler and the worker. A child that fails is started again (a
-restarted scheduler takes the worker with it, which must register anew), at
-most MAX_RESTARTS times a minute; one that exits 0 (a router drained by
+By default three processes: one worker, one scheduler, one router. With
+`--tensor-parallel-size N` a model instance is N worker ranks; with
+`--num-prefill-workers P --num-decode-workers D` a replica has P prefill and
+D decode instances; `--num-replicas R` starts R schedulers, each with its own
+workers; `--num-routers K` starts K routers on consecutive ports, each over
+every scheduler.
+
+The children talk over Unix sockets in a private temp folder; only the
+routers listen on TCP. Children get SIGTERM if this process dies
+(PR_SET_PDEATHSIG), so nothing is orphaned; on SIGINT/SIGTERM the routers
+drain and stop first, then the schedulers and workers. A child that fails is
+started again, at most MAX_RESTARTS times a minute: a restarted scheduler
+takes its replica's workers with it (they must register anew), a restarted
+tensor-parallel rank takes the other ranks of its instance with it (they
+would wait in a collective forever). One that exits 0 (a router drained by
 SIGTERM) stops the stack, and so does one that exits 2 (a usage or
 configuration error, such as a taken port).
 """
@@ -44,15 +53,29 @@ RESTART_WINDOW_S = 60.0
 
 @dataclass(slots=True)
 class Child:
+    """One process of the stack. `command` is its `sluiceway` subcommand; `replica` and
+    `instance` (its model instance within the replica) say what a failure takes down."""
+
     name: str
+    command: str
     address: str
     argv: list[str]
     process: subprocess.Popen[bytes]
+    replica: int = 0
+    instance: int = 0
     restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
 
     @classmethod
-    def start(cls, name: str, address: str, argv: list[str]) -> Child:
-        return cls(name, address, argv, _spawn(name, argv))
+    def start(
+        cls,
+        name: str,
+        command: str,
+        address: str,
+        argv: list[str],
+        replica: int = 0,
+        instance: int = 0,
+    ) -> Child:
+        return cls(name, command, address, argv, _spawn(command, argv), replica, instance)
 
     def restart(self) -> None:
         """Stops the process if it still runs, starts it again with the same flags.
@@ -69,15 +92,15 @@ class Child:
         if self.process.poll() is None:
             self.process.terminate()
             _wait(self, STOP_TIMEOUT_S)
-        self.process = _spawn(self.name, self.argv)
+        self.process = _spawn(self.command, self.argv)
         print(f"sluiceway: {self.name} restarted (pid {self.process.pid})", flush=True)
 
 
-def _spawn(name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+def _spawn(command: str, argv: list[str]) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return subprocess.Popen(
-        [sys.executable, "-m", "sluiceway.cli", name, *argv],
+        [sys.executable, "-m", "sluiceway.cli", command, *argv],
         env=env,
         start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
         preexec_fn=_die_with_parent,
@@ -88,23 +111,48 @@ def _flag(name: str, value: object) -> list[str]:
     return [] if value is None else [f"--{name}", str(value)]
 
 
+def _name(kind: str, *parts: tuple[str, int, int]) -> str:
+    """`kind` followed by each (label, index, count) part whose count is above 1:
+    ``worker``, ``worker-prefill0``, ``scheduler-1``, ``worker-r1-rank0`` ..."""
+    suffix = "".join(f"-{label}{i}" for label, i, n in parts if n > 1)
+    return kind + suffix
+
+
 def serve_command(args: argparse.Namespace) -> int:
     """Starts the stack, waits until each process is SERVING, prints the address, waits for a signal."""
+    from scheduler.config import SchedulerConfig
     from sluiceway.model_files import resolve_model
 
     t0 = time.monotonic()
+    try:  # the scheduler would refuse the same flags, after the model load
+        roles = SchedulerConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            num_prefill_workers=args.num_prefill_workers,
+            num_decode_workers=args.num_decode_workers,
+            scheduling_policy=args.scheduling_policy,
+            static_batch_size=args.static_batch_size,
+            max_num_seqs=args.max_num_seqs,
+        ).group_roles
+    except ValueError as e:
+        print(f"sluiceway: {e}", file=sys.stderr)
+        return 2
     model_dir = resolve_model(args.model)  # convert a GGUF once, before the children race for it
     model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-    taken = _taken_port(args.host, args.port)
-    if taken:
-        print(f"sluiceway: cannot listen on {args.host}:{args.port}: {taken}", file=sys.stderr)
-        return 2
+    router_ports = [args.port + i if args.port else 0 for i in range(args.num_routers)]
+    for port in router_ports:
+        taken = _taken_port(args.host, port)
+        if taken:
+            print(f"sluiceway: cannot listen on {args.host}:{port}: {taken}", file=sys.stderr)
+            return 2
     tmp = tempfile.mkdtemp(prefix="sluiceway-")
-    scheduler_addr = f"unix:{tmp}/scheduler.sock"
-    worker_addr = f"unix:{tmp}/worker.sock"
-    router_addr = f"{args.host}:{args.port}"
+    tp = args.tensor_parallel_size
+    num_replicas = args.num_replicas
+    num_workers = num_replicas * len(roles) * tp
+    scheduler_addrs = [
+        f"unix:{tmp}/{_name('scheduler', ('', r, num_replicas))}.sock" for r in range(num_replicas)
+    ]
     common = ["--log-format", args.log_format, "--log-level", args.log_level]
-    metrics_ports = _metrics_ports(args.metrics_port)
+    metrics_ports = _metrics_ports(args.metrics_port, args.num_routers + num_replicas + num_workers)
     children: list[Child] = []
     stopping = False
 
@@ -115,59 +163,95 @@ def serve_command(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     try:
-        sched_argv = [
-            "--listen", scheduler_addr,
-            "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--enable-chunked-prefill" if args.enable_chunked_prefill else "--no-enable-chunked-prefill",
-            "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
-            "--scheduling-policy", args.scheduling_policy,
-            "--static-batch-size", str(args.static_batch_size),
-            "--max-waiting-requests", str(args.max_waiting_requests),
-            *_flag("max-model-len", args.max_model_len),
-            "--metrics-port", str(metrics_ports["scheduler"]), "--metrics-host", args.host,
-            *common,
-        ]  # fmt: skip
-        children.append(Child.start("scheduler", scheduler_addr, sched_argv))
-        worker_argv = [
-            "--listen", worker_addr,
-            "--scheduler", scheduler_addr,
-            "--model", str(model_dir),
-            "--served-model-name", model_id,
-            "--device", args.device,
-            "--dtype", args.dtype,
-            "--block-size", str(args.block_size),
-            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-            *_flag("kv-cache-memory", args.kv_cache_memory),
-            *_flag("max-model-len", args.max_model_len),
-            *_flag("num-threads", args.num_threads),
-            "--metrics-port", str(metrics_ports["worker"]), "--metrics-host", args.host,
-            *common,
-        ]  # fmt: skip
-        children.append(Child.start("worker", worker_addr, worker_argv))
-        router_argv = [
-            "--host", args.host,
-            "--port", str(args.port),
-            "--scheduler", scheduler_addr,
-            "--model", str(model_dir),
-            "--metrics-port", str(metrics_ports["router"]), "--metrics-host", args.host,
-            "--drain-timeout", str(args.drain_timeout),
-            "--max-message-size", str(args.max_message_size),
-            *common,
-        ]  # fmt: skip
-        children.append(Child.start("router", router_addr, router_argv))
+        for r, scheduler_addr in enumerate(scheduler_addrs):
+            sched_argv = [
+                "--listen", scheduler_addr,
+                "--max-num-seqs", str(args.max_num_seqs),
+                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                "--enable-chunked-prefill" if args.enable_chunked_prefill else "--no-enable-chunked-prefill",
+                "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
+                "--scheduling-policy", args.scheduling_policy,
+                "--static-batch-size", str(args.static_batch_size),
+                "--max-waiting-requests", str(args.max_waiting_requests),
+                "--tensor-parallel-size", str(tp),
+                "--num-prefill-workers", str(args.num_prefill_workers),
+                "--num-decode-workers", str(args.num_decode_workers),
+                *_flag("max-model-len", args.max_model_len),
+                "--metrics-port", str(metrics_ports[args.num_routers + r]), "--metrics-host", args.host,
+                *common,
+            ]  # fmt: skip
+            name = _name("scheduler", ("", r, num_replicas))
+            children.append(Child.start(name, "scheduler", scheduler_addr, sched_argv, r, -1))
+        role_index = {"both": 0, "prefill": 0, "decode": 0}
+        instances = []
+        for g, role in enumerate(roles):
+            instances.append((g, role, role_index[role]))
+            role_index[role] += 1
+        w = 0
+        for r, scheduler_addr in enumerate(scheduler_addrs):
+            for g, role, i in instances:
+                init_method = f"tcp://127.0.0.1:{free_port()}" if tp > 1 else None
+                for rank in range(tp):
+                    name = _name(
+                        "worker",
+                        ("r", r, num_replicas),
+                        (role if role != "both" else "g", i, 2 if role != "both" else 1),
+                        ("rank", rank, tp),
+                    )
+                    worker_addr = f"unix:{tmp}/{name}.sock"
+                    port = metrics_ports[args.num_routers + num_replicas + w]
+                    w += 1
+                    worker_argv = [
+                        "--listen", worker_addr,
+                        "--scheduler", scheduler_addr,
+                        "--worker-group", str(g),
+                        "--tensor-parallel-size", str(tp),
+                        "--rank", str(rank),
+                        *_flag("distributed-init-method", init_method),
+                        *(["--share-kv-pool"] if role != "both" else []),
+                        "--model", str(model_dir),
+                        "--served-model-name", model_id,
+                        "--device", args.device,
+                        "--dtype", args.dtype,
+                        "--block-size", str(args.block_size),
+                        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+                        "--attention-backend", args.attention_backend,
+                        *(["--enforce-eager"] if args.enforce_eager else []),
+                        *_flag("kv-cache-memory", args.kv_cache_memory),
+                        *_flag("max-model-len", args.max_model_len),
+                        *_flag("num-threads", args.num_threads),
+                        "--metrics-port", str(port), "--metrics-host", args.host,
+                        *common,
+                    ]  # fmt: skip
+                    children.append(Child.start(name, "worker", worker_addr, worker_argv, r, g))
+        for k, port in enumerate(router_ports):
+            router_addr = f"{args.host}:{port}"
+            router_argv = [
+                "--host", args.host,
+                "--port", str(port),
+                "--scheduler", ",".join(scheduler_addrs),
+                "--model", str(model_dir),
+                "--metrics-port", str(metrics_ports[k]), "--metrics-host", args.host,
+                "--drain-timeout", str(args.drain_timeout),
+                "--max-message-size", str(args.max_message_size),
+                *common,
+            ]  # fmt: skip
+            name = _name("router", ("", k, args.num_routers))
+            children.append(Child.start(name, "router", router_addr, router_argv, -1, -1))
 
         for child in children:
             _wait_healthy(child, children, lambda: stopping)
         pids = ", ".join(f"{c.name} pid {c.process.pid}" for c in children)
+        addrs = ", ".join(c.address for c in children if c.command == "router")
         print(
-            f"sluiceway: serving {model_id} on {router_addr} ({pids}); "
+            f"sluiceway: serving {model_id} on {addrs} ({pids}); "
             f"ready in {time.monotonic() - t0:.1f} s",
             flush=True,
         )
         if args.metrics_port >= 0:
             urls = ", ".join(
-                f"{name} http://{args.host}:{port}/metrics" for name, port in metrics_ports.items()
+                f"{c.name} http://{args.host}:{port}/metrics"
+                for c, port in zip(_metrics_order(children), metrics_ports, strict=True)
             )
             print(f"sluiceway: metrics: {urls}", flush=True)
         while not stopping:
@@ -190,11 +274,17 @@ def serve_command(args: argparse.Namespace) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _metrics_order(children: list[Child]) -> list[Child]:
+    """The children in the order of their metrics ports: routers, schedulers, workers."""
+    rank = {"router": 0, "scheduler": 1, "worker": 2}
+    return sorted(children, key=lambda c: rank[c.command])
+
+
 def _restart_exited(children: list[Child]) -> None:
-    """Starts again each child that failed (crashed or killed by a signal); a
-    restarted scheduler has lost its workers' registration, so the worker restarts with it.
+    """Starts again each child that failed (crashed or killed by a signal). A restarted
+    scheduler has lost its workers' registration, so its replica's workers restart with it;
+    a restarted tensor-parallel rank takes the other ranks of its model instance along.
     Raises RuntimeError (see `Child.restart`)."""
-    by_name = {c.name: c for c in children}
     for child in children:
         if child.process.poll() is None:
             continue
@@ -204,8 +294,13 @@ def _restart_exited(children: list[Child]) -> None:
             flush=True,
         )
         child.restart()
-        if child.name == "scheduler":
-            by_name["worker"].restart()
+        for other in children:
+            if other is child or other.command != "worker" or other.replica != child.replica:
+                continue
+            if child.command == "scheduler" or (
+                child.command == "worker" and other.instance == child.instance
+            ):
+                other.restart()
 
 
 def _wait_healthy(child: Child, children: list[Child], stopping) -> None:  # type: ignore[no-untyped-def]
@@ -241,15 +336,15 @@ def _taken_port(host: str, port: int) -> str:
     return ""
 
 
-def _metrics_ports(first: int) -> dict[str, int]:
-    """Metrics port of each process: `first`, `first + 1`, `first + 2`; free ports for 0;
-    -1 (off) for every process when `first` is negative."""
-    names = ("router", "scheduler", "worker")
+def _metrics_ports(first: int, count: int) -> list[int]:
+    """Metrics ports of `count` processes (routers, schedulers, workers, in that order):
+    `first`, `first + 1`, ...; free ports for 0; -1 (off) for every process when `first` is
+    negative."""
     if first < 0:
-        return dict.fromkeys(names, -1)
+        return [-1] * count
     if first > 0:
-        return {name: first + i for i, name in enumerate(names)}
-    return {name: free_port() for name in names}
+        return [first + i for i in range(count)]
+    return [free_port() for _ in range(count)]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -261,16 +356,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _stop_all(children: list[Child], router_timeout_s: float) -> None:
-    """SIGTERM the router first and let it drain (up to `router_timeout_s`), then the rest;
+    """SIGTERM the routers first and let them drain (up to `router_timeout_s`), then the rest;
     SIGKILL whatever is left after the timeout."""
-    order = sorted(children, key=lambda c: c.name != "router")
-    for child in order:
-        if child.process.poll() is None:
-            child.process.send_signal(signal.SIGTERM)
-        if child.name == "router":
-            _wait(child, router_timeout_s)
-    for child in order:
-        _wait(child, STOP_TIMEOUT_S)
+    routers = [c for c in children if c.command == "router"]
+    for group, timeout_s in ((routers, router_timeout_s), (children, STOP_TIMEOUT_S)):
+        for child in group:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        for child in group:
+            _wait(child, timeout_s)
 
 
 def _wait(child: Child, timeout_s: float) -> None:

@@ -1,10 +1,19 @@
-"""Fixtures shared across test folders: the oracle is loaded once per session."""
+"""Fixtures shared across test folders: the oracle is loaded once per session.
+
+Without CUDA, Triton kernels run in Triton's interpreter; it must be switched on before any
+``@triton.jit`` decorator runs, so before anything imports the kernels: here, at the top.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 Sharded checkpoints (``model.safetensors.index.json``) and single files both work. Q/K/V and
 gate/up are copied into the fused parameters as they are read, converted to the target dtype.
+A tensor-parallel rank reads only its shard of each tensor (see :func:`load_model`).
 """
 
 from __future__ import annotations
@@ -9,14 +10,23 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from worker.model import LlamaForCausalLM, ModelConfig
+from worker.parallel import TensorParallelGroup
 
-__all__ = ["ModelLoadError", "load_config", "load_model", "read_json", "safetensors_files"]
+__all__ = [
+    "ModelLoadError",
+    "load_config",
+    "load_model",
+    "random_model",
+    "read_json",
+    "safetensors_files",
+]
 
 
 class ModelLoadError(ValueError):
@@ -81,53 +91,126 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
-def _targets(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, slice | None] | None:
-    """The parameter (and row slice of it) an HF tensor name lands in; None when not ours."""
-    c = model.config
-    if name == "model.embed_tokens.weight":
-        return model.embed_weight, None
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """Where one checkpoint tensor lands.
+
+    ``param[rows]`` (all of ``param`` when ``rows`` is None) receives the checkpoint tensor, or
+    with tensor parallelism its slice ``[start, start + n)`` along ``dim`` (``n`` the
+    destination's size along ``dim``; the whole tensor when ``dim`` is None). ``full`` is the
+    checkpoint's size along ``dim``, for the shape check.
+    """
+
+    param: torch.Tensor
+    rows: slice | None = None
+    dim: int | None = None
+    start: int = 0
+    full: int = 0
+
+    @property
+    def dest(self) -> torch.Tensor:
+        """The view of the parameter that receives the tensor."""
+        return self.param if self.rows is None else self.param[self.rows]
+
+    def expected_shape(self) -> tuple[int, ...]:
+        """The whole checkpoint tensor's shape."""
+        shape = list(self.dest.shape)
+        if self.dim is not None:
+            shape[self.dim] = self.full
+        return tuple(shape)
+
+
+def _targets(model: LlamaForCausalLM, name: str) -> _Target | None:
+    """Where an HF tensor name lands in the (rank's shard of the) model; None when not ours.
+
+    Shards (Megatron-LM, see :mod:`worker.parallel`): q/k/v and gate/up rows of the rank's
+    heads / intermediate columns go to the rank's fused parameters (q, k, v / gate, up blocks
+    in that order), o/down take the matching input columns (dim 1), embedding and LM head the
+    rank's vocabulary rows; norms and the o/down biases are whole on every rank.
+    """
+    c, tp = model.config, model.tp
+    sharded = tp.enabled
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        param = model.embed_weight if name.startswith("model.") else model.lm_head_weight
+        if param is None:
+            return None
+        if not sharded:
+            return _Target(param)
+        v0, v1 = tp.vocab_range(c.vocab_size)
+        return _Target(param, slice(0, v1 - v0), dim=0, start=v0, full=c.vocab_size)
     if name == "model.norm.weight":
-        return model.norm_weight, None
-    if name == "lm_head.weight":
-        return None if model.lm_head_weight is None else (model.lm_head_weight, None)
+        return _Target(model.norm_weight)
     m = _LAYER.match(name)
     if m is None or int(m.group(1)) >= c.num_layers:
         return None
     layer = model.layers[int(m.group(1))]
-    q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    inter = c.intermediate_size
+    d = c.head_dim
+    q_rows, kv_rows = model.num_heads * d, model.num_kv_heads * d  # the rank's
+    inter = c.intermediate_size // tp.world_size
     part, kind = m.group(2).rsplit(".", 1)
+    # part -> (fused prefix, destination rows, rows of the whole checkpoint tensor)
     fused = {
-        "self_attn.q_proj": ("qkv", slice(0, q_rows)),
-        "self_attn.k_proj": ("qkv", slice(q_rows, q_rows + kv_rows)),
-        "self_attn.v_proj": ("qkv", slice(q_rows + kv_rows, q_rows + 2 * kv_rows)),
-        "mlp.gate_proj": ("gate_up", slice(0, inter)),
-        "mlp.up_proj": ("gate_up", slice(inter, 2 * inter)),
+        "self_attn.q_proj": ("qkv", slice(0, q_rows), c.num_heads * d),
+        "self_attn.k_proj": ("qkv", slice(q_rows, q_rows + kv_rows), c.num_kv_heads * d),
+        "self_attn.v_proj": (
+            "qkv",
+            slice(q_rows + kv_rows, q_rows + 2 * kv_rows),
+            c.num_kv_heads * d,
+        ),
+        "mlp.gate_proj": ("gate_up", slice(0, inter), c.intermediate_size),
+        "mlp.up_proj": ("gate_up", slice(inter, 2 * inter), c.intermediate_size),
     }
+    # part -> (attribute prefix, checkpoint columns split by rank: row-parallel)
     plain = {
-        "self_attn.o_proj": "o",
-        "mlp.down_proj": "down",
-        "input_layernorm": "input_norm",
-        "post_attention_layernorm": "post_norm",
+        "self_attn.o_proj": ("o", c.num_heads * d),
+        "mlp.down_proj": ("down", c.intermediate_size),
+        "input_layernorm": ("input_norm", 0),
+        "post_attention_layernorm": ("post_norm", 0),
     }
     if part in fused:
-        prefix, rows = fused[part]
+        prefix, rows, full = fused[part]
         target = getattr(layer, f"{prefix}_{kind}", None)
-        return None if target is None else (target, rows)
+        if target is None:
+            return None
+        if not sharded:
+            return _Target(target, rows)
+        n = rows.stop - rows.start
+        return _Target(target, rows, dim=0, start=tp.rank * n, full=full)
     if part in plain:
-        attr = plain[part] if part.endswith("layernorm") else f"{plain[part]}_{kind}"
+        prefix, cols = plain[part]
+        attr = prefix if part.endswith("layernorm") else f"{prefix}_{kind}"
         if part.endswith("layernorm") and kind != "weight":
             return None
         target = getattr(layer, attr, None)
-        return None if target is None else (target, None)
+        if target is None:
+            return None
+        if not sharded or not cols or kind != "weight":  # norms, o/down biases: whole
+            return _Target(target)
+        n = cols // tp.world_size
+        return _Target(target, dim=1, start=tp.rank * n, full=cols)
     return None
 
 
-def _iter_tensors(files: list[pathlib.Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                yield name, sf.get_tensor(name)
+def _read(sf: Any, name: str, target: _Target) -> torch.Tensor:
+    """The checkpoint tensor ``name`` (or, sharded, only the rank's slice of it, read from the
+    file without the rest) on the CPU in its stored dtype.
+
+    Raises:
+        ModelLoadError: its shape is not the one the model expects.
+    """
+    expected = target.expected_shape()
+    if target.dim is None:
+        tensor = sf.get_tensor(name)
+        shape = tuple(tensor.shape)
+    else:
+        part = sf.get_slice(name)
+        shape = tuple(part.get_shape())
+    if shape != expected:
+        raise ModelLoadError(f"{name}: checkpoint shape {shape} != expected {expected}")
+    if target.dim is None:
+        return tensor
+    stop = target.start + target.dest.shape[target.dim]
+    return part[target.start : stop] if target.dim == 0 else part[:, target.start : stop]
 
 
 @torch.inference_mode()
@@ -137,8 +220,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
+    tp: TensorParallelGroup | None = None,
 ) -> LlamaForCausalLM:
     """Build the decoder for ``model_dir`` and fill it from its safetensors, in ``dtype`` on ``device``.
+
+    With ``tp`` of more than one rank the model holds only the rank's shard (see
+    :mod:`worker.parallel`): each checkpoint tensor is sliced as it is read (only the rank's
+    rows or columns come off the file), then converted and copied to ``device``; vocabulary
+    padding rows are zeros. A GGUF converted by :func:`sluiceway.model_files.convert_gguf` is
+    such a folder and loads the same way.
 
     Args:
         model_dir: an HF folder (``config.json`` + safetensors).
@@ -146,16 +236,18 @@ def load_model(
         device: where the parameters live.
         max_positions: length of the rotary table (default: the config's
             ``max_position_embeddings``).
+        tp: this process's tensor-parallel rank and world size (default: the whole model).
 
     Raises:
         ModelLoadError: missing files, a tensor of the wrong shape, tensors the model needs but
             the checkpoint lacks, or tensors it has that the model does not know.
+        ValueError: the world size does not divide the heads or the intermediate size.
         worker.model.UnsupportedModelError: see :func:`load_config`.
     """
     config = load_config(model_dir)
     files = safetensors_files(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions=max_positions)
+        model = LlamaForCausalLM(config, max_positions=max_positions, tp=tp)
     model.to(dtype)
     model.to_empty(device=device)
     model.init_rope()  # the rotary tables were built on meta
@@ -165,26 +257,28 @@ def load_model(
     for pname, p in model.named_parameters(remove_duplicate=True):
         pending[(id(p), 0, p.shape[0])] = pname
     filled: set[tuple[int, int, int]] = set()
+    v0, v1 = model.tp.vocab_range(config.vocab_size)
+    for vocab_param in (model.embed_weight, model.lm_head_weight):
+        if vocab_param is not None and v1 - v0 < vocab_param.shape[0]:  # padding rows
+            vocab_param[v1 - v0 :].zero_()
+            filled.add((id(vocab_param), v1 - v0, vocab_param.shape[0]))
     unexpected: list[str] = []
-    for name, tensor in _iter_tensors(files):
-        if _IGNORED.search(name):
-            continue
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        target = _targets(model, name)
-        if target is None:
-            unexpected.append(name)
-            continue
-        param, rows = target
-        dest = param if rows is None else param[rows]
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ModelLoadError(
-                f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
-        start = 0 if rows is None else rows.start
-        stop = param.shape[0] if rows is None else rows.stop
-        filled.add((id(param), start, stop))
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                if _IGNORED.search(name):
+                    continue
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                target = _targets(model, name)
+                if target is None:
+                    unexpected.append(name)
+                    continue
+                target.dest.copy_(_read(sf, name, target))
+                rows = target.rows
+                start = 0 if rows is None else rows.start
+                stop = target.param.shape[0] if rows is None else rows.stop
+                filled.add((id(target.param), start, stop))
     if unexpected:
         raise ModelLoadError(
             f"{model_dir}: tensors this model does not use: {sorted(unexpected)[:8]}"
@@ -213,3 +307,36 @@ def _missing(
         if end < rows:
             out.append(pname)
     return out
+
+
+@torch.inference_mode()
+def random_model(
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+    seed: int = 0,
+    std: float = 0.02,
+) -> LlamaForCausalLM:
+    """A decoder of ``config`` with random weights, made directly on ``device`` in ``dtype``
+    (no checkpoint; for benchmarks such as ``sluiceway bench step --random-model``).
+
+    Built on the meta device and then allocated on ``device`` as :func:`load_model` does, so a
+    7B model in bfloat16 on a GPU never passes through host memory in float32. Matrices and
+    embeddings are drawn from ``N(0, std)`` (seeded), norm weights are 1, biases 0. One rank:
+    no tensor parallelism.
+    """
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions=max_positions)
+    model.to(dtype)
+    model.to_empty(device=device)
+    model.init_rope()  # the rotary tables were built on meta
+    gen = torch.Generator(device=torch.device(device))
+    gen.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            p.fill_(0.0 if name.endswith("bias") else 1.0)
+        else:
+            p.normal_(0.0, std, generator=gen)
+    return model.eval()

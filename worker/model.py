@@ -3,6 +3,12 @@
 One forward runs a flattened varlen batch (prefill chunks and decode tokens back to back, no
 padding in the linear layers). Q/K/V are one fused matmul, gate/up another. Parameter names are
 our own (``qkv_weight``, ``gate_up_weight`` ...); :mod:`worker.loader` maps HF checkpoints onto them.
+
+With tensor parallelism (:mod:`worker.parallel`, Megatron-LM sharding, Shoeybi et al. 2019) a
+model holds only its rank's shard of ``N``: ``Hq / N`` query and ``Hkv / N`` KV heads, ``I / N``
+intermediate columns and ``ceil(V / N)`` vocabulary rows; the o and down projections and the
+embedding end in an all-reduce, the logits in a gather. Shapes below are per rank; with
+``N == 1`` they are the whole model and no collective runs.
 """
 
 from __future__ import annotations
@@ -10,13 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from kernels.backend import AttentionBackend, TorchAttentionBackend
+from worker.parallel import TensorParallelGroup
 
 __all__ = ["DecoderLayer", "LlamaForCausalLM", "ModelConfig", "UnsupportedModelError"]
 
@@ -149,32 +156,53 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def _row_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallelGroup
+) -> torch.Tensor:
+    """``x`` ``[T, K / N]`` (the rank's input columns) -> ``[T, M]``: the rank's partial
+    product summed over the ranks, then the (replicated) bias added once."""
+    if not tp.enabled:
+        return F.linear(x, weight, bias)
+    out = tp.all_reduce(F.linear(x, weight))
+    return out if bias is None else out + bias
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP block.
 
-    Parameters (``H`` hidden, ``Hq``/``Hkv`` heads, ``D`` head dim, ``I`` intermediate):
-    ``input_norm`` ``[H]``, ``qkv_weight`` ``[(Hq + 2 Hkv) D, H]`` (q rows, then k, then v),
-    ``qkv_bias`` ``[(Hq + 2 Hkv) D]`` or None, ``o_weight`` ``[H, Hq D]``, ``o_bias`` or None,
-    ``post_norm`` ``[H]``, ``gate_up_weight`` ``[2 I, H]`` (gate rows, then up),
-    ``gate_up_bias`` / ``down_bias`` or None, ``down_weight`` ``[H, I]``.
+    Parameters (``H`` hidden, ``Hq``/``Hkv`` heads, ``D`` head dim, ``I`` intermediate, all
+    heads and ``I`` the rank's share, e.g. ``Hq = num_heads / N``): ``input_norm`` ``[H]``,
+    ``qkv_weight`` ``[(Hq + 2 Hkv) D, H]`` (the rank's q rows, then its k, then its v),
+    ``qkv_bias`` ``[(Hq + 2 Hkv) D]`` or None, ``o_weight`` ``[H, Hq D]`` (the input columns
+    of the rank's heads), ``o_bias`` ``[H]`` or None (whole on every rank), ``post_norm``
+    ``[H]``, ``gate_up_weight`` ``[2 I, H]`` (the rank's gate rows, then its up rows),
+    ``gate_up_bias`` ``[2 I]`` / ``down_bias`` ``[H]`` or None, ``down_weight`` ``[H, I]``.
+
+    Raises:
+        ValueError: ``tp.world_size`` does not divide the heads or the intermediate size.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.tp = tp = tp or TensorParallelGroup()
+        self.num_kv_heads = tp.shard(c.num_kv_heads, "KV heads (num_key_value_heads)")
+        self.num_heads = tp.shard(c.num_heads, "attention heads (num_attention_heads)")
+        self.head_dim = c.head_dim
         self.eps = c.rms_norm_eps
-        self.intermediate = c.intermediate_size
-        qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.intermediate = tp.shard(
+            c.intermediate_size, "MLP intermediate size (intermediate_size)"
+        )
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * c.head_dim
         self.input_norm = _param(c.hidden_size)
         self.qkv_weight = _param(qkv_out, c.hidden_size)
         self.qkv_bias = _param(qkv_out) if c.qkv_bias else None
-        self.o_weight = _param(c.hidden_size, c.num_heads * c.head_dim)
+        self.o_weight = _param(c.hidden_size, self.num_heads * c.head_dim)
         self.o_bias = _param(c.hidden_size) if c.o_bias else None
         self.post_norm = _param(c.hidden_size)
-        self.gate_up_weight = _param(2 * c.intermediate_size, c.hidden_size)
-        self.gate_up_bias = _param(2 * c.intermediate_size) if c.mlp_bias else None
-        self.down_weight = _param(c.hidden_size, c.intermediate_size)
+        self.gate_up_weight = _param(2 * self.intermediate, c.hidden_size)
+        self.gate_up_bias = _param(2 * self.intermediate) if c.mlp_bias else None
+        self.down_weight = _param(c.hidden_size, self.intermediate)
         self.down_bias = _param(c.hidden_size) if c.mlp_bias else None
 
     def forward(
@@ -183,12 +211,15 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        metadata: Any,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         """``hidden`` ``[T, H]`` -> ``[T, H]``; writes this step's K/V into ``kv_cache``.
 
         ``cos``/``sin`` are ``[T, 1, D / 2]`` in the model dtype, ``kv_cache`` this layer's
-        ``[2, num_blocks, Hkv, block_size * D]``.
+        ``[2, num_blocks, Hkv, block_size * D]``, ``metadata`` what ``backend.build_metadata``
+        returned for the step. With ``N > 1`` all ranks must call it together (two
+        all-reduces).
         """
         t = hidden.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -196,13 +227,15 @@ class DecoderLayer(nn.Module):
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         qk = _apply_rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-        write_kv(qk[:, hq:], v, kv_cache, metadata.slot_mapping)
-        attn = paged_attention(qk[:, :hq], kv_cache, metadata)
-        hidden = hidden + F.linear(attn.view(t, hq * d), self.o_weight, self.o_bias)
+        backend.write_kv(qk[:, hq:], v, kv_cache, metadata)
+        attn = backend.attention(qk[:, :hq], kv_cache, metadata)
+        hidden = hidden + _row_parallel_linear(
+            attn.view(t, hq * d), self.o_weight, self.o_bias, self.tp
+        )
         x = _rms_norm(hidden, self.post_norm, self.eps)
         gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
         act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return hidden + F.linear(act, self.down_weight, self.down_bias)
+        return hidden + _row_parallel_linear(act, self.down_weight, self.down_bias, self.tp)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -215,29 +248,49 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 class LlamaForCausalLM(nn.Module):
     """The decoder. Create with :func:`worker.loader.load_model`, which fills the weights.
 
-    Parameters: ``embed_weight`` ``[V, H]``, ``layers`` (:class:`DecoderLayer`), ``norm_weight``
-    ``[H]``, ``lm_head_weight`` ``[V, H]`` (None when tied: the logits use ``embed_weight``).
+    Parameters: ``embed_weight`` ``[Vs, H]``, ``layers`` (:class:`DecoderLayer`),
+    ``norm_weight`` ``[H]``, ``lm_head_weight`` ``[Vs, H]`` (None when tied: the logits use
+    ``embed_weight``), where ``Vs = ceil(V / N)`` rows hold token ids
+    ``tp.vocab_range(V)`` and zeros past ``V`` (``Vs = V`` without tensor parallelism).
     Rotary tables ``rope_cos``/``rope_sin`` are plain float32 attributes (not buffers), so
-    ``.to(dtype)`` leaves them alone; see :meth:`init_rope`.
+    ``.to(dtype)`` leaves them alone; see :meth:`init_rope`. ``num_heads``/``num_kv_heads``
+    are the rank's head counts (the KV pool's ``Hkv``), ``tp`` its
+    :class:`worker.parallel.TensorParallelGroup`.
     """
 
-    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
-        """Build with uninitialized float32 CPU parameters.
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int | None = None,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
+        """Build with uninitialized float32 CPU parameters, at the shard sizes of ``tp``
+        (default: one rank, the whole model).
 
         ``max_positions`` bounds the rotary table (default ``config.max_position_embeddings``).
+
+        Raises:
+            ValueError: ``tp.world_size`` does not divide the heads or the intermediate size
+                (see :func:`worker.parallel.check_tensor_parallel`).
         """
         super().__init__()
         self.config = config
-        self.embed_weight = _param(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.tp = tp = tp or TensorParallelGroup()
+        self.num_kv_heads = tp.shard(config.num_kv_heads, "KV heads (num_key_value_heads)")
+        self.num_heads = tp.shard(config.num_heads, "attention heads (num_attention_heads)")
+        vocab_rows = tp.vocab_shard_size(config.vocab_size)
+        self.embed_weight = _param(vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm_weight = _param(config.hidden_size)
         self.lm_head_weight = (
-            None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size)
+            None if config.tie_word_embeddings else _param(vocab_rows, config.hidden_size)
         )
         self.max_positions = max_positions or config.max_position_embeddings
         self.rope_cos = torch.empty(0)
         self.rope_sin = torch.empty(0)
         self.init_rope()
+        # Paged attention and the KV scatter; the worker sets the one it chose at start.
+        self.attention_backend: AttentionBackend = TorchAttentionBackend()
 
     def init_rope(self) -> None:
         """(Re)build the rotary tables ``rope_cos``/``rope_sin`` ``[max_positions, D / 2]`` float32
@@ -258,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        metadata: AttentionMetadata,
+        metadata: Any,
         kv_caches: Sequence[torch.Tensor],
     ) -> torch.Tensor:
         """Run the flattened batch through every layer.
@@ -266,21 +319,52 @@ class LlamaForCausalLM(nn.Module):
         Args:
             input_ids: ``[T]`` int64 token ids.
             positions: ``[T]`` int64 positions (``< max_positions``).
-            metadata: the step's attention metadata (slot mapping, block tables ...).
+            metadata: the step's attention metadata from ``attention_backend.build_metadata``.
             kv_caches: one ``[2, num_blocks, Hkv, block_size * D]`` cache per layer, model dtype.
 
         Returns:
-            ``[T, H]`` final hidden states (after the last norm), model dtype.
+            ``[T, H]`` final hidden states (after the last norm), model dtype, the same on
+            every rank.
         """
         dtype = self.dtype
         cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
-        hidden = F.embedding(input_ids, self.embed_weight)
+        hidden = self._embed(input_ids)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, cache, metadata)
+            hidden = layer(hidden, cos, sin, cache, metadata, self.attention_backend)
         return _rms_norm(hidden, self.norm_weight, self.config.rms_norm_eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[S, H]`` (only rows that sample) -> logits ``[S, V]`` float32."""
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` ids -> ``[T, H]``. Vocab-parallel: each rank looks up the ids of its shard,
+        zeroes the rows of the others, and the all-reduce sums the one nonzero row per id."""
+        if not self.tp.enabled:
+            return F.embedding(input_ids, self.embed_weight)
+        start, stop = self.tp.vocab_range(self.config.vocab_size)
+        outside = (input_ids < start) | (input_ids >= stop)
+        local = (input_ids - start).masked_fill_(outside, 0)
+        hidden = F.embedding(local, self.embed_weight).masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(hidden)
+
+    @overload
+    def compute_logits(self, hidden: torch.Tensor, dst: None = None) -> torch.Tensor: ...
+
+    @overload
+    def compute_logits(self, hidden: torch.Tensor, dst: int) -> torch.Tensor | None: ...
+
+    def compute_logits(self, hidden: torch.Tensor, dst: int | None = None) -> torch.Tensor | None:
+        """``hidden`` ``[S, H]`` (only rows that sample) -> logits ``[S, V]`` float32.
+
+        With ``N > 1`` each rank computes its ``[S, Vs]`` vocabulary slice; the slices are
+        all-gathered (``dst`` None: every rank gets the logits) or gathered to rank ``dst``
+        (the others get None), and the padding columns past ``V`` dropped. All ranks must call
+        it together with the same ``S`` and ``dst``. With ``N == 1`` ``dst`` is ignored.
+        """
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
-        return F.linear(hidden, weight).float()
+        if not self.tp.enabled:
+            return F.linear(hidden, weight).float()
+        local = F.linear(hidden, weight)
+        if dst is None:
+            full: torch.Tensor | None = self.tp.all_gather_last_dim(local)
+        else:
+            full = self.tp.gather_last_dim(local, dst)
+        return None if full is None else full[:, : self.config.vocab_size].float()

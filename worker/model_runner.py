@@ -14,13 +14,19 @@ import pathlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernels.paged_attention import AttentionMetadata, build_attention_metadata, kv_pool_shape
+from kernels.backend import get_attention_backend
+from kernels.paged_attention import kv_pool_shape
 from worker.loader import load_config, load_model, read_json
 from worker.model import LlamaForCausalLM, ModelConfig
+from worker.parallel import check_tensor_parallel, joined_group
 from worker.sampler import SamplingOptions, sample
+
+if TYPE_CHECKING:
+    from worker.cuda_graphs import DecodeCudaGraphs
 
 __all__ = [
     "ModelRunner",
@@ -126,7 +132,7 @@ class StepTimings:
 class _StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    metadata: AttentionMetadata
+    metadata: Any  # from the attention backend's build_metadata
     row_start: list[int]  # first flattened row of each chunk (chunk order)
     sampling: list[int]  # chunk indices that sample, in chunk order
 
@@ -147,16 +153,34 @@ class ModelRunner:
         max_num_batched_tokens: tokens of the CUDA profiling forward (beyond the base API).
         kv_pool_factory: ``(shape, dtype, device) -> tensor`` allocating the pool, e.g. in
             shared memory (beyond the base API); ``torch.empty`` when None.
+        attention_backend: ``auto|torch|triton`` (:func:`kernels.backend.get_attention_backend`).
+        tensor_parallel_rank, tensor_parallel_size: this runner's rank ``r`` of ``N`` (beyond
+            the base API). With ``N > 1`` the caller first joins the group with
+            :func:`worker.parallel.init_tensor_parallel`; the runner then loads only its shard
+            (``Hkv / N`` KV heads in its pool), every rank must execute the same steps in the
+            same order, and only rank 0 samples (see :meth:`execute`).
+        enforce_eager: never run decode steps through CUDA graphs (vLLM's flag). Graphs are
+            captured on CUDA with the Triton backend and one rank
+            (:mod:`worker.cuda_graphs`); everywhere else steps run eagerly anyway.
+        model: a decoder already built on ``device`` in the resolved ``dtype`` (beyond the base
+            API; e.g. :func:`worker.loader.random_model` for ``sluiceway bench step
+            --random-model``). The runner then reads no weights or config from ``model_dir``
+            (only an optional ``sluiceway.json`` for the model id; the name of a folder that
+            does not exist is fine): the config is ``model.config``, the model's rotary table
+            must cover ``max_model_len`` and its tensor-parallel world must be the runner's.
 
     Attributes beyond the base API: ``model`` (:class:`worker.model.LlamaForCausalLM`),
     ``config`` (:class:`worker.model.ModelConfig`), ``kv_pool`` (the
     ``[num_layers, 2, num_blocks, Hkv, block_size * D]`` tensor, layout in
-    :mod:`kernels.paged_attention`), ``bytes_per_block``, ``last_timings``
-    (:class:`StepTimings` of the last :meth:`execute`).
+    :mod:`kernels.paged_attention`, ``Hkv`` the rank's KV heads), ``bytes_per_block``,
+    ``last_timings`` (:class:`StepTimings` of the last :meth:`execute`), ``tp``
+    (:class:`worker.parallel.TensorParallelGroup`).
 
     Raises:
         worker.loader.ModelLoadError, worker.model.UnsupportedModelError: bad model folder.
-        ValueError: a bad dtype, or a memory budget too small for one block.
+        ValueError: a bad dtype, a memory budget too small for one block, or a model
+            ``tensor_parallel_size`` cannot split (:func:`worker.parallel.check_tensor_parallel`).
+        RuntimeError: ``tensor_parallel_size > 1`` without an initialised process group.
     """
 
     def __init__(
@@ -171,13 +195,20 @@ class ModelRunner:
         max_model_len: int | None = None,
         max_num_batched_tokens: int = 2048,
         kv_pool_factory: KvPoolFactory | None = None,
+        attention_backend: str = "auto",
+        tensor_parallel_rank: int = 0,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
+        model: LlamaForCausalLM | None = None,
     ) -> None:
         model_dir = pathlib.Path(model_dir)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self._device = torch.device(device)
         self.last_timings = StepTimings()
-        self.config: ModelConfig = load_config(model_dir)
+        self.config: ModelConfig = load_config(model_dir) if model is None else model.config
+        check_tensor_parallel(self.config, tensor_parallel_size)
+        self.tp = joined_group(tensor_parallel_rank, tensor_parallel_size)
         self._dtype = resolve_dtype(dtype, self._device)
         self._block_size = block_size
         limit = self.config.max_position_embeddings
@@ -186,30 +217,65 @@ class ModelRunner:
         self._max_model_len = min(limit, max_model_len) if max_model_len else limit
         meta = read_json(model_dir / "sluiceway.json")
         self._model_id = str(meta.get("model_id") or model_dir.name)
-        self.model: LlamaForCausalLM = load_model(
-            model_dir, dtype=self._dtype, device=self._device, max_positions=self._max_model_len
-        )
+        if model is None:
+            model = load_model(
+                model_dir,
+                dtype=self._dtype,
+                device=self._device,
+                max_positions=self._max_model_len,
+                tp=self.tp,
+            )
+        elif (
+            model.dtype != self._dtype
+            or model.embed_weight.device.type != self._device.type
+            or model.max_positions < self._max_model_len
+            or model.tp.world_size != self.tp.world_size
+        ):
+            raise ValueError(
+                f"the pre-built model ({model.dtype} on {model.embed_weight.device}, "
+                f"{model.max_positions} positions, {model.tp.world_size} ranks) does not fit "
+                f"the runner ({self._dtype} on {self._device}, max_model_len "
+                f"{self._max_model_len}, {self.tp.world_size} ranks)"
+            )
+        self.model: LlamaForCausalLM = model
+        self.attention_backend = get_attention_backend(attention_backend, self._device)
+        self.model.attention_backend = self.attention_backend
         c = self.config
+        hkv = self.model.num_kv_heads  # the rank's
         self.bytes_per_block = (
-            c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * self._dtype.itemsize
+            c.num_layers * 2 * block_size * hkv * c.head_dim * self._dtype.itemsize
         )
         if kv_cache_memory is None:
             if self._device.type == "cuda":
                 kv_cache_memory = self._profile_cuda(gpu_memory_utilization, max_num_batched_tokens)
             else:
                 kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
-        self._num_blocks = int(kv_cache_memory) // self.bytes_per_block
+        # every rank must hold the blocks the scheduler hands out: the smallest pool wins
+        self._num_blocks = self.tp.min_int(int(kv_cache_memory) // self.bytes_per_block)
         if self._num_blocks < 1:
             raise ValueError(
                 f"KV cache memory of {kv_cache_memory} bytes holds no block of "
                 f"{self.bytes_per_block} bytes"
             )
-        shape = kv_pool_shape(
-            c.num_layers, self._num_blocks, block_size, c.num_kv_heads, c.head_dim
-        )
+        shape = kv_pool_shape(c.num_layers, self._num_blocks, block_size, hkv, c.head_dim)
         factory = kv_pool_factory or (lambda s, dt, dev: torch.empty(s, dtype=dt, device=dev))
         self.kv_pool = factory(shape, self._dtype, self._device)
         self._kv_caches = list(self.kv_pool.unbind(0))
+        self.cuda_graphs: DecodeCudaGraphs | None = None
+        if (
+            self._device.type == "cuda"
+            and self.attention_backend.name == "triton"
+            and self.tp.world_size == 1
+            and not enforce_eager
+        ):
+            from worker.cuda_graphs import DecodeCudaGraphs
+
+            self.cuda_graphs = DecodeCudaGraphs(
+                self.model,
+                self._kv_caches,
+                max_blocks_per_seq=-(-self._max_model_len // block_size),
+                block_size=block_size,
+            )
         log.info(
             "model %s: %s on %s, %d KV blocks of %d tokens (%d bytes each), max_model_len %d",
             self._model_id,
@@ -262,6 +328,12 @@ class ModelRunner:
     def device(self) -> torch.device:
         """Where the model runs."""
         return self._device
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Bytes of this rank's parameters (its shard with tensor parallelism; a tied
+        embedding counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def device_memory_used_bytes(self) -> int:
         """Bytes this worker holds on its device: torch's allocated bytes on CUDA; on CPU the
@@ -324,9 +396,14 @@ class ModelRunner:
         logits, and so its tokens, do not depend on what else is in the batch: batched
         matmuls round differently by batch shape (visibly in bfloat16).
 
+        With tensor parallelism every rank must call it with the same chunks (same
+        sequences, positions, block tables and sampling options), in the same order of steps:
+        the forward runs collectives.
+
         Returns:
-            One :class:`SampledToken` per sampling chunk, in chunk order. The caller appends
-            the tokens to the sequences.
+            One :class:`SampledToken` per sampling chunk, in chunk order, on rank 0; an empty
+            list on the other ranks. The caller appends the tokens to the sequences (on every
+            rank).
 
         Raises:
             ValueError: an inconsistent chunk (see :meth:`_prepare`).
@@ -352,20 +429,35 @@ class ModelRunner:
             return []
         with torch.inference_mode():
             t0 = time.perf_counter()
-            inputs = self._prepare(chunks)
-            t1 = time.perf_counter()
+            graph = self.cuda_graphs
+            if graph is not None and self._is_graph_decode(chunks, graph):
+                sampling = list(range(len(chunks)))
+                t1 = time.perf_counter()
+                selected = graph.run(
+                    [c.seq.token_ids[c.num_computed_tokens] for c in chunks],
+                    [c.num_computed_tokens for c in chunks],
+                    [c.seq.block_table for c in chunks],
+                )
+            else:
+                inputs = self._prepare(chunks)
+                sampling = inputs.sampling
+                t1 = time.perf_counter()
+                if not sampling:
+                    self._forward(inputs)
+                    timings.prepare_s += t1 - t0
+                    timings.forward_s += time.perf_counter() - t1
+                    return []
+                hidden = self._forward(inputs)
+                rows = [inputs.row_start[i] + chunks[i].num_new_tokens - 1 for i in sampling]
+                rows_t = torch.tensor(rows, dtype=torch.int64, device=self._device)
+                selected = hidden.index_select(0, rows_t)
             timings.prepare_s += t1 - t0
-            if not inputs.sampling:
-                self._forward(inputs)
-                timings.forward_s += time.perf_counter() - t1
-                return []
-            hidden = self._forward(inputs)
-            rows = [inputs.row_start[i] + chunks[i].num_new_tokens - 1 for i in inputs.sampling]
-            rows_t = torch.tensor(rows, dtype=torch.int64, device=self._device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows_t))
+            logits = self.model.compute_logits(selected, dst=0)
             t2 = time.perf_counter()
             timings.forward_s += t2 - t1
-            seqs = [chunks[i].seq for i in inputs.sampling]
+            if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
+                return []
+            seqs = [chunks[i].seq for i in sampling]
             result = sample(
                 logits,
                 [s.sampling for s in seqs],
@@ -388,10 +480,21 @@ class ModelRunner:
             timings.sample_s += time.perf_counter() - t2
         return out
 
+    def _is_graph_decode(self, chunks: list[ScheduledChunk], graph: DecodeCudaGraphs) -> bool:
+        """Whether the step is decodes only (one new token each, the last of its sequence,
+        within the sequence's blocks) and fits a captured graph."""
+        bs = self._block_size
+        return len(chunks) <= graph.max_batch and all(
+            c.num_new_tokens == 1
+            and c.num_computed_tokens + 1 == len(c.seq.token_ids) <= self._max_model_len
+            and len(c.seq.block_table) * bs > c.num_computed_tokens
+            for c in chunks
+        )
+
     def compute_logits_for_test(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor]:
         """Like :meth:`execute` (same metadata, same KV writes) but return the logits of every
         computed position instead of sampling: one ``[num_new_tokens, V]`` float32 tensor per
-        chunk, in chunk order. For tests and debugging."""
+        chunk, in chunk order (on every tensor-parallel rank). For tests and debugging."""
         with torch.inference_mode():
             inputs = self._prepare(chunks)
             logits = self.model.compute_logits(self._forward(inputs))
@@ -447,13 +550,13 @@ class ModelRunner:
                 ids.extend(c.seq.token_ids[start:stop])
                 positions.extend(range(start, stop))
         ordered = [chunks[i] for i in order]
-        metadata = build_attention_metadata(
+        metadata = self.attention_backend.build_metadata(
             [c.num_new_tokens for c in ordered],
             [c.num_computed_tokens + c.num_new_tokens for c in ordered],
             [c.seq.block_table for c in ordered],
             block_size=self._block_size,
-            num_heads=self.config.num_heads,
-            num_kv_heads=self.config.num_kv_heads,
+            num_heads=self.model.num_heads,
+            num_kv_heads=self.model.num_kv_heads,
             head_dim=self.config.head_dim,
             device=self._device,
         )
@@ -481,17 +584,18 @@ class ModelRunner:
         torch.cuda.synchronize(self._device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self._device)
-        shape = kv_pool_shape(c.num_layers, blocks, self._block_size, c.num_kv_heads, c.head_dim)
+        hq, hkv = self.model.num_heads, self.model.num_kv_heads
+        shape = kv_pool_shape(c.num_layers, blocks, self._block_size, hkv, c.head_dim)
         pool = torch.zeros(shape, dtype=self._dtype, device=self._device)
         pool_bytes = pool.numel() * pool.element_size()
         with torch.inference_mode():
-            metadata = build_attention_metadata(
+            metadata = self.attention_backend.build_metadata(
                 [tokens],
                 [tokens],
                 [list(range(blocks))],
                 block_size=self._block_size,
-                num_heads=c.num_heads,
-                num_kv_heads=c.num_kv_heads,
+                num_heads=hq,
+                num_kv_heads=hkv,
                 head_dim=c.head_dim,
                 device=self._device,
             )

@@ -10,16 +10,28 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import structlog
 
-from sluiceway.grpc_server import SERVING, bind, channel_options, new_server, on_shutdown_signal
+from sluiceway.grpc_server import (
+    SERVING,
+    RegistrationRefused,
+    bind,
+    channel_options,
+    new_server,
+    on_shutdown_signal,
+)
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from worker.kv_pool import SharedKvPool, copy_blocks, open_kv_pool
 from worker.metrics import FORWARD_SECONDS
 from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
 
 log = structlog.get_logger("worker")
+
+# Steps carry whole prompts when sequences are new (or come back after preemption).
+WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 def sampling_options(p: scheduler_pb2.SequenceSamplingParams) -> SamplingOptions:
@@ -106,6 +118,19 @@ class StepExecutor:
             step_seconds=time.perf_counter() - t0,
         )
 
+    def copy_blocks(self, request: worker_pb2.CopyBlocksRequest) -> worker_pb2.CopyBlocksResponse:
+        """Copies blocks of the peer pool `request.source` into this worker's pool.
+
+        Raises ValueError (mismatched pools, bad ids) or FileNotFoundError (the peer's pool is
+        gone).
+        """
+        t0 = time.perf_counter()
+        peer = open_kv_pool(request.source, self.runner.kv_pool.device)
+        nbytes = copy_blocks(
+            peer, self.runner.kv_pool, list(request.src_block_ids), list(request.dst_block_ids)
+        )
+        return worker_pb2.CopyBlocksResponse(num_bytes=nbytes, seconds=time.perf_counter() - t0)
+
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, executor: StepExecutor) -> None:
@@ -123,30 +148,68 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             raise  # unreachable: abort raises
 
+    async def CopyBlocks(
+        self, request: worker_pb2.CopyBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.CopyBlocksResponse:
+        loop = asyncio.get_running_loop()
+        try:
+            # The same thread as the steps: a copy never overlaps a forward of this worker.
+            return await loop.run_in_executor(self._pool, self.executor.copy_blocks, request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise
+        except (FileNotFoundError, ImportError, RuntimeError) as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            raise
+
+
+@dataclass(slots=True)
+class Placement:
+    """Where this worker sits in the scheduler's layout: its worker group (0 unless prefill
+    and decode are disaggregated), its tensor-parallel rank and the group's rank count."""
+
+    worker_group: int = 0
+    rank: int = 0
+    tensor_parallel_size: int = 1
+
 
 async def register(
     scheduler_address: str,
     advertise: str,
     runner: ModelRunner,
     model_id: str,
+    placement: Placement | None = None,
+    kv_pool: SharedKvPool | None = None,
     timeout_s: float = 60.0,
 ) -> None:
     """Announces this worker to the scheduler, retrying until it answers or `timeout_s` passes.
 
-    Raises grpc.aio.AioRpcError if the scheduler never answers.
+    Raises grpc.aio.AioRpcError if the scheduler never answers, RegistrationRefused if it
+    refuses the worker (a placement or model its configuration does not have).
     """
+    placement = placement or Placement()
     request = scheduler_pb2.RegisterWorkerRequest(
         address=advertise,
-        rank=0,
+        rank=placement.rank,
         model_id=model_id,
         num_kv_blocks=runner.num_kv_blocks,
         block_size=runner.block_size,
         max_model_len=runner.max_model_len,
         vocab_size=runner.vocab_size,
+        worker_group=placement.worker_group,
+        tensor_parallel_size=placement.tensor_parallel_size,
+        kv_pool=kv_pool.handle if kv_pool is not None else None,
     )
     async with grpc.aio.insecure_channel(scheduler_address, options=channel_options()) as ch:
         stub = scheduler_pb2_grpc.SchedulerStub(ch)
-        await stub.RegisterWorker(request, timeout=timeout_s, wait_for_ready=True)
+        try:
+            await stub.RegisterWorker(request, timeout=timeout_s, wait_for_ready=True)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise RegistrationRefused(
+                    f"the scheduler refused this worker: {e.details()}"
+                ) from e
+            raise
 
 
 async def serve(
@@ -157,12 +220,15 @@ async def serve(
     advertise: str | None = None,
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
+    placement: Placement | None = None,
+    kv_pool: SharedKvPool | None = None,
 ) -> None:
     """Serves steps on `address` and registers with the scheduler; runs until SIGINT/SIGTERM.
 
     `advertise` is the address the scheduler dials (default: the bound address).
     Prometheus metrics on `metrics_host:metrics_port` unless the port is None
-    (OSError if it is taken).
+    (OSError if it is taken). `kv_pool` is the shared pool the runner uses, when it is
+    shared (its handle goes to the scheduler; it is closed on the way out).
     """
     if metrics_port is not None:
         from prometheus_client import REGISTRY
@@ -172,12 +238,17 @@ async def serve(
 
         REGISTRY.register(WorkerCollector(runner, model_id))
         serve_metrics(metrics_port, metrics_host)
-    server, health = new_server(max_message_bytes=64 * 1024 * 1024)
+    server, health = new_server(max_message_bytes=WORKER_MAX_MESSAGE_BYTES)
     executor = StepExecutor(runner, model_id)
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(executor), server)
     bound = bind(server, address)
     await server.start()
-    await register(scheduler_address, advertise or bound, runner, model_id)
+    try:
+        await register(scheduler_address, advertise or bound, runner, model_id, placement, kv_pool)
+    except BaseException:
+        if kv_pool is not None:
+            kv_pool.close()
+        raise
     await health.set("", SERVING)
     log.info(
         "worker_ready",
@@ -191,3 +262,5 @@ async def serve(
     await stop.wait()
     log.info("worker_stopping")
     await server.stop(grace=1.0)
+    if kv_pool is not None:
+        kv_pool.close()

@@ -1,19 +1,104 @@
 """`sluiceway bench step`: times the worker's model step on a synthetic decode batch.
 
-The hot path behind every serving figure, measured alone: `--num-seqs`
-sequences decoding one token each, their context lengths drawn like the
-ShareGPT benchmark's (prompt length + a uniform share of a 128-token output)
-or fixed, through `ModelRunner.execute` (input tensors, forward, sampling).
-`--profile` adds torch's operator table.
+The hot path behind every serving figure, measured alone: `--num-seqs` (or each of
+`--batch-sizes`) sequences decoding one token each, through `ModelRunner.execute` (input
+tensors, forward, sampling). Their context lengths are drawn like the ShareGPT benchmark's
+(prompt length + a uniform share of a 128-token output) or fixed (`--context-len`).
+
+Without `--random-model` the model is a folder or GGUF (default: the embedded SmolLM2) and the
+prompt lengths come from the ShareGPT dataset itself. With `--random-model NAME` the model is
+a built-in config (:data:`RANDOM_MODELS`: `llama-2-7b`, `tiny`) with random weights made
+directly on the device (no files, nothing in host memory), and the prompt lengths come from a
+lognormal fitted to ShareGPT (:func:`synthetic_context_lengths`), so no dataset is needed.
+
+On CUDA (Triton backend, one rank) each batch is timed twice: through the captured CUDA graphs
+and eagerly (`--enforce-eager` skips the capture and the graph timing). Each figure comes with
+the HBM bound of a decode step (every weight read once, plus every context token's K and V, at
+`--hbm-bandwidth` bytes/s), and `--json PATH` writes them all. `--profile` adds torch's
+operator table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import pathlib
+import platform
 import random
 import statistics
 import time
+from typing import TYPE_CHECKING, Any
+
+from sluiceway.sizes import parse_size
+
+if TYPE_CHECKING:
+    from worker.model_runner import ModelRunner, ScheduledChunk
+
+# Built-in configs for `--random-model` (HF config.json fields, read by ModelConfig).
+RANDOM_MODELS: dict[str, dict[str, Any]] = {
+    # Llama 2 7B (meta-llama/Llama-2-7b-hf): 6.74e9 parameters, 13.5 GB in bfloat16.
+    "llama-2-7b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # A few million parameters with the same structure (untied, GQA), to dry-run on a CPU.
+    "tiny": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 1024,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+
+# ShareGPT-shaped prompt lengths without the dataset: a lognormal whose log-space mean and
+# standard deviation were fitted to 2000 ShareGPT V3 prompts sampled as vLLM does (seed 0,
+# SmolLM2 tokenizer; mean 237 tokens, median 112, P90 655), clipped to [4, 1024] tokens as
+# vLLM's filter keeps them (the clipped draw: mean 220, median 92). Each context adds a
+# uniform 1..128 tokens generated so far (a uniform share of a 128-token output).
+LOGNORMAL_MU = 4.51
+LOGNORMAL_SIGMA = 1.60
+PROMPT_LEN_RANGE = (4, 1024)
+OUTPUT_LEN = 128
+
+HBM_BANDWIDTH = 4.8e12  # bytes/s, the H200 datasheet's
+BLOCK_SIZE = 16
+
+
+def synthetic_context_lengths(num_seqs: int, seed: int) -> list[int]:
+    """Context lengths like :func:`context_lengths`' ShareGPT ones, without the dataset: a
+    prompt of ``round(lognormal(LOGNORMAL_MU, LOGNORMAL_SIGMA))`` tokens clipped to
+    :data:`PROMPT_LEN_RANGE`, plus a uniform 1..:data:`OUTPUT_LEN` tokens generated so far.
+    The first ``n`` lengths do not depend on ``num_seqs``."""
+    rng = random.Random(seed)
+    lo, hi = PROMPT_LEN_RANGE
+    out = []
+    for _ in range(num_seqs):
+        prompt = min(hi, max(lo, round(rng.lognormvariate(LOGNORMAL_MU, LOGNORMAL_SIGMA))))
+        out.append(prompt + rng.randint(1, OUTPUT_LEN))
+    return out
 
 
 def context_lengths(num_seqs: int, fixed: int | None, seed: int) -> list[int]:
@@ -30,25 +115,129 @@ def context_lengths(num_seqs: int, fixed: int | None, seed: int) -> list[int]:
     return [r.prompt_len + rng.randint(1, 128) for r in requests]
 
 
+def hbm_bound(
+    batch: int, weight_bytes: int, kv_bytes: int, bandwidth: float = HBM_BANDWIDTH
+) -> dict[str, float]:
+    """The memory-bandwidth bound of one decode step of `batch` sequences: reading
+    `weight_bytes` (every weight once) alone, and with the `kv_bytes` of the contexts."""
+    weights_s = weight_bytes / bandwidth
+    with_kv_s = (weight_bytes + kv_bytes) / bandwidth
+    return {
+        "weights_ms_per_step": 1e3 * weights_s,
+        "weights_tokens_per_s": batch / weights_s,
+        "with_kv_ms_per_step": 1e3 * with_kv_s,
+        "with_kv_tokens_per_s": batch / with_kv_s,
+    }
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(
+    runner: ModelRunner, chunks: list[ScheduledChunk], warmup: int, iters: int
+) -> dict[str, float]:
+    """Mean and median seconds of `iters` steps after `warmup` ones (each step synchronized)."""
+    for _ in range(warmup):
+        runner.execute(chunks)
+    _sync(runner.device)
+    times, forward = [], []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        runner.execute(chunks)
+        _sync(runner.device)
+        times.append(time.perf_counter() - t0)
+        forward.append(runner.last_timings.forward_s)
+    mean = statistics.fmean(times)
+    return {
+        "ms_per_step": 1e3 * mean,
+        "median_ms_per_step": 1e3 * statistics.median(times),
+        "forward_ms": 1e3 * statistics.fmean(forward),
+        "tokens_per_s": len(chunks) / mean,
+    }
+
+
+def _batch_sizes(args: argparse.Namespace) -> list[int]:
+    if not args.batch_sizes:
+        return [args.num_seqs]
+    try:
+        sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"--batch-sizes: not a comma list of integers: {args.batch_sizes!r}"
+        ) from None
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"--batch-sizes: positive integers, got {args.batch_sizes!r}")
+    return sizes
+
+
 def step_command(args: argparse.Namespace) -> int:
-    """Prints the mean and median step time and decode throughput (tokens/s)."""
+    """Prints per batch size the mean and median step time and the decode throughput
+    (tokens/s), with and without CUDA graphs where they apply, against the HBM bound;
+    `--json` writes the same figures."""
     import torch
 
     from sluiceway.model_files import resolve_model
-    from worker.model_runner import ModelRunner, ScheduledChunk
+    from worker.loader import load_config, random_model
+    from worker.model import ModelConfig
+    from worker.model_runner import ModelRunner, ScheduledChunk, resolve_dtype
     from worker.sampler import SamplingOptions
 
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
-    lens = context_lengths(args.num_seqs, args.context_len, args.seed)
-    runner = ModelRunner(
-        resolve_model(args.model),
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_memory=None,
-        max_model_len=max(lens),
+    sizes = _batch_sizes(args)
+    max_batch = max(sizes)
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
-    bs = runner.block_size
-    needed = sum(-(-n // bs) for n in lens)
+    dtype = resolve_dtype(args.dtype, device)
+    t_setup = time.perf_counter()
+    if args.random_model:
+        lens = (
+            [args.context_len] * max_batch
+            if args.context_len is not None
+            else synthetic_context_lengths(max_batch, args.seed)
+        )
+        config = ModelConfig.from_hf_dict(RANDOM_MODELS[args.random_model])
+        model = random_model(
+            config, dtype=dtype, device=device, max_positions=max(lens), seed=args.seed
+        )
+        model_dir = pathlib.Path(f"random-{args.random_model}")
+        distribution: dict[str, Any] = {
+            "kind": "lognormal",
+            "mu": LOGNORMAL_MU,
+            "sigma": LOGNORMAL_SIGMA,
+            "prompt_len_range": list(PROMPT_LEN_RANGE),
+            "output_share": f"uniform 1..{OUTPUT_LEN}",
+        }
+    else:
+        lens = context_lengths(max_batch, args.context_len, args.seed)
+        model_dir = resolve_model(args.model)
+        config = load_config(model_dir)
+        model = None
+        distribution = {"kind": "sharegpt", "output_share": "uniform 1..128"}
+    if args.context_len is not None:
+        distribution = {"kind": "fixed", "context_len": args.context_len}
+    bytes_per_block = (
+        config.num_layers * 2 * BLOCK_SIZE * config.num_kv_heads * config.head_dim * dtype.itemsize
+    )
+    needed = sum(-(-n // BLOCK_SIZE) for n in lens)
+    kv_cache_memory = args.kv_cache_memory or needed * bytes_per_block
+    runner = ModelRunner(
+        model_dir,
+        device=str(device),
+        dtype=args.dtype,
+        block_size=BLOCK_SIZE,
+        kv_cache_memory=kv_cache_memory,
+        max_model_len=max(lens),
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        model=model,
+    )
+    del model
+    setup_s = time.perf_counter() - t_setup
     if needed > runner.num_kv_blocks:
         raise SystemExit(f"{needed} KV blocks needed, the pool has {runner.num_kv_blocks}")
     runner.kv_pool.zero_()  # no NaN or denormals from uninitialized memory in the timings
@@ -57,46 +246,167 @@ def step_command(args: argparse.Namespace) -> int:
     greedy = SamplingOptions(temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
     for i, n in enumerate(lens):
         seq = runner.make_sequence(i, [rng.randrange(runner.vocab_size) for _ in range(n)], greedy)
-        nb = -(-n // bs)
+        nb = -(-n // BLOCK_SIZE)
         seq.block_table.extend(range(next_block, next_block + nb))
         next_block += nb
         chunks.append(ScheduledChunk(seq, n - 1, 1))
-    for _ in range(args.warmup):
-        runner.execute(chunks)
-    times, forward = [], []
-    for _ in range(args.iters):
-        t0 = time.perf_counter()
-        runner.execute(chunks)
-        times.append(time.perf_counter() - t0)
-        forward.append(runner.last_timings.forward_s)
-    mean = statistics.fmean(times)
+
+    weight_bytes = runner.parameter_bytes
+    read_bytes = weight_bytes  # every weight once per step, but only `batch` embedding rows
+    if runner.model.lm_head_weight is not None:
+        emb = runner.model.embed_weight
+        read_bytes -= emb.numel() * emb.element_size()
+    bytes_per_token = bytes_per_block // BLOCK_SIZE
+    graphs = runner.cuda_graphs
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(
-        f"{args.num_seqs} decoding sequences, context {min(lens)}..{max(lens)} tokens "
-        f"(mean {statistics.fmean(lens):.0f}), {runner.dtype}, {torch.get_num_threads()} threads"
+        f"{runner.model_id}: {runner.dtype} on {device} ({gpu or platform.processor() or 'cpu'}),"
+        f" {weight_bytes / 1e9:.2f} GB of weights, {runner.num_kv_blocks} KV blocks of "
+        f"{bytes_per_block} bytes, attention {runner.attention_backend.name}, CUDA graphs "
+        f"{'on' if graphs is not None else 'off'}; ready in {setup_s:.1f} s, "
+        f"{torch.get_num_threads()} threads"
     )
-    print(f"step mean {1e3 * mean:.1f} ms, median {1e3 * statistics.median(times):.1f} ms")
-    print(f"forward mean {1e3 * statistics.fmean(forward):.1f} ms")
-    print(f"decode throughput {args.num_seqs / mean:.1f} tokens/s")
+    results = []
+    for b in sizes:
+        batch = chunks[:b]
+        ctx = lens[:b]
+        kv_bytes = sum(ctx) * bytes_per_token
+        graph_batch = graphs.batch_size_for(b) if graphs is not None else None
+        graph = None
+        if graphs is not None and graph_batch is not None:
+            graph = _time_steps(runner, batch, args.warmup, args.iters)
+            graph["graph_batch"] = graph_batch
+        runner.cuda_graphs = None
+        try:
+            eager = _time_steps(runner, batch, args.warmup, args.iters)
+        finally:
+            runner.cuda_graphs = graphs
+        bound = hbm_bound(b, read_bytes, kv_bytes, args.hbm_bandwidth)
+        best = max(eager["tokens_per_s"], graph["tokens_per_s"] if graph else 0.0)
+        row: dict[str, Any] = {
+            "batch_size": b,
+            "context_len_mean": statistics.fmean(ctx),
+            "context_len_min": min(ctx),
+            "context_len_max": max(ctx),
+            "kv_blocks_used": sum(-(-n // BLOCK_SIZE) for n in ctx),
+            "kv_bytes_read_per_step": kv_bytes,
+            "graph": graph,
+            "eager": eager,
+            "eager_over_graph": eager["ms_per_step"] / graph["ms_per_step"] if graph else None,
+            "hbm_bound": bound,
+            "fraction_of_hbm_bound": best / bound["with_kv_tokens_per_s"],
+        }
+        results.append(row)
+        graph_text = (
+            f"graphs {graph['ms_per_step']:.2f} ms/step {graph['tokens_per_s']:.0f} tokens/s, "
+            f"eager/graphs {row['eager_over_graph']:.2f}x; "
+            if graph
+            else "graphs n/a; "
+        )
+        print(
+            f"batch {b}: context {min(ctx)}..{max(ctx)} tokens (mean {statistics.fmean(ctx):.0f}),"
+            f" {row['kv_blocks_used']} KV blocks; {graph_text}eager {eager['ms_per_step']:.2f} "
+            f"ms/step (median {eager['median_ms_per_step']:.2f}, forward "
+            f"{eager['forward_ms']:.2f}) {eager['tokens_per_s']:.1f} tokens/s; HBM bound "
+            f"{bound['with_kv_ms_per_step']:.3f} ms/step = {bound['with_kv_tokens_per_s']:.0f} "
+            f"tokens/s (weights alone {bound['weights_tokens_per_s']:.0f}); "
+            f"{100 * row['fraction_of_hbm_bound']:.1f}% of it"
+        )
+    if args.json:
+        report = {
+            "model": runner.model_id,
+            "random_model": args.random_model,
+            "device": str(device),
+            "gpu": gpu,
+            "cpu": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "attention_backend": runner.attention_backend.name,
+            "cuda_graphs": graphs is not None,
+            "cuda_graph_batch_sizes": graphs.batch_sizes if graphs is not None else None,
+            "setup_s": setup_s,
+            "num_parameters": sum(p.numel() for p in runner.model.parameters()),
+            "weight_bytes": weight_bytes,
+            "weight_bytes_read_per_step": read_bytes,
+            "block_size": BLOCK_SIZE,
+            "bytes_per_block": bytes_per_block,
+            "kv_cache_memory": kv_cache_memory,
+            "num_kv_blocks": runner.num_kv_blocks,
+            "hbm_bandwidth": args.hbm_bandwidth,
+            "context_lengths": {**distribution, "seed": args.seed},
+            "warmup": args.warmup,
+            "iters": args.iters,
+            "threads": torch.get_num_threads(),
+            "results": results,
+        }
+        path = pathlib.Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {path}")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        activities = [ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
             for _ in range(3):
                 runner.execute(chunks)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=20))
     return 0
 
 
 def add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder or GGUF (default: embedded)")
+    p.add_argument(
+        "--random-model",
+        choices=sorted(RANDOM_MODELS),
+        default=None,
+        help="a built-in config with random weights made on the device instead of --model "
+        "(llama-2-7b: 32 layers, hidden 4096, 32 heads; tiny: for a CPU); context lengths "
+        f"then come from a lognormal fitted to ShareGPT (mu {LOGNORMAL_MU}, sigma "
+        f"{LOGNORMAL_SIGMA}, clipped to {PROMPT_LEN_RANGE[0]}..{PROMPT_LEN_RANGE[1]}, plus "
+        f"1..{OUTPUT_LEN} generated tokens)",
+    )
     p.add_argument("--num-seqs", type=int, default=200)
+    p.add_argument(
+        "--batch-sizes",
+        default=None,
+        help="comma list of decode batch sizes, e.g. 1,32,256 (default: --num-seqs); the "
+        "batch of n takes the first n sequences of the largest",
+    )
     p.add_argument(
         "--context-len", type=int, default=None, help="fixed context (default: ShareGPT-like)"
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="auto: Triton on CUDA, the torch reference on CPU",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="capture no CUDA graphs: time the eager steps only",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=None,
+        help="KV pool size (e.g. 40GiB; default: exactly the blocks of the largest batch)",
+    )
+    p.add_argument(
+        "--hbm-bandwidth",
+        type=float,
+        default=HBM_BANDWIDTH,
+        help="device memory bandwidth for the bound, bytes/s (default: H200's 4.8e12)",
+    )
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
     p.add_argument("--profile", action="store_true", help="print torch's operator table")

@@ -69,7 +69,7 @@ def start_stack(*extra: str) -> Stack:
             proc.kill()
             raise RuntimeError("sluiceway serve did not start:\n" + "".join(log[-50:]))
     line = next(line for line in log if "serving" in line and "pid" in line)
-    pids = {name: int(pid) for name, pid in re.findall(r"(\w+) pid (\d+)", line)}
+    pids = {name: int(pid) for name, pid in re.findall(r"([\w-]+) pid (\d+)", line)}
     return Stack(f"127.0.0.1:{port}", proc, pids, log)
 
 

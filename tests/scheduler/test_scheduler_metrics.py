@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from prometheus_client import CollectorRegistry
 
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
 from scheduler.metrics import SchedulerCollector
+from scheduler.scheduler import Scheduler
+from scheduler.worker_group import WorkerInfo
 from tests.scheduler.test_scheduler import make_scheduler, make_seq, run_step
+
+
+def engine_with(config: SchedulerConfig, *schedulers: Scheduler) -> Engine:
+    """An engine whose groups hold `schedulers`, as if their workers had registered."""
+    engine = Engine(config)
+    for group, sched in zip(engine.groups, schedulers, strict=True):
+        group.scheduler = sched
+        group.ranks[0] = WorkerInfo("", 0, "m", sched.block_manager.num_blocks, 16, 4096, 100)
+    return engine
 
 
 def test_collector_reports_queues_blocks_and_counters() -> None:
@@ -15,9 +26,8 @@ def test_collector_reports_queues_blocks_and_counters() -> None:
     for i, prompt_len in enumerate((20, 33, 5)):  # 2 + 3 blocks running; the third waits
         sched.add(make_seq(i + 1, prompt_len))
     run_step(sched)
-    engine = SimpleNamespace(scheduler=sched, worker=SimpleNamespace(model_id="m"))
     registry = CollectorRegistry()
-    registry.register(SchedulerCollector(engine))  # type: ignore[arg-type]
+    registry.register(SchedulerCollector(engine_with(SchedulerConfig(), sched)))
 
     def value(name: str) -> float | None:
         return registry.get_sample_value(name, {"model_name": "m"})
@@ -34,6 +44,26 @@ def test_collector_reports_queues_blocks_and_counters() -> None:
 
 def test_collector_before_a_worker_registers_reports_zeros() -> None:
     registry = CollectorRegistry()
-    registry.register(SchedulerCollector(SimpleNamespace(scheduler=None, worker=None)))  # type: ignore[arg-type]
+    registry.register(SchedulerCollector(Engine(SchedulerConfig())))
     assert registry.get_sample_value("sluiceway:num_requests_running", {"model_name": ""}) == 0
     assert registry.get_sample_value("sluiceway:kv_cache_usage_perc", {"model_name": ""}) == 0
+
+
+def test_collector_sums_the_groups_of_a_disaggregated_scheduler() -> None:
+    prefill = make_scheduler(num_blocks=10)
+    decode = make_scheduler(num_blocks=30)
+    prefill.add(make_seq(1, 40))  # 3 blocks
+    decode.add(make_seq(2, 17))  # 2 blocks
+    decode.add(make_seq(3, 1))  # 1 block
+    run_step(prefill)
+    run_step(decode)
+    config = SchedulerConfig(num_prefill_workers=1, num_decode_workers=1)
+    registry = CollectorRegistry()
+    registry.register(SchedulerCollector(engine_with(config, prefill, decode)))
+
+    def value(name: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": "m"})
+
+    assert value("sluiceway:num_requests_running") == 3
+    assert value("sluiceway:kv_cache_usage_perc") == 6 / 40
+    assert value("sluiceway:kv_transfers_total") == 0

@@ -108,7 +108,7 @@ class KvCacheStats(_message.Message):
     def __init__(self, utilization: _Optional[float] = ..., tokens_stored_total: _Optional[int] = ..., slots_allocated_total: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("address", "rank", "model_id", "num_kv_blocks", "block_size", "max_model_len", "vocab_size")
+    __slots__ = ("address", "rank", "model_id", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "worker_group", "tensor_parallel_size", "kv_pool")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,9 @@ class RegisterWorkerRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_GROUP_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_FIELD_NUMBER: _ClassVar[int]
     address: str
     rank: int
     model_id: str
@@ -123,7 +126,26 @@ class RegisterWorkerRequest(_message.Message):
     block_size: int
     max_model_len: int
     vocab_size: int
-    def __init__(self, address: _Optional[str] = ..., rank: _Optional[int] = ..., model_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    worker_group: int
+    tensor_parallel_size: int
+    kv_pool: KvPoolHandle
+    def __init__(self, address: _Optional[str] = ..., rank: _Optional[int] = ..., model_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_group: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolHandle, _Mapping]] = ...) -> None: ...
+
+class KvPoolHandle(_message.Message):
+    __slots__ = ("shm_path", "cuda_ipc_handle", "shape", "dtype", "device_index", "owner")
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    shm_path: str
+    cuda_ipc_handle: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    device_index: int
+    owner: str
+    def __init__(self, shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device_index: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("max_model_len",)

@@ -7,6 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CopyBlocksRequest(_message.Message):
+    __slots__ = ("source", "src_block_ids", "dst_block_ids")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    source: _scheduler_pb2.KvPoolHandle
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, source: _Optional[_Union[_scheduler_pb2.KvPoolHandle, _Mapping]] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CopyBlocksResponse(_message.Message):
+    __slots__ = ("num_bytes", "seconds")
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    num_bytes: int
+    seconds: float
+    def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class NewSequence(_message.Message):
     __slots__ = ("seq_id", "prompt_token_ids", "sampling", "request_id", "num_prompt_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]

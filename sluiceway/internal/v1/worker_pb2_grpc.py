@@ -39,6 +39,11 @@ class WorkerStub:
                 request_serializer=sluiceway_dot_internal_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=sluiceway_dot_internal_dot_v1_dot_worker__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.CopyBlocks = channel.unary_unary(
+                '/sluiceway.internal.v1.Worker/CopyBlocks',
+                request_serializer=sluiceway_dot_internal_dot_v1_dot_worker__pb2.CopyBlocksRequest.SerializeToString,
+                response_deserializer=sluiceway_dot_internal_dot_v1_dot_worker__pb2.CopyBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -50,6 +55,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CopyBlocks(self, request, context):
+        """Copies blocks of a peer worker's KV pool into this worker's pool, device
+        to device, through the peer's pool handle (disaggregated prefill: the
+        decode worker pulls a prefilled prompt's blocks). Returns once the copy
+        is done, so the peer's blocks may be reused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +72,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ExecuteStep,
                     request_deserializer=sluiceway_dot_internal_dot_v1_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=sluiceway_dot_internal_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
+            ),
+            'CopyBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyBlocks,
+                    request_deserializer=sluiceway_dot_internal_dot_v1_dot_worker__pb2.CopyBlocksRequest.FromString,
+                    response_serializer=sluiceway_dot_internal_dot_v1_dot_worker__pb2.CopyBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +106,33 @@ class Worker:
             '/sluiceway.internal.v1.Worker/ExecuteStep',
             sluiceway_dot_internal_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
             sluiceway_dot_internal_dot_v1_dot_worker__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluiceway.internal.v1.Worker/CopyBlocks',
+            sluiceway_dot_internal_dot_v1_dot_worker__pb2.CopyBlocksRequest.SerializeToString,
+            sluiceway_dot_internal_dot_v1_dot_worker__pb2.CopyBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

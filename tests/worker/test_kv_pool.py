@@ -1,0 +1,121 @@
+"""Shared KV pools: a second, spawned process maps a worker's pool through its handle, and
+blocks move between pools exactly."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pathlib
+
+import pytest
+import torch
+
+from sluiceway.internal.v1 import scheduler_pb2
+from worker.kv_pool import (
+    SHM_PREFIX,
+    allocate_shared_kv_pool,
+    copy_blocks,
+    open_kv_pool,
+    remove_stale_pools,
+)
+
+SHAPE = (2, 2, 6, 3, 16 * 4)  # layers, K/V, blocks, KV heads, block_size * head_dim
+
+
+def _peer(
+    handle_bytes: bytes,
+    src: list[int],
+    dst: list[int],
+    to_parent: mp.Queue,  # type: ignore[type-arg]
+    from_parent: mp.Queue,  # type: ignore[type-arg]
+) -> None:
+    """In a spawned process: map the parent's pool, check one value, copy blocks `src` of it
+    into blocks `dst` of a pool of our own, and hand our pool's handle back."""
+    handle = scheduler_pb2.KvPoolHandle.FromString(handle_bytes)
+    parent = open_kv_pool(handle, "cpu")
+    own = allocate_shared_kv_pool(tuple(parent.shape), parent.dtype, "cpu")
+    own.tensor.zero_()
+    copy_blocks(parent, own.tensor, src, dst)
+    parent[0, 0, 0, 0, 0] = -7.0  # the parent sees writes: the memory is shared, not copied
+    to_parent.put(own.handle.SerializeToString())
+    from_parent.get()  # wait until the parent has read our pool, then remove it
+    own.close()
+
+
+def test_pool_opened_by_a_spawned_process_and_blocks_copied_between_pools() -> None:
+    pool = allocate_shared_kv_pool(SHAPE, torch.float32, "cpu")
+    try:
+        pool.tensor.copy_(torch.randn(SHAPE))
+        expected = pool.tensor.clone()
+        ctx = mp.get_context("spawn")
+        to_child, from_child = ctx.Queue(), ctx.Queue()
+        src, dst = [4, 1, 5], [0, 3, 2]
+        child = ctx.Process(
+            target=_peer,
+            args=(pool.handle.SerializeToString(), src, dst, from_child, to_child),
+        )
+        child.start()
+        child_handle = scheduler_pb2.KvPoolHandle.FromString(from_child.get(timeout=60))
+        peer_pool = open_kv_pool(child_handle, "cpu")
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(peer_pool[:, :, d], expected[:, :, s])
+        untouched = [b for b in range(SHAPE[2]) if b not in dst]
+        assert torch.count_nonzero(peer_pool[:, :, untouched]) == 0
+        assert pool.tensor[0, 0, 0, 0, 0].item() == -7.0
+        to_child.put(None)
+        child.join(timeout=30)
+        assert child.exitcode == 0
+        assert not os.path.exists(child_handle.shm_path)  # the owner removed its file
+    finally:
+        pool.close()
+    assert not os.path.exists(pool.handle.shm_path)
+
+
+def test_handle_is_small_and_names_shape_and_dtype() -> None:
+    pool = allocate_shared_kv_pool(SHAPE, torch.bfloat16, "cpu")
+    try:
+        h = pool.handle
+        assert list(h.shape) == list(SHAPE)
+        assert h.dtype == "bfloat16"
+        assert h.WhichOneof("location") == "shm_path"
+        assert len(h.SerializeToString()) < 200
+        assert open_kv_pool(h, "cpu").dtype == torch.bfloat16
+    finally:
+        pool.close()
+
+
+def test_copy_blocks_counts_bytes_and_rejects_bad_input() -> None:
+    a = torch.randn(SHAPE)
+    b = torch.zeros(2, 2, 9, 3, 16 * 4)  # more blocks: fine
+    assert copy_blocks(a, b, [0, 5], [8, 1]) == 2 * 2 * 2 * 3 * 64 * 4
+    assert torch.equal(b[:, :, 8], a[:, :, 0]) and torch.equal(b[:, :, 1], a[:, :, 5])
+    with pytest.raises(ValueError, match="does not match"):
+        copy_blocks(a, torch.zeros(2, 2, 6, 2, 64), [0], [0])
+    with pytest.raises(ValueError, match="does not match"):
+        copy_blocks(a, b.to(torch.bfloat16), [0], [0])
+    with pytest.raises(ValueError, match="src_block_ids: block 6 outside"):
+        copy_blocks(a, b, [6], [0])
+    with pytest.raises(ValueError, match="2 source blocks but 1"):
+        copy_blocks(a, b, [0, 1], [0])
+
+
+def test_pool_of_a_dead_owner_is_removed_and_a_missing_pool_is_a_clear_error(
+    tmp_path: pathlib.Path,
+) -> None:
+    ctx = mp.get_context("spawn")
+    gone = ctx.Process(target=int)
+    gone.start()
+    gone.join()
+    stale = tmp_path / f"{SHM_PREFIX}{gone.pid}-abc"
+    live = tmp_path / f"{SHM_PREFIX}{os.getpid()}-abc"
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
+    assert remove_stale_pools(tmp_path) == [stale]
+    assert live.exists()
+    handle = scheduler_pb2.KvPoolHandle(
+        shm_path=str(stale), shape=[1], dtype="float32", owner="nobody"
+    )
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        open_kv_pool(handle, "cpu")
+    with pytest.raises(ValueError, match="names no pool"):
+        open_kv_pool(scheduler_pb2.KvPoolHandle(dtype="float32", owner="x"), "cpu")
