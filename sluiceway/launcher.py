@@ -281,9 +281,10 @@ def _metrics_order(children: list[Child]) -> list[Child]:
 
 
 def _restart_exited(children: list[Child]) -> None:
-    """Starts again each child that failed (crashed or killed by a signal). A restarted
-    scheduler has lost its workers' registration, so its replica's workers restart with it;
-    a restarted tensor-parallel rank takes the other ranks of its model instance along.
+    """Starts again each child that failed (crashed or killed by a signal), with what depends
+    on it: a restarted scheduler has lost its workers' registration, so its replica's workers
+    restart with it; the other ranks of a failed tensor-parallel rank's instance are stuck in
+    (or broken by) a collective, so the whole instance restarts, on a fresh rendezvous port.
     Raises RuntimeError (see `Child.restart`)."""
     for child in children:
         if child.process.poll() is None:
@@ -293,14 +294,33 @@ def _restart_exited(children: list[Child]) -> None:
             file=sys.stderr,
             flush=True,
         )
-        child.restart()
+        together = [child]
         for other in children:
             if other is child or other.command != "worker" or other.replica != child.replica:
                 continue
             if child.command == "scheduler" or (
                 child.command == "worker" and other.instance == child.instance
             ):
-                other.restart()
+                together.append(other)
+        _restart_together(together)
+
+
+def _restart_together(group: list[Child]) -> None:
+    """Stops every child of `group` that still runs, then starts them all; each tensor-parallel
+    instance among them gets a new `--distributed-init-method` port, so that no new rank meets
+    an old rank's rendezvous."""
+    for child in group:
+        if child.process.poll() is None:
+            child.process.terminate()
+    for child in group:
+        _wait(child, STOP_TIMEOUT_S)
+    new_ports: dict[tuple[int, int], int] = {}
+    for child in group:
+        if "--distributed-init-method" in child.argv:
+            i = child.argv.index("--distributed-init-method") + 1
+            port = new_ports.setdefault((child.replica, child.instance), free_port())
+            child.argv[i] = f"tcp://127.0.0.1:{port}"
+        child.restart()
 
 
 def _wait_healthy(child: Child, children: list[Child], stopping) -> None:  # type: ignore[no-untyped-def]

@@ -266,7 +266,9 @@ def init_tensor_parallel(
         raise RuntimeError("torch.distributed is already initialised in this process")
     dev = torch.device(device)
     backend = _backend(dev)
-    if dev.type == "cuda":
+    if dev.type == "cuda" and dev.index is not None:
+        # plain "cuda" (one GPU for every rank) is the current device already, and
+        # torch.cuda.set_device refuses a device without an index
         torch.cuda.set_device(dev)
     dist.init_process_group(
         backend,

@@ -1,5 +1,6 @@
 """Shared KV pools: a second, spawned process maps a worker's pool through its handle, and
-blocks move between pools exactly."""
+blocks move between pools exactly. On CPU through /dev/shm; on CUDA (when a GPU and CuPy are
+there) through CUDA IPC handles, the same test."""
 
 from __future__ import annotations
 
@@ -22,53 +23,90 @@ from worker.kv_pool import (
 SHAPE = (2, 2, 6, 3, 16 * 4)  # layers, K/V, blocks, KV heads, block_size * head_dim
 
 
+def _cuda_ipc_available() -> bool:
+    """A GPU, and CuPy (the `cuda` extra), which CUDA pools are made and opened with."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not _cuda_ipc_available(), reason="needs CUDA and CuPy"),
+    ),
+]
+
+
 def _peer(
+    device: str,
     handle_bytes: bytes,
     src: list[int],
     dst: list[int],
     to_parent: mp.Queue,  # type: ignore[type-arg]
     from_parent: mp.Queue,  # type: ignore[type-arg]
 ) -> None:
-    """In a spawned process: map the parent's pool, check one value, copy blocks `src` of it
-    into blocks `dst` of a pool of our own, and hand our pool's handle back."""
+    """In a spawned process: map the parent's pool, copy blocks `src` of it into blocks `dst`
+    of a pool of our own, write one value into the parent's pool, and hand our pool's handle
+    back."""
     handle = scheduler_pb2.KvPoolHandle.FromString(handle_bytes)
-    parent = open_kv_pool(handle, "cpu")
-    own = allocate_shared_kv_pool(tuple(parent.shape), parent.dtype, "cpu")
+    parent = open_kv_pool(handle, device)
+    own = allocate_shared_kv_pool(tuple(parent.shape), parent.dtype, device)
     own.tensor.zero_()
     copy_blocks(parent, own.tensor, src, dst)
     parent[0, 0, 0, 0, 0] = -7.0  # the parent sees writes: the memory is shared, not copied
+    if device == "cuda":
+        torch.cuda.synchronize()  # the write and the copy are done before the parent looks
     to_parent.put(own.handle.SerializeToString())
     from_parent.get()  # wait until the parent has read our pool, then remove it
     own.close()
 
 
-def test_pool_opened_by_a_spawned_process_and_blocks_copied_between_pools() -> None:
-    pool = allocate_shared_kv_pool(SHAPE, torch.float32, "cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_pool_opened_by_a_spawned_process_and_blocks_copied_between_pools(device: str) -> None:
+    # The parent never opens its own handle: cudaIpcOpenMemHandle fails in the process that
+    # made it. It opens the child's pool only.
+    pool = allocate_shared_kv_pool(SHAPE, torch.float32, device)
     try:
+        assert pool.tensor.device.type == device
+        assert pool.handle.WhichOneof("location") == (
+            "cuda_ipc_handle" if device == "cuda" else "shm_path"
+        )
         pool.tensor.copy_(torch.randn(SHAPE))
         expected = pool.tensor.clone()
+        if device == "cuda":
+            torch.cuda.synchronize()
         ctx = mp.get_context("spawn")
         to_child, from_child = ctx.Queue(), ctx.Queue()
         src, dst = [4, 1, 5], [0, 3, 2]
         child = ctx.Process(
             target=_peer,
-            args=(pool.handle.SerializeToString(), src, dst, from_child, to_child),
+            args=(device, pool.handle.SerializeToString(), src, dst, from_child, to_child),
         )
         child.start()
-        child_handle = scheduler_pb2.KvPoolHandle.FromString(from_child.get(timeout=60))
-        peer_pool = open_kv_pool(child_handle, "cpu")
+        child_handle = scheduler_pb2.KvPoolHandle.FromString(from_child.get(timeout=120))
+        peer_pool = open_kv_pool(child_handle, device)
+        assert peer_pool.device.type == device
         for s, d in zip(src, dst, strict=True):
             assert torch.equal(peer_pool[:, :, d], expected[:, :, s])
         untouched = [b for b in range(SHAPE[2]) if b not in dst]
         assert torch.count_nonzero(peer_pool[:, :, untouched]) == 0
-        assert pool.tensor[0, 0, 0, 0, 0].item() == -7.0
+        assert pool.tensor[0, 0, 0, 0, 0].item() == -7.0  # zero-copy: the child's write
+        assert torch.equal(pool.tensor.view(-1)[1:], expected.view(-1)[1:])
         to_child.put(None)
-        child.join(timeout=30)
+        child.join(timeout=60)
         assert child.exitcode == 0
-        assert not os.path.exists(child_handle.shm_path)  # the owner removed its file
+        if device == "cpu":
+            assert not os.path.exists(child_handle.shm_path)  # the owner removed its file
     finally:
         pool.close()
-    assert not os.path.exists(pool.handle.shm_path)
+    if device == "cpu":
+        assert not os.path.exists(pool.handle.shm_path)
 
 
 def test_handle_is_small_and_names_shape_and_dtype() -> None:
