@@ -214,3 +214,31 @@ def test_checkpoint_mismatch(
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ModelLoadError, match=match):
         ModelRunner(tmp_path, dtype="float32", kv_cache_memory=1 << 20)
+
+
+def test_a_runner_around_a_prebuilt_model_computes_what_the_loaded_one_does(
+    tiny_models: dict[str, pathlib.Path],
+) -> None:
+    from worker.loader import random_model
+
+    model_dir = tiny_models["llama-untied"]
+    loaded = ModelRunner(model_dir, dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 20)
+    model = random_model(loaded.config, max_positions=loaded.max_model_len, seed=3)
+    again = random_model(loaded.config, max_positions=loaded.max_model_len, seed=3)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True)
+    )  # seeded
+    with torch.inference_mode():  # random_model's weights are inference tensors
+        model.load_state_dict(loaded.model.state_dict())
+    prebuilt = ModelRunner(
+        model_dir, dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 20, model=model
+    )
+    outputs = []
+    for runner in (loaded, prebuilt):
+        seq = runner.make_sequence(1, [5, 9, 11, 200, 3], SamplingOptions(temperature=0.0))
+        _Blocks(runner.num_kv_blocks).grow(seq, 16)
+        outputs.append(runner.compute_logits_for_test([ScheduledChunk(seq, 0, 5)])[0])
+    assert torch.equal(outputs[0], outputs[1])
+    with pytest.raises(ValueError, match="does not fit the runner"):
+        ModelRunner(model_dir, dtype="bfloat16", kv_cache_memory=1 << 20, model=model)

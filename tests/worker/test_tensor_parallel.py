@@ -312,3 +312,27 @@ def test_two_gloo_ranks_match_one(tp_models: dict[str, pathlib.Path]) -> None:
             assert out["num_kv_blocks"] == got[(0, d)]["num_kv_blocks"]
     print("dead peer:", got[(0, "dead-peer")])
     assert got[(0, "dead-peer")].startswith("RuntimeError"), got[(0, "dead-peer")]
+
+
+@pytest.mark.parametrize(
+    ("value", "device", "expected"),
+    [
+        ("", "cpu", "gloo"),
+        ("", "cuda", "nccl"),
+        ("gloo", "cuda", "gloo"),
+        (" NCCL ", "cuda", "nccl"),
+        ("mpi", "cpu", "must be gloo or nccl, got 'mpi'"),
+        ("nccl", "cpu", "needs a CUDA device"),
+    ],
+)
+def test_the_backend_override(
+    monkeypatch: pytest.MonkeyPatch, value: str, device: str, expected: str
+) -> None:
+    from worker.parallel import BACKEND_ENV, _backend
+
+    monkeypatch.setenv(BACKEND_ENV, value)
+    if expected in ("gloo", "nccl"):
+        assert _backend(torch.device(device)) == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            _backend(torch.device(device))
