@@ -157,3 +157,24 @@ def test_pool_of_a_dead_owner_is_removed_and_a_missing_pool_is_a_clear_error(
         open_kv_pool(handle, "cpu")
     with pytest.raises(ValueError, match="names no pool"):
         open_kv_pool(scheduler_pb2.KvPoolHandle(dtype="float32", owner="x"), "cpu")
+
+
+def test_cpu_pools_never_touch_cupy_even_when_it_is_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+    import types
+
+    class Untouchable(types.ModuleType):
+        def __getattr__(self, name: str) -> object:
+            raise AssertionError(f"cupy.{name} used for a CPU pool")
+
+    monkeypatch.setitem(sys.modules, "cupy", Untouchable("cupy"))
+    pool = allocate_shared_kv_pool(SHAPE, torch.float32, "cpu")
+    try:
+        pool.tensor.fill_(1.5)
+        handle = scheduler_pb2.KvPoolHandle.FromString(pool.handle.SerializeToString())
+        handle.owner += "-reopened"  # not the cached mapping: open the file again
+        assert float(open_kv_pool(handle, "cpu").sum()) == 1.5 * pool.tensor.numel()
+    finally:
+        pool.close()
