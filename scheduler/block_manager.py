@@ -212,6 +212,13 @@ class BlockManager:
                 block.block_hash = h
                 self._cached[h] = block_id
 
+    def ref_blocks(self, block_ids: Seq[int]) -> None:
+        """Takes one more reference to each of `block_ids` (cached blocks found with
+        `find_cached_prefix`, revived from the free queue if evictable); give them back with
+        `release_blocks` or through a sequence's table."""
+        for block_id in block_ids:
+            self._ref(block_id)
+
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

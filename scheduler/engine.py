@@ -128,6 +128,18 @@ def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepReq
 
 
 @dataclass(slots=True)
+class _Move:
+    """A sequence on its way from a prefill group to a decode group: its first
+    `num_computed_tokens` tokens' K/V go to `blocks` of the decode pool, of which the first
+    `num_cached` were already there (its prefix cache) and are not copied."""
+
+    seq: Sequence
+    num_computed_tokens: int
+    blocks: list[int]
+    num_cached: int
+
+
+@dataclass(slots=True)
 class EngineStats:
     """The KV pools and queues of every worker group, summed (what `GetSchedulerInfo` and the
     Prometheus collector report)."""
@@ -455,45 +467,51 @@ class Engine:
         """Moves every sequence of prefill group `source` that has sampled a token to the least
         loaded decode group with room (a slot under `max_num_seqs` and free blocks for its
         K/V): the decode ranks copy the blocks from the source ranks' pools, then the source
-        forgets the sequence. A failed copy leaves the sequence where it is (logged)."""
+        forgets the sequence. Full blocks the decode group already holds in its prefix cache
+        (a shared system prompt) are reused, not copied. A failed copy leaves the sequence
+        where it is (logged)."""
         src_sched = source.scheduler
         assert src_sched is not None
         ready = [s for s in src_sched.running if s.output_token_ids]
         if not ready:
             return
-        plans: dict[int, tuple[WorkerGroup, list[tuple[Sequence, int, list[int]]]]] = {}
+        plans: dict[int, tuple[WorkerGroup, list[_Move]]] = {}
         for seq in ready:
-            candidates = []
+            best: tuple[tuple[int, int], WorkerGroup, list[int]] | None = None
             for g in self.groups:
                 sched = g.scheduler
                 if g.role != "decode" or not g.ready.is_set() or sched is None:
                     continue
+                bm = sched.block_manager
                 planned = len(plans.get(g.index, (g, []))[1])
-                need = sched.block_manager.blocks_for(seq.num_computed_tokens)
-                if (
-                    len(sched.running) + planned < self.config.max_num_seqs
-                    and sched.block_manager.num_free_blocks >= need
-                ):
-                    candidates.append(g)
-            if not candidates:
+                cached = bm.find_cached_prefix(seq)[: bm.blocks_for(seq.num_computed_tokens)]
+                revived = sum(1 for b in cached if bm.blocks[b].ref_count == 0)
+                need = bm.blocks_for(seq.num_computed_tokens) - len(cached) + revived
+                if len(sched.running) + planned >= self.config.max_num_seqs:
+                    continue
+                if bm.num_free_blocks < need:
+                    continue
+                if best is None or g.load < best[0]:
+                    best = (g.load, g, cached)
+            if best is None:
                 continue  # keeps decoding here; tried again after the next step
-            dest = min(candidates, key=lambda g: g.load)
+            _, dest, cached = best
             assert dest.scheduler is not None
+            bm = dest.scheduler.block_manager
             n = seq.num_computed_tokens
-            blocks = dest.scheduler.block_manager.allocate_blocks(
-                dest.scheduler.block_manager.blocks_for(n)
-            )
-            plans.setdefault(dest.index, (dest, []))[1].append((seq, n, blocks))
+            bm.ref_blocks(cached)  # before allocating: allocation must not evict them
+            blocks = cached + bm.allocate_blocks(bm.blocks_for(n) - len(cached))
+            plans.setdefault(dest.index, (dest, []))[1].append(_Move(seq, n, blocks, len(cached)))
         if not plans:
             return
 
-        async def move(dest: WorkerGroup, moves: list[tuple[Sequence, int, list[int]]]) -> None:
+        async def move(dest: WorkerGroup, moves: list[_Move]) -> None:
             dest_sched = dest.scheduler
             assert dest_sched is not None
-            src_ids = [b for seq, _, blocks in moves for b in seq.block_table[: len(blocks)]]
-            dst_ids = [b for _, _, blocks in moves for b in blocks]
+            src_ids = [b for m in moves for b in m.seq.block_table[m.num_cached : len(m.blocks)]]
+            dst_ids = [b for m in moves for b in m.blocks[m.num_cached :]]
             try:
-                nbytes = await dest.copy_blocks_from(source, src_ids, dst_ids)
+                nbytes = await dest.copy_blocks_from(source, src_ids, dst_ids) if src_ids else 0
             except grpc.aio.AioRpcError as e:
                 log.error(
                     "kv_transfer_failed",
@@ -501,20 +519,20 @@ class Engine:
                     destination=dest.name,
                     error=f"{e.code().name}: {e.details()}",
                 )
-                for _, _, blocks in moves:
-                    dest_sched.block_manager.release_blocks(blocks)
+                for m in moves:
+                    dest_sched.block_manager.release_blocks(m.blocks)
                 return
             if dest.scheduler is not dest_sched or source.scheduler is not src_sched:
                 return  # a worker re-registered meanwhile: its sequences have failed
             self.num_kv_transfers += len(moves)
             self.kv_transfer_bytes += nbytes
-            for seq, n, blocks in moves:
-                if seq.is_finished:  # aborted while its blocks moved
-                    dest_sched.block_manager.release_blocks(blocks)
+            for m in moves:
+                if m.seq.is_finished:  # aborted while its blocks moved
+                    dest_sched.block_manager.release_blocks(m.blocks)
                     continue
-                src_sched.detach(seq)
-                dest_sched.admit_prefilled(seq, blocks, n)
-                self._group_of[seq.seq_id] = dest
+                src_sched.detach(m.seq)
+                dest_sched.admit_prefilled(m.seq, m.blocks, m.num_computed_tokens)
+                self._group_of[m.seq.seq_id] = dest
             dest.wakeup.set()
 
         await asyncio.gather(*(move(dest, moves) for dest, moves in plans.values()))

@@ -257,3 +257,25 @@ def test_a_worker_without_a_shared_pool_is_refused_in_disaggregated_mode() -> No
             await close()
 
     asyncio.run(main())
+
+
+def test_blocks_the_decode_pool_has_cached_are_reused_not_copied() -> None:
+    async def main() -> None:
+        prefill, decode = FakePagedWorker("p5", 64), FakePagedWorker("d5", 64)
+        stub, engine, close = await _serve_disaggregated(prefill, decode)
+        try:
+
+            async def run(prompt: list[int]) -> list[int]:
+                req = add_request(1, 3)
+                req.prompt_token_ids[:] = prompt
+                return [t async for e in stub.AddRequest(req) for t in e.token_ids]
+
+            shared = list(range(1, 49))  # three full blocks
+            assert await run([*shared, 500, 501]) == [150, 151, 152]
+            assert await run([*shared, 777, 778]) == [150, 151, 152]  # checked KV: right
+            assert [len(c.src_block_ids) for c in decode.copies] == [4, 1]
+            assert engine.num_kv_transfers == 2 and engine.kv_transfer_bytes == 5000
+        finally:
+            await close()
+
+    asyncio.run(main())
