@@ -541,8 +541,8 @@ class Engine:
         """While no step runs, asks the group's ranks whether they are still there: a worker
         that died idle is noticed within seconds, not at the next request's first step.
 
-        Only an unreachable worker counts (UNAVAILABLE, or no answer within
-        IDLE_PROBE_TIMEOUT_S), so a busy machine cannot make a live worker look dead.
+        Only an unreachable worker counts (UNAVAILABLE), not one slower than
+        IDLE_PROBE_TIMEOUT_S to answer, so a busy machine cannot make a live worker look dead.
         """
         if not group.ready.is_set():
             return
@@ -550,10 +550,9 @@ class Engine:
         try:
             await group.probe(IDLE_PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
-            if sched is not group.scheduler or e.code() not in (
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-            ):
+            # Only a worker that is gone (connection refused or reset) counts: one that is
+            # slow to answer (paused, swapping) is alive and would never register again.
+            if sched is not group.scheduler or e.code() != grpc.StatusCode.UNAVAILABLE:
                 return
             log.error("worker_unreachable", group=group.name, code=e.code().name)
             await self._lose_group(group, f"the worker is unreachable ({e.code().name})")

@@ -21,6 +21,10 @@ from scheduler.scheduler import Scheduler
 from sluiceway.grpc_server import channel_options
 from sluiceway.internal.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
 
+# A block copy is a few milliseconds per megabyte; a decode worker that does not answer in this
+# long is stuck, and the sequences keep decoding where they were prefilled.
+COPY_BLOCKS_TIMEOUT_S = 60.0
+
 # As the worker's server accepts: a step carries the whole prompt of each new sequence.
 WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -93,11 +97,21 @@ class WorkerGroup:
         return (len(s.running) + len(s.waiting), -s.block_manager.num_free_blocks)
 
     async def add_rank(self, info: WorkerInfo) -> bool:
-        """Connects to a rank that registered (replacing an earlier registration of the same
-        rank); returns whether every rank of the group is now registered."""
-        old = self._channels.pop(info.rank, None)
-        if old is not None:
-            await old.close()
+        """Connects to a rank that registered; returns whether every rank of the group is now
+        registered.
+
+        A rank that registers again while the group is complete (a restart) starts a new
+        generation: the other ranks' registrations are dropped too, because their process
+        group broke with the restarted rank (they restart and register again; see
+        `worker.server`). Steps go out only once every rank of the new generation is there, so
+        no rank waits in a collective for a peer that never got the step.
+        """
+        if self.is_complete or info.rank in self.ranks:
+            for channel in self._channels.values():
+                await channel.close()
+            self._channels.clear()
+            self._stubs.clear()
+            self.ranks.clear()
         channel = grpc.aio.insecure_channel(
             info.address, options=channel_options(WORKER_MAX_MESSAGE_BYTES)
         )
@@ -146,7 +160,8 @@ class WorkerGroup:
                         source=source.ranks[r].kv_pool,
                         src_block_ids=src_block_ids,
                         dst_block_ids=dst_block_ids,
-                    )
+                    ),
+                    timeout=COPY_BLOCKS_TIMEOUT_S,
                 )
                 for r in range(self.tensor_parallel_size)
             )

@@ -394,7 +394,9 @@ def _run_worker(args: argparse.Namespace) -> int:
         if device == "cuda" and torch.cuda.device_count() > 1:
             device = f"cuda:{args.rank % torch.cuda.device_count()}"  # one GPU per rank
         try:
-            init_tensor_parallel(args.rank, tp, args.distributed_init_method, device)
+            # A collective waits for peers that compute the same layer: a minute is skew
+            # enough; longer only delays noticing a rank that will never come.
+            init_tensor_parallel(args.rank, tp, args.distributed_init_method, device, timeout_s=60)
         except ValueError as e:
             print(f"sluiceway worker: {e}", file=sys.stderr)
             return 2

@@ -133,10 +133,18 @@ class StepExecutor:
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
+    """`ExecuteStep` and `CopyBlocks` over one `StepExecutor`.
+
+    `broken` is set when a collective of a tensor-parallel step fails (a peer rank died or
+    timed out): this rank's process group cannot recover, so `serve` exits with status 1 for
+    the launcher or the orchestrator to restart the whole instance.
+    """
+
     def __init__(self, executor: StepExecutor) -> None:
         self.executor = executor
         # One thread: steps are sequential, and torch keeps its own intra-op threads.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.broken = asyncio.Event()
 
     async def ExecuteStep(
         self, request: worker_pb2.StepRequest, context: grpc.aio.ServicerContext
@@ -147,6 +155,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             raise  # unreachable: abort raises
+        except RuntimeError as e:
+            if self.executor.runner.tp.world_size == 1:
+                raise
+            log.error("tensor_parallel_group_broken", error=str(e).strip()[:500])
+            self.broken.set()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "tensor-parallel group broken")
+            raise
 
     async def CopyBlocks(
         self, request: worker_pb2.CopyBlocksRequest, context: grpc.aio.ServicerContext
@@ -240,7 +255,8 @@ async def serve(
         serve_metrics(metrics_port, metrics_host)
     server, health = new_server(max_message_bytes=WORKER_MAX_MESSAGE_BYTES)
     executor = StepExecutor(runner, model_id)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(executor), server)
+    service = WorkerService(executor)
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     bound = bind(server, address)
     await server.start()
     try:
@@ -259,8 +275,13 @@ async def serve(
     )
     stop = asyncio.Event()
     on_shutdown_signal(stop.set)
-    await stop.wait()
-    log.info("worker_stopping")
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(service.broken.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
+    log.info("worker_stopping", broken=service.broken.is_set())
     await server.stop(grace=1.0)
     if kv_pool is not None:
         kv_pool.close()
+    if service.broken.is_set():
+        raise SystemExit(1)

@@ -43,6 +43,15 @@ def test_two_routers_spread_requests_over_two_replicas_and_survive_a_dead_router
         assert names == set(stack.pids)
         host, port = stack.target.rsplit(":", 1)
         targets = [stack.target, f"{host}:{int(port) + 1}"]
+        urls = _metrics_urls(stack.log)
+        # A router serves once one replica is ready; it sees the other at its next poll.
+        deadline = time.monotonic() + 60
+        while not all(
+            _sample(urls[r], "sluiceway:router_scheduler_ready") == 2
+            for r in ("router-0", "router-1")
+        ):
+            assert time.monotonic() < deadline, "the routers never saw both replicas ready"
+            time.sleep(0.2)
         outcome: dict[int, object] = {}
         started = threading.Semaphore(0)
 
@@ -77,7 +86,6 @@ def test_two_routers_spread_requests_over_two_replicas_and_survive_a_dead_router
         through_dead = [outcome[i] for i in range(1, NUM_REQUESTS, 2)]
         assert all(o in (MAX_TOKENS, grpc.StatusCode.UNAVAILABLE) for o in through_dead)
 
-        urls = _metrics_urls(stack.log)
         served = {
             name: _sample(urls[name], "sluiceway:prefix_cache_queries_total")
             for name in ("scheduler-0", "scheduler-1")
