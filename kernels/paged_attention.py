@@ -52,6 +52,7 @@ __all__ = [
     "DecodeBucket",
     "PrefillChunk",
     "build_attention_metadata",
+    "check_step",
     "dense_causal_attention",
     "key_blocks",
     "kv_pool_shape",
@@ -217,6 +218,45 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+def check_step(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    *,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+) -> list[int]:
+    """Validates one step's flattened varlen batch (shared by every backend's metadata
+    builder) and returns the blocks each sequence's context uses, ``ceil(context_len /
+    block_size)``.
+
+    Raises:
+        ValueError: inconsistent lengths, no sequence, ``num_heads`` not a multiple of
+            ``num_kv_heads``, a bad chunk (``query_len < 1`` or ``context_len < query_len``),
+            or a block table too short for its context.
+    """
+    n = len(query_lens)
+    if len(context_lens) != n or len(block_tables) != n:
+        raise ValueError(
+            "query_lens, context_lens and block_tables must have one entry per sequence"
+        )
+    if n == 0:
+        raise ValueError("a step needs at least one sequence")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    used = []
+    for q, c, bt in zip(query_lens, context_lens, block_tables, strict=True):
+        if q < 1 or c < q:
+            raise ValueError(f"bad chunk: query_len={q}, context_len={c}")
+        if len(bt) * block_size < c:
+            raise ValueError(
+                f"block table of {len(bt)} blocks cannot hold {c} tokens (block_size={block_size})"
+            )
+        used.append(-(-c // block_size))
+    return used
+
+
 def build_attention_metadata(
     query_lens: Sequence[int],
     context_lens: Sequence[int],
@@ -250,24 +290,15 @@ def build_attention_metadata(
         ValueError: on inconsistent lengths or a block table too short for its context.
     """
     n = len(query_lens)
-    if len(context_lens) != n or len(block_tables) != n:
-        raise ValueError(
-            "query_lens, context_lens and block_tables must have one entry per sequence"
-        )
-    if n == 0:
-        raise ValueError("a step needs at least one sequence")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    used = check_step(
+        query_lens,
+        context_lens,
+        block_tables,
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+    )
     group = num_heads // num_kv_heads
-    used = []
-    for q, c, bt in zip(query_lens, context_lens, block_tables, strict=True):
-        if q < 1 or c < q:
-            raise ValueError(f"bad chunk: query_len={q}, context_len={c}")
-        if len(bt) * block_size < c:
-            raise ValueError(
-                f"block table of {len(bt)} blocks cannot hold {c} tokens (block_size={block_size})"
-            )
-        used.append(-(-c // block_size))
     max_blocks = max(used)
 
     cpu = torch.device("cpu")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.paged_attention import check_step
 from kernels.triton_decode_attention import triton_decode_attention
 from kernels.triton_kv_write import triton_write_kv
 from kernels.triton_prefill_attention import triton_prefill_attention
@@ -91,11 +92,6 @@ class TritonAttentionMetadata:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-
-    @property
-    def num_tokens(self) -> int:
-        """Rows of the flattened batch (``T``)."""
-        return int(self.slot_mapping.shape[0])
 
     @classmethod
     def decode_static(
@@ -166,21 +162,33 @@ class TritonAttentionMetadata:
         if n > max_batch:
             raise ValueError(f"{n} sequences exceed the static batch of {max_batch}")
         bs = self.block_size
-        ctx = [0] * max_batch
-        slots = [-1] * max_batch
-        tables = [[0] * max_blocks for _ in range(max_batch)]
-        for i, (c, bt) in enumerate(zip(context_lens, block_tables, strict=True)):
-            used = -(-c // bs)
+        used = []
+        slots = []
+        for c, bt in zip(context_lens, block_tables, strict=True):
             if c < 1 or len(bt) * bs < c:
                 raise ValueError(f"bad decode row: context_len={c}, {len(bt)} blocks of {bs}")
-            if used > max_blocks:
+            if -(-c // bs) > max_blocks:
                 raise ValueError(f"context of {c} tokens exceeds {max_blocks} blocks of {bs}")
-            ctx[i] = c
-            slots[i] = bt[(c - 1) // bs] * bs + (c - 1) % bs
-            tables[i] = list(bt[:used]) + [bt[0]] * (max_blocks - used)
-        self.context_lens.copy_(torch.tensor(ctx, dtype=torch.int32), non_blocking=True)
-        self.slot_mapping.copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
-        self.block_tables.copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+            used.append(-(-c // bs))
+            slots.append(bt[(c - 1) // bs] * bs + (c - 1) % bs)
+        pad = max_batch - n
+        ctx = torch.tensor([*context_lens, *([0] * pad)], dtype=torch.int32)
+        self.context_lens.copy_(ctx, non_blocking=True)
+        slot_t = torch.tensor([*slots, *([-1] * pad)], dtype=torch.int64)
+        self.slot_mapping.copy_(slot_t, non_blocking=True)
+        # Only the live rows' used blocks come from Python lists; the padding (each row's
+        # first block past its context, block 0 for padding rows) is filled by tensor ops.
+        tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32)
+        if n:
+            width = max(used)
+            rows = [
+                list(bt[:u]) + [bt[0]] * (width - u)
+                for bt, u in zip(block_tables, used, strict=True)
+            ]
+            live = torch.tensor(rows, dtype=torch.int32)
+            tables[:n, :width] = live
+            tables[:n, width:] = live[:, :1]
+        self.block_tables.copy_(tables, non_blocking=True)
 
 
 def build_triton_metadata(
@@ -203,23 +211,14 @@ def build_triton_metadata(
             or a block table too short for its context.
     """
     n = len(query_lens)
-    if len(context_lens) != n or len(block_tables) != n:
-        raise ValueError(
-            "query_lens, context_lens and block_tables must have one entry per sequence"
-        )
-    if n == 0:
-        raise ValueError("a step needs at least one sequence")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    used = []
-    for q, c, bt in zip(query_lens, context_lens, block_tables, strict=True):
-        if q < 1 or c < q:
-            raise ValueError(f"bad chunk: query_len={q}, context_len={c}")
-        if len(bt) * block_size < c:
-            raise ValueError(
-                f"block table of {len(bt)} blocks cannot hold {c} tokens (block_size={block_size})"
-            )
-        used.append(-(-c // block_size))
+    used = check_step(
+        query_lens,
+        context_lens,
+        block_tables,
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+    )
     max_blocks = max(used)
     tables = [
         list(bt[:u]) + [bt[0]] * (max_blocks - u) for bt, u in zip(block_tables, used, strict=True)

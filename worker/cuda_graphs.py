@@ -69,8 +69,6 @@ class DecodeCudaGraphs:
         self.kv_caches = list(kv_caches)
         self.batch_sizes = sizes
         self.max_batch = sizes[-1]
-        self.block_size = block_size
-        self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
         self.input_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
@@ -152,7 +150,8 @@ class DecodeCudaGraphs:
 
         Raises:
             ValueError: more sequences than the largest captured size, or a block table
-                too short or wider than ``max_blocks_per_seq``.
+                too short or a context wider than ``max_blocks_per_seq`` (from
+                :meth:`TritonAttentionMetadata.fill_decode`).
         """
         n = len(input_ids)
         batch = self.batch_size_for(n)
@@ -160,31 +159,12 @@ class DecodeCudaGraphs:
             raise ValueError(
                 f"{n} decode sequences exceed the largest CUDA graph ({self.max_batch})"
             )
-        bs = self.block_size
-        used = [p // bs + 1 for p in positions]
-        width = max(used)
-        if width > self.max_blocks_per_seq:
-            raise ValueError(f"a context of {width} blocks exceeds {self.max_blocks_per_seq}")
-        tables = []
-        slots = []
-        for p, u, bt in zip(positions, used, block_tables, strict=True):
-            if len(bt) < u:
-                raise ValueError(f"block table of {len(bt)} blocks cannot hold position {p}")
-            tables.append(list(bt[:u]) + [bt[0]] * (width - u))
-            slots.append(bt[p // bs] * bs + p % bs)
         pad = batch - n
-        m = self.metadata
         host = torch.tensor([*input_ids, *([0] * pad)], dtype=torch.int64)
         self.input_ids[:batch].copy_(host, non_blocking=True)
         host = torch.tensor([*positions, *([0] * pad)], dtype=torch.int64)
         self.positions[:batch].copy_(host, non_blocking=True)
-        ctx = torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32)
-        m.context_lens[:batch].copy_(ctx, non_blocking=True)
-        m.slot_mapping[:batch].copy_(
-            torch.tensor(slots + [-1] * pad, dtype=torch.int64), non_blocking=True
-        )
-        # Columns past `width` keep stale ids: the kernel never reads past a row's context.
-        m.block_tables[:n, :width].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        self.metadata.fill_decode([p + 1 for p in positions], block_tables)
         graph, hidden = self._graphs[batch]
         graph.replay()
         return hidden[:n]
