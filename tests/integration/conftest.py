@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -129,3 +130,18 @@ def wait_for_free_blocks(client: Client, timeout_s: float = 5.0) -> inference_pb
         if info.num_free_kv_blocks == info.num_kv_blocks or time.monotonic() > deadline:
             return info
         time.sleep(0.05)
+
+
+def metrics_urls(log: list[str]) -> dict[str, str]:
+    """Each process's /metrics URL from `sluiceway serve`'s "metrics:" line, by name."""
+    line = next(line for line in log if "metrics:" in line)
+    return dict(re.findall(r"([\w-]+) (http://\S+/metrics)", line))
+
+
+def metric_sum(url: str, name: str) -> float:
+    """The sum of every sample of metric `name` (all label sets) at `url`."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        float(row.rsplit(" ", 1)[1]) for row in text.splitlines() if row.startswith(name + "{")
+    )

@@ -4,13 +4,13 @@ as one worker."""
 
 from __future__ import annotations
 
-import urllib.request
-
 import pytest
 
 from sluiceway.v1 import inference_pb2
 from tests.integration.conftest import (
     generate_concurrently,
+    metric_sum,
+    metrics_urls,
     start_stack,
     stop_stack,
     wait_for_free_blocks,
@@ -19,15 +19,6 @@ from tests.integration.conftest import (
 pytestmark = pytest.mark.slow
 
 NUM_PROMPTS = 16
-
-
-def _scheduler_metric(log: list[str], name: str) -> float:
-    """The scheduler's value of Prometheus sample `name` (URL from serve's metrics line)."""
-    line = next(line for line in log if "metrics:" in line)
-    url = line.split("scheduler ", 1)[1].split(",", 1)[0].strip()
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return float(next(row.rsplit(" ", 1)[1] for row in text.splitlines() if row.startswith(name)))
 
 
 def test_one_prefill_and_one_decode_worker_give_the_tokens_of_one_worker(
@@ -41,8 +32,9 @@ def test_one_prefill_and_one_decode_worker_give_the_tokens_of_one_worker(
         with stack.client() as client:
             tokens = generate_concurrently(client, requests)
             info = wait_for_free_blocks(client)
-        transfers = _scheduler_metric(stack.log, "sluiceway:kv_transfers_total")
-        transfer_bytes = _scheduler_metric(stack.log, "sluiceway:kv_transfer_bytes_total")
+        scheduler = metrics_urls(stack.log)["scheduler"]
+        transfers = metric_sum(scheduler, "sluiceway:kv_transfers_total")
+        transfer_bytes = metric_sum(scheduler, "sluiceway:kv_transfer_bytes_total")
     finally:
         assert stop_stack(stack) == 0, "".join(stack.log[-30:])
     mismatched = [

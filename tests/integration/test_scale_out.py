@@ -5,35 +5,20 @@ streams with it."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
 
 from sluiceway.client import Client
-from tests.integration.conftest import start_stack, stop_stack
+from tests.integration.conftest import metric_sum, metrics_urls, start_stack, stop_stack
 
 pytestmark = pytest.mark.slow
 
 NUM_REQUESTS = 40
 MAX_TOKENS = 32
-
-
-def _metrics_urls(log: list[str]) -> dict[str, str]:
-    line = next(line for line in log if "metrics:" in line)
-    return dict(re.findall(r"([\w-]+) (http://\S+/metrics)", line))
-
-
-def _sample(url: str, name: str) -> float:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return sum(
-        float(row.rsplit(" ", 1)[1]) for row in text.splitlines() if row.startswith(name + "{")
-    )
 
 
 def test_two_routers_spread_requests_over_two_replicas_and_survive_a_dead_router() -> None:
@@ -43,11 +28,11 @@ def test_two_routers_spread_requests_over_two_replicas_and_survive_a_dead_router
         assert names == set(stack.pids)
         host, port = stack.target.rsplit(":", 1)
         targets = [stack.target, f"{host}:{int(port) + 1}"]
-        urls = _metrics_urls(stack.log)
+        urls = metrics_urls(stack.log)
         # A router serves once one replica is ready; it sees the other at its next poll.
         deadline = time.monotonic() + 60
         while not all(
-            _sample(urls[r], "sluiceway:router_scheduler_ready") == 2
+            metric_sum(urls[r], "sluiceway:router_scheduler_ready") == 2
             for r in ("router-0", "router-1")
         ):
             assert time.monotonic() < deadline, "the routers never saw both replicas ready"
@@ -87,11 +72,11 @@ def test_two_routers_spread_requests_over_two_replicas_and_survive_a_dead_router
         assert all(o in (MAX_TOKENS, grpc.StatusCode.UNAVAILABLE) for o in through_dead)
 
         served = {
-            name: _sample(urls[name], "sluiceway:prefix_cache_queries_total")
+            name: metric_sum(urls[name], "sluiceway:prefix_cache_queries_total")
             for name in ("scheduler-0", "scheduler-1")
         }
         assert all(v > 0 for v in served.values()), served  # both replicas computed prompts
-        ok = _sample(urls["router-0"], "sluiceway:request_success_total")
+        ok = metric_sum(urls["router-0"], "sluiceway:request_success_total")
         assert ok == NUM_REQUESTS // 2
         deadline = time.monotonic() + 30  # the killed router is restarted by serve
         while not any("router-1 restarted" in line for line in stack.log):
