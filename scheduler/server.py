@@ -79,7 +79,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if engine.max_model_len == 0:
             return scheduler_pb2.SchedulerInfo(ready=False)
         st = engine.stats()
-        return scheduler_pb2.SchedulerInfo(
+        reply = scheduler_pb2.SchedulerInfo(
             ready=engine.ready,
             model_id=engine.model_id,
             max_model_len=engine.max_model_len,
@@ -99,6 +99,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             ),
             step_times=engine.step_times.to_proto(),
         )
+        reply.step_times.num_step_loops = len(engine.groups)
+        return reply
 
     async def RegisterWorker(
         self, request: scheduler_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext

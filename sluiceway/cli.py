@@ -7,7 +7,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-from sluiceway.argtypes import positive_int
+from sluiceway.argtypes import (
+    metrics_port_number,
+    non_negative_int,
+    port_number,
+    positive_int,
+)
 from sluiceway.sizes import parse_size
 
 DEFAULT_PORT = 50051
@@ -126,7 +131,7 @@ DEFAULT_METRICS_PORT = {"router": 9400, "scheduler": 9401, "worker": 9402}
 def _add_metrics(p: argparse.ArgumentParser, process: str) -> None:
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=metrics_port_number,
         default=DEFAULT_METRICS_PORT[process],
         help="Prometheus /metrics over HTTP (0 = a free port, -1 = off)",
     )
@@ -166,10 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start worker, scheduler and router as separate processes")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument(
+        "--port",
+        type=port_number,
+        default=DEFAULT_PORT,
+        help="the first router's port (more routers: the next ones; 0 = free ports)",
+    )
     serve.add_argument(
         "--metrics-port",
-        type=int,
+        type=metrics_port_number,
         default=DEFAULT_METRICS_PORT["router"],
         help="Prometheus /metrics of the router; the scheduler gets the next port and the "
         "worker the one after (more routers, replicas or workers: the next ports, in that "
@@ -210,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     router = sub.add_parser("router", help="run the router process (public gRPC API)")
     router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=DEFAULT_PORT)
+    router.add_argument("--port", type=port_number, default=DEFAULT_PORT)
     router.add_argument(
         "--scheduler",
         default=DEFAULT_SCHEDULER,
@@ -243,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--scheduler", default=DEFAULT_SCHEDULER, help="scheduler address")
     worker.add_argument(
         "--worker-group",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="which of the scheduler's model instances this worker belongs to (0; with "
         "--num-prefill-workers P on the scheduler, 0..P-1 prefill and the next ones decode)",
@@ -254,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="allocate the KV pool so that peer workers can copy blocks out of it (POSIX "
         "shared memory on CPU, CUDA IPC on GPU); needed for disaggregated prefill",
     )
-    worker.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this worker")
+    worker.add_argument(
+        "--rank", type=non_negative_int, default=0, help="tensor-parallel rank of this worker"
+    )
     worker.add_argument(
         "--distributed-init-method",
         default=None,

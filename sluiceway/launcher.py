@@ -14,9 +14,11 @@ drain and stop first, then the schedulers and workers. A child that fails is
 started again, at most MAX_RESTARTS times a minute: a restarted scheduler
 takes its replica's workers with it (they must register anew), a restarted
 tensor-parallel rank takes the other ranks of its instance with it (they
-would wait in a collective forever). One that exits 0 (a router drained by
-SIGTERM) stops the stack, and so does one that exits 2 (a usage or
-configuration error, such as a taken port).
+would wait in a collective forever). A router that exits 0 (drained by a
+SIGTERM of its own) is left down while another router still serves, and
+stops the stack when it was the last one; any other process that exits 0, or
+one that exits 2 (a usage or configuration error, such as a taken port),
+stops the stack.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ import time
 from dataclasses import dataclass, field
 
 from sluiceway.client import wait_until_serving
+from sluiceway.pids import pid_alive
 
 STARTUP_TIMEOUT_S = 600.0
+RUN_DIR_PREFIX = "sluiceway-"  # + pid + "-": the children's Unix sockets
 STOP_TIMEOUT_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
@@ -64,6 +68,7 @@ class Child:
     replica: int = 0
     instance: int = 0
     restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
+    left_down: bool = False  # exited on purpose; not restarted
 
     @classmethod
     def start(
@@ -138,13 +143,24 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     model_dir = resolve_model(args.model)  # convert a GGUF once, before the children race for it
     model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-    router_ports = [args.port + i if args.port else 0 for i in range(args.num_routers)]
+    if args.port + args.num_routers - 1 > 65535:
+        print(
+            f"sluiceway: --num-routers {args.num_routers} from --port {args.port} runs past "
+            "port 65535",
+            file=sys.stderr,
+        )
+        return 2
+    if args.port:
+        router_ports = [args.port + i for i in range(args.num_routers)]
+    else:  # picked here, not by the routers: the launcher dials each one's health service
+        router_ports = [free_port(args.host) for _ in range(args.num_routers)]
     for port in router_ports:
         taken = _taken_port(args.host, port)
         if taken:
             print(f"sluiceway: cannot listen on {args.host}:{port}: {taken}", file=sys.stderr)
             return 2
-    tmp = tempfile.mkdtemp(prefix="sluiceway-")
+    remove_stale_run_dirs()
+    tmp = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
     tp = args.tensor_parallel_size
     num_replicas = args.num_replicas
     num_workers = num_replicas * len(roles) * tp
@@ -255,11 +271,25 @@ def serve_command(args: argparse.Namespace) -> int:
             )
             print(f"sluiceway: metrics: {urls}", flush=True)
         while not stopping:
-            done = next((c for c in children if c.process.poll() in (0, 2)), None)
-            if done is not None and done.process.returncode == 0:
-                # stopped on purpose (e.g. a router drained on SIGTERM)
-                print(f"sluiceway: {done.name} exited with 0; stopping", flush=True)
-                return 0
+            done = next(
+                (c for c in children if not c.left_down and c.process.poll() in (0, 2)), None
+            )
+            if done is not None and done.process.returncode == 0:  # stopped on purpose
+                others = [
+                    c
+                    for c in children
+                    if c.command == "router" and c is not done and not c.left_down
+                ]  # running, or failed and about to be restarted
+                if done.command != "router" or not others:
+                    print(f"sluiceway: {done.name} exited with 0; stopping", flush=True)
+                    return 0
+                done.left_down = True  # a router drained on its own SIGTERM
+                print(
+                    f"sluiceway: {done.name} exited with 0 (drained); leaving it down, "
+                    f"{len(others)} other router(s) serving",
+                    flush=True,
+                )
+                continue
             if done is not None:  # 2: a usage or configuration error; restarting cannot help
                 print(f"sluiceway: {done.name} exited with 2; stopping", file=sys.stderr)
                 return 1
@@ -272,6 +302,21 @@ def serve_command(args: argparse.Namespace) -> int:
     finally:
         _stop_all(children, router_timeout_s=args.drain_timeout + STOP_TIMEOUT_S)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale_run_dirs(directory: str | None = None) -> list[str]:
+    """Deletes the socket folders (`sluiceway-<pid>-*` in the temp dir) of `serve` runs whose
+    process is gone (killed before it could clean up); returns the paths removed."""
+    removed = []
+    root = directory or tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(RUN_DIR_PREFIX):
+            continue
+        pid = name.removeprefix(RUN_DIR_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(os.path.join(root, name))
+    return removed
 
 
 def _metrics_order(children: list[Child]) -> list[Child]:
@@ -287,7 +332,7 @@ def _restart_exited(children: list[Child]) -> None:
     (or broken by) a collective, so the whole instance restarts, on a fresh rendezvous port.
     Raises RuntimeError (see `Child.restart`)."""
     for child in children:
-        if child.process.poll() is None:
+        if child.left_down or child.process.poll() is None:
             continue
         print(
             f"sluiceway: {child.name} exited with {child.process.returncode}; restarting it",
@@ -370,7 +415,7 @@ def _metrics_ports(first: int, count: int) -> list[int]:
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now (the OS's pick; another process may take it
     before it is used)."""
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 

@@ -96,6 +96,8 @@ def test_step_breakdown_splits_the_step() -> None:
     assert f["detokenize_us_per_token"] == pytest.approx(50.0)
     assert f["detokenize_pct"] == pytest.approx(1.25)
     assert step_breakdown(after, after, 1.0)["step_total_ms"] == 0.0  # no steps: no division
+    after.num_step_loops = 2  # e.g. two replicas: 30.5 s of steps over 2 x 40 s of loops
+    assert step_breakdown(before, after, 40.0)["step_loop_busy_pct"] == pytest.approx(38.125)
 
 
 def test_transformers_kv_slots_count_padding_and_finished_rows_as_waste() -> None:

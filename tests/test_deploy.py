@@ -321,6 +321,36 @@ def test_each_worker_reserves_exactly_one_gpu_of_its_own() -> None:
     assert len(set(gpus)) == len(gpus), f"two workers on one GPU: {gpus}"
 
 
+def _check_ranks(where: str, size: int, workers: dict[str, argparse.Namespace]) -> str | None:
+    """The workers of one model instance are ranks 0..size-1 of a group of `size` that
+    meet at one rendezvous; returns rank 0's name (None without tensor parallelism)."""
+    assert len(workers) == size, f"{where}: --tensor-parallel-size {size}, {len(workers)} workers"
+    assert {a.tensor_parallel_size for a in workers.values()} == {size}, where
+    assert sorted(a.rank for a in workers.values()) == list(range(size)), where
+    (init,) = {a.distributed_init_method for a in workers.values()}
+    if size == 1:
+        assert init is None, f"{where}: one rank needs no rendezvous"
+        return None
+    assert urlsplit(init).scheme == "tcp", where
+    return next(n for n, a in workers.items() if a.rank == 0)
+
+
+def _check_model_splits(where: str, size: int, workers: dict[str, argparse.Namespace]) -> None:
+    """The model the workers serve can be split `size` ways: the check each rank makes at
+    start (a refused model exits 2, and the orchestrator restarts it forever)."""
+    from sluiceway.model_files import resolve_model
+    from worker.loader import load_config
+    from worker.parallel import check_tensor_parallel
+
+    (model,) = {a.model for a in workers.values()}
+    assert model is None or model.startswith("/models/"), f"{where}: --model {model}"
+    if model is None:  # the embedded default; a mounted model is the user's to check
+        try:
+            check_tensor_parallel(load_config(resolve_model(None)), size)
+        except ValueError as e:
+            pytest.fail(f"{where}: {e}")
+
+
 def test_each_replica_has_one_worker_per_tensor_parallel_rank() -> None:
     processes = _by_process()
     for scheduler, sched_args in processes["scheduler"].items():
@@ -328,17 +358,25 @@ def test_each_replica_has_one_worker_per_tensor_parallel_rank() -> None:
         workers = {
             n: a for n, a in processes["worker"].items() if _hostport(a.scheduler)[0] == scheduler
         }
-        assert len(workers) == size, f"{scheduler}: --tensor-parallel-size {size}"
-        assert {a.tensor_parallel_size for a in workers.values()} == {size}
-        assert sorted(a.rank for a in workers.values()) == list(range(size))
+        rank0 = _check_ranks(scheduler, size, workers)
+        _check_model_splits(scheduler, size, workers)
+        if rank0 is None:
+            continue
         (init,) = {a.distributed_init_method for a in workers.values()}
-        url = urlsplit(init)
-        rank0 = next(n for n, a in workers.items() if a.rank == 0)
-        assert (url.scheme, url.hostname) == ("tcp", rank0), "rank 0 hosts the rendezvous"
+        assert urlsplit(init).hostname == rank0, f"{scheduler}: rank 0 hosts the rendezvous"
         for name, args in workers.items():
             if args.rank:
                 depends = _services()[name]["depends_on"]
                 assert rank0 in depends, f"{name} starts after {rank0}"
+
+
+def test_model_split_check_refuses_tensor_parallelism_2_of_the_default_model() -> None:
+    workers = {
+        f"worker-{r}": _parse(["worker", "--tensor-parallel-size", "2", "--rank", str(r)], "t")
+        for r in range(2)
+    }
+    with pytest.raises(pytest.fail.Exception, match="does not divide the model's 3 KV heads"):
+        _check_model_splits("replica", 2, workers)
 
 
 def test_healthchecks_ask_each_process_on_its_grpc_port() -> None:
@@ -471,13 +509,14 @@ def test_k8s_routers_serve_on_the_default_port_behind_their_service() -> None:
     (replica,) = _k8s("StatefulSet")
     sched_port = _hostport(_pod_args(replica)["scheduler"].listen)[1]
     name, headless = replica["metadata"]["name"], replica["spec"]["serviceName"]
+    listed = []
     for address in args.scheduler.split(","):
         host, port_ = _hostport(address)
         pod, _, domain = host.partition(".")
         assert domain == headless and port_ == sched_port, address
-        assert pod.startswith(f"{name}-") and int(pod.removeprefix(f"{name}-")) < int(
-            replica["spec"]["replicas"]
-        ), address
+        assert pod.startswith(f"{name}-"), address
+        listed.append(int(pod.removeprefix(f"{name}-")))
+    assert listed == list(range(int(replica["spec"]["replicas"]))), "one per replica pod"
     (svc,) = [s for s in _k8s("Service") if s["metadata"]["name"] == headless]
     assert svc["spec"]["clusterIP"] == "None" and _selects(svc, replica)
     (svc_port,) = svc["spec"]["ports"]
@@ -497,14 +536,15 @@ def test_k8s_replica_pod_holds_its_scheduler_and_one_worker_per_gpu() -> None:
     assert sched.metrics_port == cli.DEFAULT_METRICS_PORT["scheduler"]
 
     size = sched.tensor_parallel_size
-    assert len(workers) == size
-    assert sorted(a.rank for a in workers.values()) == list(range(size))
-    assert {a.tensor_parallel_size for a in workers.values()} == {size}
-    (init,) = {a.distributed_init_method for a in workers.values()}
-    assert urlsplit(init).hostname == "127.0.0.1", "one pod, one network"
+    _check_ranks("replica pod", size, workers)
+    _check_model_splits("replica pod", size, workers)
+    init = next(iter(workers.values())).distributed_init_method
+    ports_in_pod: list[int] = []
+    if init is not None:
+        assert urlsplit(init).hostname == "127.0.0.1", "one pod, one network"
+        ports_in_pod.append(urlsplit(init).port or 0)
 
     volumes = {v["name"]: v for v in pod["volumes"]}
-    ports_in_pod: list[int] = [urlsplit(init).port or 0]
     for name, args in parsed.items():
         container = containers[name]
         grpc_port = _grpc_port(args)

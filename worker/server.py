@@ -2,18 +2,22 @@
 
 Keeps each sequence's record (tokens, block table, sampling options) between
 steps, so a step carries only ids and small integers. The model forward runs
-in a thread so the event loop keeps answering health checks meanwhile.
+in a thread so the event loop keeps answering health checks meanwhile. Once
+registered, the worker watches its scheduler and registers again when a new
+scheduler process takes the old one's place (see `stay_registered`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
 import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluiceway.grpc_server import (
     SERVING,
@@ -32,6 +36,16 @@ log = structlog.get_logger("worker")
 
 # Steps carry whole prompts when sequences are new (or come back after preemption).
 WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# While the scheduler is away, each registration attempt waits this long for it (seconds),
+# and a `scheduler_still_away` warning is logged at most this often.
+REREGISTER_ATTEMPT_S = 30.0
+# Pause after losing the scheduler before registering again (seconds): bounds how fast a
+# watch that keeps breaking at once can make the worker re-register.
+REREGISTER_PAUSE_S = 1.0
+# gRPC's reconnect backoff grows to 2 minutes; a worker waiting for its scheduler retries
+# the connection at least this often (milliseconds), to register soon after it is back.
+REGISTER_MAX_RECONNECT_BACKOFF_MS = 2000
 
 
 def sampling_options(p: scheduler_pb2.SequenceSamplingParams) -> SamplingOptions:
@@ -215,7 +229,11 @@ async def register(
         tensor_parallel_size=placement.tensor_parallel_size,
         kv_pool=kv_pool.handle if kv_pool is not None else None,
     )
-    async with grpc.aio.insecure_channel(scheduler_address, options=channel_options()) as ch:
+    options = [
+        *channel_options(),
+        ("grpc.max_reconnect_backoff_ms", REGISTER_MAX_RECONNECT_BACKOFF_MS),
+    ]
+    async with grpc.aio.insecure_channel(scheduler_address, options=options) as ch:
         stub = scheduler_pb2_grpc.SchedulerStub(ch)
         try:
             await stub.RegisterWorker(request, timeout=timeout_s, wait_for_ready=True)
@@ -225,6 +243,97 @@ async def register(
                     f"the scheduler refused this worker: {e.details()}"
                 ) from e
             raise
+
+
+async def watch_until_lost(scheduler_address: str) -> grpc.StatusCode | None:
+    """Follows the scheduler's `grpc.health.v1` `Watch` stream (service "") until it breaks.
+
+    Status updates, NOT_SERVING included, are not a loss: a scheduler without (all) its
+    workers is NOT_SERVING and still holds this worker's registration. The stream has no
+    deadline: it stays open as long as the scheduler process lives. Returns the status code
+    the stream failed with (UNAVAILABLE when the scheduler process died or cannot be
+    reached, CANCELLED when it stopped), or None if the scheduler ended it cleanly.
+    """
+    async with grpc.aio.insecure_channel(scheduler_address, options=channel_options()) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        try:
+            async for _ in stub.Watch(health_pb2.HealthCheckRequest(service="")):
+                pass
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+    return None
+
+
+async def register_until_answered(
+    register_once: Callable[[float], Awaitable[None]],
+    attempt_s: float = REREGISTER_ATTEMPT_S,
+) -> float:
+    """Calls `register_once(timeout_s)` until the scheduler accepts it, however long that
+    takes; returns the seconds it took.
+
+    Each attempt waits up to `attempt_s` seconds for the scheduler (gRPC wait_for_ready);
+    a failed attempt is retried (after a second if it failed at once), with a
+    `scheduler_still_away` warning at most every `attempt_s` seconds. Raises
+    RegistrationRefused at once (a configuration error: retrying cannot help).
+    """
+    start = last_log = time.monotonic()
+    while True:
+        attempt = time.monotonic()
+        try:
+            await register_once(attempt_s)
+            return time.monotonic() - start
+        except grpc.aio.AioRpcError as e:
+            now = time.monotonic()
+            if now - last_log >= attempt_s:
+                log.warning("scheduler_still_away", waited_s=round(now - start), code=e.code().name)
+                last_log = now
+            if now - attempt < 1.0:
+                await asyncio.sleep(1.0)
+
+
+async def stay_registered(
+    scheduler_address: str,
+    register_once: Callable[[float], Awaitable[None]],
+    attempt_s: float = REREGISTER_ATTEMPT_S,
+    pause_s: float = REREGISTER_PAUSE_S,
+) -> None:
+    """Keeps a registered worker registered across scheduler restarts; runs until cancelled.
+
+    A scheduler that restarts (crash, container or pod restart) comes back without workers
+    and would stay NOT_SERVING. So this watches the scheduler (`watch_until_lost`); when the
+    stream breaks it logs `scheduler_lost`, waits `pause_s` seconds, registers again with
+    `register_once(timeout_s)` until the scheduler answers (`register_until_answered`,
+    waiting indefinitely), logs `worker_reregistered` and watches again. The scheduler takes
+    a registration from a worker it already has as a restart (it ends the requests in
+    flight), so only a broken stream, never a NOT_SERVING update, leads to one.
+
+    The worker's own health stays SERVING meanwhile: it is alive and ready for steps; the
+    scheduler's and router's health say whether the replica can serve. (Orchestrators probe
+    a worker's health for liveness: NOT_SERVING would get a healthy worker restarted and
+    its model loaded again.)
+
+    Raises RegistrationRefused if the new scheduler refuses the worker (started with another
+    layout or model): logged as `reregistration_refused`; `serve` then exits (status 2).
+    Returns, with a warning, if the scheduler has no health service to watch.
+    """
+    while True:
+        code = await watch_until_lost(scheduler_address)
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            log.warning("scheduler_not_watched", scheduler=scheduler_address,
+                        reason="no grpc.health.v1 Watch on the scheduler")  # fmt: skip
+            return
+        log.warning(
+            "scheduler_lost",
+            scheduler=scheduler_address,
+            code=code.name if code is not None else "OK",
+        )
+        await asyncio.sleep(pause_s)
+        try:
+            waited_s = await register_until_answered(register_once, attempt_s)
+        except RegistrationRefused as e:
+            log.error("reregistration_refused", scheduler=scheduler_address, error=str(e))
+            raise
+        log.info("worker_reregistered", scheduler=scheduler_address, waited_s=round(waited_s, 1))
 
 
 async def serve(
@@ -240,6 +349,10 @@ async def serve(
 ) -> None:
     """Serves steps on `address` and registers with the scheduler; runs until SIGINT/SIGTERM.
 
+    Registers again whenever the scheduler restarts (`stay_registered`). Raises
+    grpc.aio.AioRpcError if the scheduler does not answer the first registration within a
+    minute, RegistrationRefused if it refuses a registration (first or later; the CLI exits
+    with status 2), SystemExit(1) when a tensor-parallel collective broke.
     `advertise` is the address the scheduler dials (default: the bound address).
     Prometheus metrics on `metrics_host:metrics_port` unless the port is None
     (OSError if it is taken). `kv_pool` is the shared pool the runner uses, when it is
@@ -259,8 +372,14 @@ async def serve(
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     bound = bind(server, address)
     await server.start()
+
+    async def register_once(timeout_s: float) -> None:
+        await register(
+            scheduler_address, advertise or bound, runner, model_id, placement, kv_pool, timeout_s
+        )
+
     try:
-        await register(scheduler_address, advertise or bound, runner, model_id, placement, kv_pool)
+        await register_once(60.0)
     except BaseException:
         if kv_pool is not None:
             kv_pool.close()
@@ -276,12 +395,20 @@ async def serve(
     stop = asyncio.Event()
     on_shutdown_signal(stop.set)
     waits = [asyncio.create_task(stop.wait()), asyncio.create_task(service.broken.wait())]
-    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    for task in waits:
+    watcher = asyncio.create_task(stay_registered(scheduler_address, register_once))
+    done, _ = await asyncio.wait([*waits, watcher], return_when=asyncio.FIRST_COMPLETED)
+    if watcher in done and watcher.exception() is None:  # nothing to watch: serve on
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    # The watcher fails on a refused re-registration (or a bug): the worker stops then.
+    failure = watcher.exception() if watcher.done() else None
+    for task in [*waits, watcher]:
         task.cancel()
-    log.info("worker_stopping", broken=service.broken.is_set())
+    await asyncio.gather(watcher, return_exceptions=True)
+    log.info("worker_stopping", broken=service.broken.is_set(), failed=failure is not None)
     await server.stop(grace=1.0)
     if kv_pool is not None:
         kv_pool.close()
+    if failure is not None:
+        raise failure
     if service.broken.is_set():
         raise SystemExit(1)

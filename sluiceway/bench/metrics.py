@@ -96,7 +96,8 @@ def step_breakdown(
     Per step, in ms: the phases of :data:`STEP_PHASES` (RPC = the scheduler's
     wait for `ExecuteStep` minus the worker's own time; worker "other" = the
     worker's step minus prepare, forward and sample) and their sum
-    `step_total_ms`. Over the run: `step_loop_busy_pct` (steps' time / duration)
+    `step_total_ms`. Over the run: `step_loop_busy_pct` (steps' time / (duration x
+    the number of step loops, one per worker group of each replica: their mean))
     and the router's detokenization, `detokenize_us_per_token` and
     `detokenize_pct` (its share of the duration, on the router's event loop).
     """
@@ -128,7 +129,9 @@ def step_breakdown(
         figures[name] = 1e3 * total / steps if steps else 0.0
     busy = schedule + execute + apply
     figures["step_total_ms"] = 1e3 * busy / steps if steps else 0.0
-    figures["step_loop_busy_pct"] = 100 * busy / duration_s if duration_s else 0.0
+    loops = max(1, after.num_step_loops)  # 0 from a server older than the field
+    figures["num_step_loops"] = float(loops)
+    figures["step_loop_busy_pct"] = 100 * busy / (duration_s * loops) if duration_s else 0.0
     figures["detokenize_us_per_token"] = 1e6 * detok / detok_tokens if detok_tokens else 0.0
     figures["detokenize_pct"] = 100 * detok / duration_s if duration_s else 0.0
     return figures

@@ -148,7 +148,11 @@ def print_figures(figures: dict[str, float], errors: list[str]) -> None:
             share = 100 * figures[key] / total if total else 0.0
             print(f"{label:<34}{figures[key]:>10.2f} ms{share:>8.1f} %")
         print(f"{'step total':<34}{total:>10.2f} ms")
-        print(f"{'step loop busy (% of duration)':<34}{figures['step_loop_busy_pct']:>10.1f} %")
+        loops = int(figures["num_step_loops"])
+        label = (
+            "step loop busy (% of duration)" if loops == 1 else f"{loops} step loops busy (mean)"
+        )
+        print(f"{label:<34}{figures['step_loop_busy_pct']:>10.1f} %")
         print(
             f"{'router detokenization':<34}{figures['detokenize_us_per_token']:>10.1f} us/token"
             f"{figures['detokenize_pct']:>6.1f} % of duration"

@@ -181,7 +181,7 @@ class ModelInfo(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_cache_utilization: _Optional[float] = ..., kv_cache_tokens_stored_total: _Optional[int] = ..., kv_cache_slots_allocated_total: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., step_times: _Optional[_Union[StepTimes, _Mapping]] = ...) -> None: ...
 
 class StepTimes(_message.Message):
-    __slots__ = ("num_steps_total", "schedule_seconds_total", "execute_seconds_total", "worker_step_seconds_total", "worker_prepare_seconds_total", "worker_forward_seconds_total", "worker_sample_seconds_total", "apply_seconds_total", "detokenize_seconds_total", "detokenized_tokens_total")
+    __slots__ = ("num_steps_total", "schedule_seconds_total", "execute_seconds_total", "worker_step_seconds_total", "worker_prepare_seconds_total", "worker_forward_seconds_total", "worker_sample_seconds_total", "apply_seconds_total", "detokenize_seconds_total", "detokenized_tokens_total", "num_step_loops")
     NUM_STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,7 @@ class StepTimes(_message.Message):
     APPLY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DETOKENIZE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DETOKENIZED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEP_LOOPS_FIELD_NUMBER: _ClassVar[int]
     num_steps_total: int
     schedule_seconds_total: float
     execute_seconds_total: float
@@ -202,4 +203,5 @@ class StepTimes(_message.Message):
     apply_seconds_total: float
     detokenize_seconds_total: float
     detokenized_tokens_total: int
-    def __init__(self, num_steps_total: _Optional[int] = ..., schedule_seconds_total: _Optional[float] = ..., execute_seconds_total: _Optional[float] = ..., worker_step_seconds_total: _Optional[float] = ..., worker_prepare_seconds_total: _Optional[float] = ..., worker_forward_seconds_total: _Optional[float] = ..., worker_sample_seconds_total: _Optional[float] = ..., apply_seconds_total: _Optional[float] = ..., detokenize_seconds_total: _Optional[float] = ..., detokenized_tokens_total: _Optional[int] = ...) -> None: ...
+    num_step_loops: int
+    def __init__(self, num_steps_total: _Optional[int] = ..., schedule_seconds_total: _Optional[float] = ..., execute_seconds_total: _Optional[float] = ..., worker_step_seconds_total: _Optional[float] = ..., worker_prepare_seconds_total: _Optional[float] = ..., worker_forward_seconds_total: _Optional[float] = ..., worker_sample_seconds_total: _Optional[float] = ..., apply_seconds_total: _Optional[float] = ..., detokenize_seconds_total: _Optional[float] = ..., detokenized_tokens_total: _Optional[int] = ..., num_step_loops: _Optional[int] = ...) -> None: ...

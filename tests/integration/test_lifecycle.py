@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 
 import pytest
 
+from sluiceway.client import Client
+from sluiceway.launcher import remove_stale_run_dirs
 from tests.integration.conftest import start_stack
 
 pytestmark = pytest.mark.slow
@@ -42,14 +49,16 @@ def test_no_orphans(sig: signal.Signals) -> None:
     rc = stack.process.wait(timeout=60)
     assert rc == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
     assert wait_gone(children, timeout_s=20) == []
+    run_dirs = glob.glob(os.path.join(tempfile.gettempdir(), f"sluiceway-{stack.process.pid}-*"))
+    if sig != signal.SIGKILL:
+        assert run_dirs == []  # serve removed its socket folder
+    else:  # nothing could: the next serve does
+        assert len(run_dirs) == 1
+        assert run_dirs[0] in remove_stale_run_dirs()
+        assert not os.path.exists(run_dirs[0])
 
 
 def test_a_second_serve_on_a_taken_port_fails_and_the_first_keeps_serving() -> None:
-    import subprocess
-    import sys
-
-    from sluiceway.client import Client
-
     first = start_stack()
     try:
         port = first.target.rsplit(":", 1)[1]
@@ -74,3 +83,27 @@ def test_a_router_drained_by_sigterm_stops_serve_with_0() -> None:
     assert stack.process.wait(timeout=60) == 0
     assert wait_gone(list(stack.pids.values()), 30) == []
     assert any("router exited with 0; stopping" in line for line in stack.log)
+
+
+def test_routers_past_port_65535_are_a_usage_error() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sluiceway.cli", "serve", "--port", "65535", "--num-routers", "2"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--num-routers 2 from --port 65535 runs past port 65535" in result.stderr
+
+
+def test_port_0_gives_each_router_a_free_port() -> None:
+    stack = start_stack("--port", "0", "--num-routers", "2")
+    try:
+        line = next(line for line in stack.log if "serving" in line and "pid" in line)
+        targets = re.findall(r"127\.0\.0\.1:(\d+)", line.split(" (", 1)[0])
+        assert len(targets) == 2 and "0" not in targets, line
+        for port in targets:
+            with Client(f"127.0.0.1:{port}") as client:
+                _, ids, _ = client.generate(Client.request("Hi", temperature=0, max_tokens=2))
+            assert len(ids) == 2
+    finally:
+        stack.process.send_signal(signal.SIGTERM)
+        assert stack.process.wait(timeout=60) == 0

@@ -271,10 +271,25 @@ def test_router_health_follows_its_scheduler(tmp_path: Path) -> None:
         scheduler = s.start_scheduler()
         time.sleep(2)  # a scheduler without a worker is not ready either
         assert health_status(target) == health_pb2.HealthCheckResponse.NOT_SERVING
-        s.start_worker()
+        worker = s.start_worker()
         wait_for_status(target, health_pb2.HealthCheckResponse.SERVING, 300)
         scheduler.proc.send_signal(signal.SIGKILL)
         wait_for_status(target, health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+        assert scheduler.proc.wait(timeout=10) == -signal.SIGKILL
+
+        # A new scheduler on the same address (a container or pod restart): the worker,
+        # still running, registers with it again and the replica serves without a restart.
+        s.start_scheduler()  # replaces s.processes["scheduler"]; the old one was reaped above
+        wait_for_status(target, health_pb2.HealthCheckResponse.SERVING, 60)
+        assert s.processes["worker"] is worker and worker.proc.poll() is None
+        request = Client.request("The capital of France is", temperature=0, max_tokens=8,
+                                 ignore_eos=True)  # fmt: skip
+        with Client(target) as client:
+            tokens = sum(len(r.token_ids) for r in client.stub.Generate(request, timeout=60))
+        assert tokens == 8
+        events = [line["event"] for line in worker.log_lines()]
+        assert events.count("worker_reregistered") == 1, events
+        assert "scheduler_lost" in events
     finally:
         s.stop()
 
