@@ -23,7 +23,8 @@ from grpc_reflection.v1alpha import reflection
 from router.balancer import ModelLimits, SchedulerPool, SchedulerReplica, merge_scheduler_infos
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import InvalidRequest
-from router.metrics import RequestRecorder
+from router.handlers import MalformedRequest, add_inference_servicer
+from router.metrics import REQUEST_FAILURE, RequestRecorder
 from router.tokenizer import encode_chat, encode_prompt, load_tokenizer
 from router.validation import resolve_request, validate_prompt_token_ids, validate_request_id
 from sluiceway.grpc_server import (
@@ -120,6 +121,16 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return list(request.prompt_token_ids.ids)  # type: ignore[union-attr]
         names = ", ".join(f.name for f in request.DESCRIPTOR.oneofs_by_name["input"].fields)
         raise InvalidRequest("input", f"set one of {names}")
+
+    def on_malformed_request(self, method: str, request: MalformedRequest) -> None:
+        """A request whose bytes are not a valid message (it gets INVALID_ARGUMENT before
+        reaching the method; router/handlers.py): logged, and a failed `Generate` counted
+        as every other invalid one is."""
+        code = grpc.StatusCode.INVALID_ARGUMENT.name
+        if method == "Generate":
+            limits = self.limits
+            REQUEST_FAILURE.labels(limits.model_id if limits is not None else "", code).inc()
+        log.warning("request_failed", method=method, code=code, error=request.details)
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -402,7 +413,9 @@ async def start_router(
     """Serves `service` (with health and reflection) on `address`; health NOT_SERVING until
     the watcher (polling every `poll_s` seconds) sees a scheduler ready."""
     server, health = new_server(max_message_bytes)
-    inference_pb2_grpc.add_InferenceServicer_to_server(service, server)
+    # not inference_pb2_grpc.add_InferenceServicer_to_server: undecodable bytes must get
+    # INVALID_ARGUMENT, not UNKNOWN
+    add_inference_servicer(service, server, on_malformed=service.on_malformed_request)
     service_name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     reflection.enable_server_reflection(
         [service_name, "grpc.health.v1.Health", reflection.SERVICE_NAME], server
