@@ -313,8 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_async(coro) -> int:  # type: ignore[no-untyped-def]
-    """Runs a process's main coroutine; a port it cannot bind is a clear error (exit 2)."""
-    from sluiceway.grpc_server import BindError, RegistrationRefused
+    """Runs a process's main coroutine; a port it cannot bind or a refused registration is
+    a clear error (exit 2), an unreachable scheduler too (exit 1: a restart may help)."""
+    from sluiceway.grpc_server import BindError, RegistrationRefused, SchedulerUnreachable
     from sluiceway.metrics import MetricsPortError
 
     try:
@@ -329,6 +330,9 @@ def _run_async(coro) -> int:  # type: ignore[no-untyped-def]
     except (MetricsPortError, BindError, RegistrationRefused) as e:
         print(f"sluiceway: {e}", file=sys.stderr)
         return 2
+    except SchedulerUnreachable as e:
+        print(f"sluiceway: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -28,6 +28,11 @@ class RegistrationRefused(Exception):
     configuration does not have): a configuration error, not worth restarting for."""
 
 
+class SchedulerUnreachable(Exception):
+    """A worker's scheduler did not answer its first registration in time: a wrong
+    `--scheduler` address, or a scheduler not started (yet); a restart may help."""
+
+
 # gRPC metadata key carrying the public request_id from the router to the scheduler. A
 # binary ("-bin") key: the id is any string the client chose, and plain metadata values
 # must be printable ASCII. The value is the id's UTF-8 bytes.

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sluiceway.grpc_server import (
     SERVING,
     RegistrationRefused,
+    SchedulerUnreachable,
     bind,
     channel_options,
     new_server,
@@ -37,6 +38,8 @@ log = structlog.get_logger("worker")
 # Steps carry whole prompts when sequences are new (or come back after preemption).
 WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
+# How long a starting worker waits for its scheduler to take its registration (seconds).
+FIRST_REGISTRATION_TIMEOUT_S = 60.0
 # While the scheduler is away, each registration attempt waits this long for it (seconds),
 # and a `scheduler_still_away` warning is logged at most this often.
 REREGISTER_ATTEMPT_S = 30.0
@@ -350,8 +353,8 @@ async def serve(
     """Serves steps on `address` and registers with the scheduler; runs until SIGINT/SIGTERM.
 
     Registers again whenever the scheduler restarts (`stay_registered`). Raises
-    grpc.aio.AioRpcError if the scheduler does not answer the first registration within a
-    minute, RegistrationRefused if it refuses a registration (first or later; the CLI exits
+    SchedulerUnreachable if the scheduler does not take the first registration within
+    FIRST_REGISTRATION_TIMEOUT_S (the CLI exits 1), RegistrationRefused if it refuses a registration (first or later; the CLI exits
     with status 2), SystemExit(1) when a tensor-parallel collective broke.
     `advertise` is the address the scheduler dials (default: the bound address).
     Prometheus metrics on `metrics_host:metrics_port` unless the port is None
@@ -379,10 +382,17 @@ async def serve(
         )
 
     try:
-        await register_once(60.0)
-    except BaseException:
+        await register_once(FIRST_REGISTRATION_TIMEOUT_S)
+    except BaseException as e:
+        await server.stop(None)
         if kv_pool is not None:
             kv_pool.close()
+        if isinstance(e, grpc.aio.AioRpcError):
+            raise SchedulerUnreachable(
+                f"the scheduler at {scheduler_address} did not accept the registration "
+                f"within {FIRST_REGISTRATION_TIMEOUT_S:.0f} s ({e.code().name}: {e.details()}); "
+                "is --scheduler right, and is the scheduler running?"
+            ) from None
         raise
     await health.set("", SERVING)
     log.info(

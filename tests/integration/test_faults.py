@@ -1,9 +1,12 @@
-"""A dying worker, and more requests than the scheduler lets wait."""
+"""A dying worker, a worker without its scheduler, and more requests than the scheduler
+lets wait."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +15,12 @@ import grpc
 import pytest
 
 from sluiceway.client import Client
-from tests.integration.conftest import start_stack, stop_stack, wait_for_free_blocks
+from tests.integration.conftest import (
+    free_port,
+    start_stack,
+    stop_stack,
+    wait_for_free_blocks,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -104,3 +112,24 @@ def test_requests_beyond_max_waiting_requests_get_resource_exhausted() -> None:
             assert info.num_free_kv_blocks == info.num_kv_blocks
     finally:
         assert stop_stack(stack) == 0, "".join(stack.log[-30:])
+
+
+def test_worker_without_a_scheduler_exits_1_with_a_clear_error() -> None:
+    # The first registration's wait (60 s) shortened to 2 s, in the real entry point.
+    script = (
+        "import sys, worker.server as w; w.FIRST_REGISTRATION_TIMEOUT_S = 2.0; "
+        "from sluiceway.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    address = f"127.0.0.1:{free_port()}"
+    result = subprocess.run(
+        [sys.executable, "-c", script, "worker", "--scheduler", address,
+         "--kv-cache-memory", "64MiB", "--metrics-port", "-1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"sluiceway: the scheduler at {address} did not accept the registration within 2 s "
+        "(DEADLINE_EXCEEDED"
+    ), result.stderr
+    assert "Traceback" not in result.stderr
