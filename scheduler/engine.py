@@ -26,7 +26,7 @@ from scheduler import metrics
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler, SchedulerOutput
 from scheduler.sequence import Sequence
-from scheduler.worker_group import WorkerGroup, WorkerInfo
+from scheduler.worker_group import WorkerGroup, WorkerInfo, kv_pool_mismatch
 from sluiceway.internal.v1 import scheduler_pb2, worker_pb2
 from sluiceway.v1 import inference_pb2
 
@@ -184,13 +184,16 @@ class Engine:
 
         Returns the max_model_len the scheduler enforces for the group (the rank's own until
         the group is complete): the smaller of the model's and `--max-model-len`, capped as
-        `Scheduler` explains. A rank registering again (a restart) ends the requests its group
-        holds with UNAVAILABLE.
+        `Scheduler` explains. A rank registering again after a restart (a new `worker_id`)
+        ends the requests its group holds with UNAVAILABLE; the same process registering
+        again while its group serves changes nothing.
 
         Raises RegistrationError for a group or rank the configuration does not have, a
         tensor-parallel size that differs from `--tensor-parallel-size`, a pool without a
-        handle in disaggregated mode, or a model or block size that differs from the other
-        groups'.
+        handle in disaggregated mode, a model or block size that differs from the other
+        groups', or a KV pool whose blocks cannot be copied to or from the pools of the ranks
+        registered in the other groups (another dtype, number of layers, KV heads per rank or
+        block_size * head_dim; see `kv_pool_mismatch`).
         """
         cfg = self.config
         if info.worker_group >= len(self.groups):
@@ -229,6 +232,15 @@ class Engine:
                     f"(block_size {leader.block_size}, vocab {leader.vocab_size})"
                 )
         group = self.groups[info.worker_group]
+        if info.kv_pool is not None:
+            self._check_kv_pool(info, group)
+        known = group.ranks.get(info.rank)
+        if known is not None and known.same_process(info) and group.ready.is_set():
+            # It lost sight of us (a broken health watch) while we kept it: nothing changes.
+            assert group.scheduler is not None
+            log.info("worker_still_registered", address=info.address, group=group.name,
+                     rank=info.rank)  # fmt: skip
+            return group.scheduler.max_model_len
         if group.scheduler is not None and group.is_complete:
             group.ready.clear()
             self._fail_group(group, WorkerUnavailable("worker restarted"))
@@ -260,6 +272,29 @@ class Engine:
         group.ready.set()
         group.wakeup.set()
         return sched.max_model_len
+
+    def _check_kv_pool(self, info: WorkerInfo, group: WorkerGroup) -> None:
+        """Raises RegistrationError when the pool of `info` (joining `group`) does not match
+        the pool of a rank registered in another group: block copies between them would
+        fail."""
+        assert info.kv_pool is not None
+        for other in self.groups:
+            if other is group:
+                continue
+            for rank, peer in sorted(other.ranks.items()):
+                if peer.kv_pool is None:
+                    continue
+                mismatch = kv_pool_mismatch(info.kv_pool, peer.kv_pool)
+                if mismatch is None:
+                    continue
+                field, mine, theirs = mismatch
+                raise RegistrationError(
+                    f"worker {info.address} ({group.name} rank {info.rank}) has a KV pool with "
+                    f"{field} {mine}, worker {peer.address} ({other.name} rank {rank}) one with "
+                    f"{field} {theirs}: KV blocks cannot be copied between them (start every "
+                    "worker with the same model, --dtype, --block-size and "
+                    "--tensor-parallel-size)"
+                )
 
     @property
     def ready(self) -> bool:

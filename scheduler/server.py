@@ -120,6 +120,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             worker_group=request.worker_group,
             tensor_parallel_size=request.tensor_parallel_size or 1,
             kv_pool=request.kv_pool if request.HasField("kv_pool") else None,
+            worker_id=request.worker_id,
         )
         try:
             max_model_len = await self.engine.register_worker(info)

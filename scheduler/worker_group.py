@@ -31,6 +31,28 @@ WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 ROLES = ("both", "prefill", "decode")
 
 
+# What each dimension of a KvPoolHandle's shape is (kernels.paged_attention.kv_pool_shape);
+# all but num_blocks must be the same in two pools for blocks to be copied between them.
+KV_POOL_DIMS = ("num_layers", "K/V", "num_blocks", "num_kv_heads per rank", "block_size * head_dim")
+
+
+def kv_pool_mismatch(
+    a: scheduler_pb2.KvPoolHandle, b: scheduler_pb2.KvPoolHandle
+) -> tuple[str, str, str] | None:
+    """The first field that keeps blocks from being copied between pools `a` and `b`, as
+    ``(field, value in a, value in b)``: ``dtype``, a dimension of the block layout (see
+    `KV_POOL_DIMS`; the number of blocks may differ) or, for shapes of different lengths,
+    ``shape``. None when they match."""
+    if a.dtype != b.dtype:
+        return ("dtype", a.dtype, b.dtype)
+    if len(a.shape) != len(b.shape) or len(a.shape) != len(KV_POOL_DIMS):
+        return ("shape", str(list(a.shape)), str(list(b.shape)))
+    for name, x, y in zip(KV_POOL_DIMS, a.shape, b.shape, strict=True):
+        if name != "num_blocks" and x != y:
+            return (name, str(x), str(y))
+    return None
+
+
 @dataclass(slots=True)
 class WorkerInfo:
     """What a worker rank reported when it registered."""
@@ -45,6 +67,15 @@ class WorkerInfo:
     worker_group: int = 0
     tensor_parallel_size: int = 1
     kv_pool: scheduler_pb2.KvPoolHandle | None = None
+    worker_id: str = ""  # random per worker process; "" from a worker that sends none
+
+    def same_process(self, other: WorkerInfo) -> bool:
+        """Whether `other` is a registration of the very process this one came from (it
+        registered again without restarting)."""
+        return bool(self.worker_id) and (self.worker_id, self.address) == (
+            other.worker_id,
+            other.address,
+        )
 
 
 class WorkerGroup:
@@ -100,13 +131,17 @@ class WorkerGroup:
         """Connects to a rank that registered; returns whether every rank of the group is now
         registered.
 
-        A rank that registers again while the group is complete (a restart) starts a new
-        generation: the other ranks' registrations are dropped too, because their process
-        group broke with the restarted rank (they restart and register again; see
-        `worker.server`). Steps go out only once every rank of the new generation is there, so
-        no rank waits in a collective for a peer that never got the step.
+        A rank that registers again after a restart (another `worker_id`), or a new one
+        while the group is complete, starts a new generation: the other ranks'
+        registrations are dropped too, because their process group broke with the restarted
+        rank (they restart and register again; see `worker.server`). Steps go out only once
+        every rank of the new generation is there, so no rank waits in a collective for a
+        peer that never got the step. The same process registering again keeps the others.
         """
-        if self.is_complete or info.rank in self.ranks:
+        known = self.ranks.get(info.rank)
+        if known is not None and known.same_process(info):
+            await self._channels.pop(info.rank).close()
+        elif self.is_complete or known is not None:
             for channel in self._channels.values():
                 await channel.close()
             self._channels.clear()

@@ -437,7 +437,7 @@ def _run_worker(args: argparse.Namespace) -> int:
             tensor_parallel_size=tp,
             enforce_eager=args.enforce_eager,
         )
-    except (ValueError, ImportError) as e:
+    except (ValueError, ImportError, OSError) as e:  # a model, device or /dev/shm problem
         print(f"sluiceway worker: {e}", file=sys.stderr)
         return 2
     model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"

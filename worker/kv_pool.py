@@ -3,11 +3,15 @@
 A worker that shares its pool allocates it with :func:`allocate_shared_kv_pool` and announces
 its :class:`~sluiceway.internal.v1.scheduler_pb2.KvPoolHandle` (a few dozen bytes) when it
 registers. A peer opens the handle once with :func:`open_kv_pool` (cached per pool) and reads
-blocks straight out of the owner's memory:
+blocks straight out of the owner's memory. The peer drops a cached pool once it is gone (its
+file removed, its owner process ended) when it opens another one, e.g. the pool of the owner's
+restarted worker (:func:`release_stale_kv_pools`):
 
 - **CPU**: the pool is a file in ``/dev/shm`` mapped ``MAP_SHARED``
-  (``torch.from_file(shared=True)``); the handle is its path. The owner unlinks the file when it
-  closes the pool; a pool whose owner died without closing is removed by the next
+  (``torch.from_file(shared=True)``); the handle is its path. The file's whole size is reserved
+  when it is made, so a ``/dev/shm`` too small for the pool is an error at start-up
+  (:class:`ShmReservationError`), not a SIGBUS when the pool fills up. The owner unlinks the
+  file when it closes the pool; a pool whose owner died without closing is removed by the next
   :func:`allocate_shared_kv_pool` on the machine (its file name carries the owner's pid).
 - **CUDA**: the pool is one ``cudaMalloc`` of its own, made through CuPy, so that
   ``cudaIpcGetMemHandle`` names exactly the pool (a pointer inside torch's caching allocator
@@ -23,25 +27,51 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import shutil
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from sluiceway.internal.v1 import scheduler_pb2
+from sluiceway.pids import pid_alive
 
 __all__ = [
     "SharedKvPool",
+    "ShmReservationError",
     "allocate_shared_kv_pool",
     "copy_blocks",
     "open_kv_pool",
+    "release_stale_kv_pools",
 ]
 
 SHM_PREFIX = "sluiceway-kv-"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_opened: dict[str, torch.Tensor] = {}  # handle.owner -> the peer's pool, mapped once
+_MIB = 1024 * 1024
+
+
+class ShmReservationError(OSError, ValueError):
+    """The shared-memory file of a CPU pool cannot be given its full size (``/dev/shm`` too
+    small, typically): a configuration error. An OSError (what creating the file raises) and a
+    ValueError, which the worker's start-up reports in one line before exiting with status 2;
+    the OS error is its ``__cause__``."""
+
+
+@dataclass(slots=True)
+class _OpenedPool:
+    """A peer's pool mapped into this process: ``identity`` tells a new pool of the same owner
+    from this one; ``close`` unmaps a CUDA pool (a CPU mapping goes with its last tensor)."""
+
+    tensor: torch.Tensor
+    identity: tuple[str, str | bytes, int]
+    handle: scheduler_pb2.KvPoolHandle
+    close: Callable[[], None] | None = None
+
+
+_opened: dict[str, _OpenedPool] = {}  # handle.owner -> the peer's pool, mapped once
 
 
 def _shm_dir() -> pathlib.Path:
@@ -82,14 +112,10 @@ def remove_stale_pools(directory: pathlib.Path | None = None) -> list[pathlib.Pa
             pid = int(path.name[len(SHM_PREFIX) :].split("-", 1)[0])
         except ValueError:
             continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not pid_alive(pid):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 removed.append(path)
-        except PermissionError:
-            pass  # alive, someone else's
     return removed
 
 
@@ -98,10 +124,17 @@ def allocate_shared_kv_pool(
 ) -> SharedKvPool:
     """Allocates an (uninitialized) pool of `shape` and `dtype` on `device` that peers can open.
 
+    On CPU the pool is a file in ``/dev/shm`` (the temporary directory where there is none)
+    whose ``prod(shape) * dtype.itemsize`` bytes are reserved up front: that much shared memory
+    is in use from here on, not as the pool fills.
+
     Raises:
         ValueError: a dtype other than float32/bfloat16/float16.
         ImportError: CUDA device without CuPy (``pip install sluiceway[cuda]``).
-        OSError: the shared-memory file cannot be created (e.g. ``/dev/shm`` too small).
+        ShmReservationError: (an OSError and a ValueError) ``/dev/shm`` has no room for the
+            pool; the message names the bytes needed, the bytes free and the remedy. No file
+            is left behind.
+        OSError: the shared-memory file cannot be created.
     """
     device = torch.device(device)
     numel = 1
@@ -117,9 +150,39 @@ def allocate_shared_kv_pool(
     directory = _shm_dir()
     remove_stale_pools(directory)
     path = directory / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    flat = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+    _reserve_file(path, numel * dtype.itemsize)
+    try:
+        flat = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
     handle.shm_path = str(path)
     return SharedKvPool(flat.view(shape), handle)
+
+
+def _reserve_file(path: pathlib.Path, nbytes: int) -> None:
+    """Creates `path` (mode 0600) with `nbytes` bytes reserved (``posix_fallocate``), not a
+    sparse file: a tmpfs too small for it fails here rather than with SIGBUS when a page beyond
+    its room is first written. Raises ShmReservationError (the file removed) when the space
+    cannot be reserved, OSError when the file cannot be created."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if nbytes > 0 and hasattr(os, "posix_fallocate"):  # not on macOS: stays sparse there
+            os.posix_fallocate(fd, 0, nbytes)
+    except BaseException as e:
+        path.unlink(missing_ok=True)
+        if not isinstance(e, OSError):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise ShmReservationError(
+            f"cannot reserve the shared KV pool: {nbytes} bytes ({nbytes / _MIB:.1f} MiB) "
+            f"needed in {path.parent}, {free} bytes ({free / _MIB:.1f} MiB) free there "
+            f"({e.strerror or e}). Give the container a larger {path.parent} (docker run "
+            f"--shm-size, shm_size in compose, a memory-backed emptyDir on Kubernetes; every "
+            f"worker of the machine puts its pool there) or lower --kv-cache-memory."
+        ) from e
+    finally:
+        os.close(fd)
 
 
 def _allocate_cuda(
@@ -147,14 +210,23 @@ def open_kv_pool(handle: scheduler_pb2.KvPoolHandle, device: torch.device | str)
     the same tensor). A CUDA pool is opened on `device` (peer access between GPUs is enabled
     lazily by the driver).
 
+    Before mapping a pool it has not mapped yet, drops the cached pools that are gone
+    (:func:`release_stale_kv_pools`) and an earlier pool of the same ``owner`` with another
+    location, so that the pools of peers that restarted do not stay mapped. A tensor this
+    returned must not be kept beyond the copy it was opened for: on CUDA it is unmapped then.
+
     Raises:
         ValueError: a handle without a location, or an unknown dtype.
         FileNotFoundError: the CPU pool's file is gone (its owner stopped).
         ImportError: a CUDA handle without CuPy.
     """
+    identity = _identity(handle)
     cached = _opened.get(handle.owner)
     if cached is not None:
-        return cached
+        if cached.identity == identity:
+            return cached.tensor
+        _release(handle.owner)  # the same owner with a new pool: the old one is gone
+    release_stale_kv_pools()
     if handle.dtype not in _DTYPES:
         raise ValueError(f"KV pool handle has unknown dtype {handle.dtype!r}")
     dtype = _DTYPES[handle.dtype]
@@ -162,23 +234,60 @@ def open_kv_pool(handle: scheduler_pb2.KvPoolHandle, device: torch.device | str)
     numel = 1
     for n in shape:
         numel *= n
+    close = None
     location = handle.WhichOneof("location")
     if location == "shm_path":
         if not os.path.exists(handle.shm_path):
             raise FileNotFoundError(f"KV pool {handle.shm_path} does not exist (owner stopped?)")
         tensor = torch.from_file(handle.shm_path, shared=True, size=numel, dtype=dtype).view(shape)
     elif location == "cuda_ipc_handle":
-        tensor = _open_cuda(handle, torch.device(device), numel * dtype.itemsize)
+        tensor, close = _open_cuda(handle, torch.device(device), numel * dtype.itemsize)
         tensor = tensor.view(dtype).view(shape)
     else:
         raise ValueError("KV pool handle names no pool (neither shm_path nor cuda_ipc_handle)")
-    _opened[handle.owner] = tensor
+    _opened[handle.owner] = _OpenedPool(tensor, identity, handle, close)
     return tensor
+
+
+def release_stale_kv_pools() -> list[str]:
+    """Unmaps the peer pools opened by :func:`open_kv_pool` that are gone: a CPU pool whose
+    file no longer exists (its owner closed it, or it died and the file was removed as stale),
+    a CUDA pool whose owner process is no longer running (as this process's PID namespace sees
+    it; CUDA IPC needs a shared one anyway). Returns their owners. Cheap (a ``stat`` or a
+    signal 0 per pool); never raises."""
+    stale = [owner for owner, pool in _opened.items() if not _alive(pool.handle)]
+    for owner in stale:
+        _release(owner)
+    return stale
+
+
+def _identity(handle: scheduler_pb2.KvPoolHandle) -> tuple[str, str | bytes, int]:
+    if handle.HasField("shm_path"):
+        return ("shm_path", handle.shm_path, 0)
+    return ("cuda_ipc_handle", handle.cuda_ipc_handle, handle.device_index)
+
+
+def _alive(handle: scheduler_pb2.KvPoolHandle) -> bool:
+    if handle.HasField("shm_path"):
+        return os.path.exists(handle.shm_path)
+    try:  # owner = host:pid:uuid
+        pid = int(handle.owner.split(":")[1])
+    except (IndexError, ValueError):
+        return True  # not one of ours: cannot tell
+    return pid_alive(pid)
+
+
+def _release(owner: str) -> None:
+    pool = _opened.pop(owner, None)
+    if pool is not None and pool.close is not None:
+        del pool.tensor  # the last reference, unless a caller kept one (see open_kv_pool)
+        pool.close()
 
 
 def _open_cuda(
     handle: scheduler_pb2.KvPoolHandle, device: torch.device, nbytes: int
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, Callable[[], None]]:
+    """The peer's CUDA pool as a uint8 tensor on `device`, and the function that unmaps it."""
     import cupy  # optional: the `cuda` extra
 
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -188,7 +297,12 @@ def _open_cuda(
         )
         memory = cupy.cuda.UnownedMemory(ptr, nbytes, None, index)
         array = cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
-    return torch.from_dlpack(array)
+
+    def close() -> None:
+        with cupy.cuda.Device(index), contextlib.suppress(cupy.cuda.runtime.CUDARuntimeError):
+            cupy.cuda.runtime.ipcCloseMemHandle(ptr)
+
+    return torch.from_dlpack(array), close
 
 
 def copy_blocks(

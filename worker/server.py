@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -213,8 +214,13 @@ async def register(
     placement: Placement | None = None,
     kv_pool: SharedKvPool | None = None,
     timeout_s: float = 60.0,
+    worker_id: str = "",
 ) -> None:
     """Announces this worker to the scheduler, retrying until it answers or `timeout_s` passes.
+
+    `worker_id` identifies this process across its registrations (the scheduler keeps a
+    worker that registers again with the same id as it is, and takes a new id for a
+    restarted worker).
 
     Raises grpc.aio.AioRpcError if the scheduler never answers, RegistrationRefused if it
     refuses the worker (a placement or model its configuration does not have).
@@ -231,6 +237,7 @@ async def register(
         worker_group=placement.worker_group,
         tensor_parallel_size=placement.tensor_parallel_size,
         kv_pool=kv_pool.handle if kv_pool is not None else None,
+        worker_id=worker_id,
     )
     options = [
         *channel_options(),
@@ -306,9 +313,10 @@ async def stay_registered(
     and would stay NOT_SERVING. So this watches the scheduler (`watch_until_lost`); when the
     stream breaks it logs `scheduler_lost`, waits `pause_s` seconds, registers again with
     `register_once(timeout_s)` until the scheduler answers (`register_until_answered`,
-    waiting indefinitely), logs `worker_reregistered` and watches again. The scheduler takes
-    a registration from a worker it already has as a restart (it ends the requests in
-    flight), so only a broken stream, never a NOT_SERVING update, leads to one.
+    waiting indefinitely), logs `worker_reregistered` and watches again. Only a broken
+    stream, never a NOT_SERVING update, leads to one; a stream that broke while the
+    scheduler lived on (a network blip) is harmless: the registration carries the worker's
+    id, and a scheduler that still holds that id keeps the worker (and its requests) as is.
 
     The worker's own health stays SERVING meanwhile: it is alive and ready for steps; the
     scheduler's and router's health say whether the replica can serve. (Orchestrators probe
@@ -376,9 +384,18 @@ async def serve(
     bound = bind(server, address)
     await server.start()
 
+    worker_id = uuid.uuid4().hex
+
     async def register_once(timeout_s: float) -> None:
         await register(
-            scheduler_address, advertise or bound, runner, model_id, placement, kv_pool, timeout_s
+            scheduler_address,
+            advertise or bound,
+            runner,
+            model_id,
+            placement,
+            kv_pool,
+            timeout_s,
+            worker_id,
         )
 
     try:

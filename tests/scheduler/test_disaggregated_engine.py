@@ -40,7 +40,13 @@ class FakePagedWorker(worker_pb2_grpc.WorkerServicer):
         FAKES[name] = self
 
     def handle(self) -> scheduler_pb2.KvPoolHandle:
-        return scheduler_pb2.KvPoolHandle(shm_path=f"/fake/{self.name}", owner=self.name)
+        """As a real pool's: [layers, K/V, blocks, KV heads, block_size * head_dim]."""
+        return scheduler_pb2.KvPoolHandle(
+            shm_path=f"/fake/{self.name}",
+            owner=self.name,
+            shape=[2, 2, self.num_blocks, 4, BLOCK * 8],
+            dtype="bfloat16",
+        )
 
     async def ExecuteStep(self, request, context):  # type: ignore[no-untyped-def]
         self.steps.append(request)
@@ -236,6 +242,59 @@ def test_workers_the_layout_does_not_have_are_refused(
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert message in (err.value.details() or "")
             assert (await _info(stub)).ready  # the refusal changed nothing
+        finally:
+            await close()
+
+    asyncio.run(main())
+
+
+COPY_HINT = (
+    ": KV blocks cannot be copied between them (start every worker with the same model, "
+    "--dtype, --block-size and --tensor-parallel-size)"
+)
+
+
+@pytest.mark.parametrize(
+    ("group", "change", "field", "mine", "theirs"),
+    [
+        (1, {"dtype": "float32"}, "dtype", "float32", "bfloat16"),
+        (1, {3: 2}, "num_kv_heads per rank", "2", "4"),
+        (1, {4: BLOCK * 16}, "block_size * head_dim", "256", "128"),
+        (1, {0: 3}, "num_layers", "3", "2"),
+        (1, {"shape": [2, 2, 64, 4]}, "shape", "[2, 2, 64, 4]", "[2, 2, 64, 4, 128]"),
+        (0, {"dtype": "float16"}, "dtype", "float16", "bfloat16"),  # the prefill side too
+    ],
+    ids=["dtype", "kv-heads", "head-dim", "layers", "shape", "prefill-dtype"],
+)
+def test_a_worker_whose_kv_pool_does_not_match_the_other_groups_is_refused(
+    group: int, change: dict[object, object], field: str, mine: str, theirs: str
+) -> None:
+    # (A different number of blocks is fine: d1 in the test above has 7, p1 64.)
+    async def main() -> None:
+        prefill, decode = FakePagedWorker("p6", 64), FakePagedWorker("d6", 64)
+        stub, engine, close = await _serve_disaggregated(prefill, decode)
+        try:
+            me, peer = (decode, prefill) if group == 1 else (prefill, decode)
+            request = registration(me, group)
+            for key, value in change.items():
+                if key == "dtype":
+                    request.kv_pool.dtype = value
+                elif key == "shape":
+                    request.kv_pool.ClearField("shape")
+                    request.kv_pool.shape.extend(value)
+                else:
+                    request.kv_pool.shape[key] = value
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.RegisterWorker(request)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            names = {prefill: "prefill-0", decode: "decode-1"}
+            assert err.value.details() == (
+                f"worker {me.address} ({names[me]} rank 0) has a KV pool with {field} {mine}, "
+                f"worker {peer.address} ({names[peer]} rank 0) one with {field} {theirs}"
+                + COPY_HINT
+            )
+            assert (await _info(stub)).ready  # the refusal changed nothing
+            assert engine.groups[group].ranks[0].kv_pool == me.handle()
         finally:
             await close()
 

@@ -26,13 +26,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.fail = fail
         self.address = ""  # set by _serve
         self.server: grpc.aio.Server | None = None  # set by _serve
-        self.gate: asyncio.Event | None = None  # when set, steps wait for it
+        self.gate: asyncio.Event | None = None  # when set, steps that compute wait for it
 
     async def ExecuteStep(self, request, context):  # type: ignore[no-untyped-def]
         if self.fail:
             await context.abort(grpc.StatusCode.INTERNAL, "worker exploded")
         self.steps.append(request)
-        if self.gate is not None:
+        if self.gate is not None and request.scheduled:
             await self.gate.wait()
         for seq_id in request.finished_seq_ids:
             self.records.pop(seq_id)
@@ -240,6 +240,48 @@ def test_after_a_worker_failure_the_scheduler_is_unready_until_one_registers() -
             assert info.kv_cache.prefix_cache_queries_total == queries  # not reset by the worker
             events = [e async for e in stub.AddRequest(add_request(10, 4))]
             assert [t for e in events for t in e.token_ids] == [110, 111, 112, 113]
+        finally:
+            await close()
+
+    asyncio.run(main())
+
+
+def test_the_same_worker_registering_again_keeps_its_streams_a_restarted_one_ends_them(
+    fake: FakeWorker,
+) -> None:
+    async def stream_across(stub, registration) -> list[int] | grpc.StatusCode:  # type: ignore[no-untyped-def]
+        """A request's tokens (or its error code) when `registration` arrives mid-stream."""
+        fake.gate = asyncio.Event()
+        tokens: list[int] = []
+
+        async def consume() -> list[int] | grpc.StatusCode:
+            try:
+                async for e in stub.AddRequest(add_request(10, 4)):
+                    tokens.extend(e.token_ids)
+            except grpc.aio.AioRpcError as err:
+                return err.code()
+            return tokens
+
+        before = len(fake.steps)
+        task = asyncio.create_task(consume())
+        while not any(step.scheduled for step in fake.steps[before:]):  # held at the gate
+            await asyncio.sleep(0.01)
+        await stub.RegisterWorker(registration)
+        fake.gate.set()
+        return await task
+
+    async def main() -> None:
+        stub, close = await _serve(fake, SchedulerConfig())
+        try:
+            first = register(fake.address)
+            first.worker_id = "process-a"
+            await stub.RegisterWorker(first)  # a new id: taken as a restart (no request yet)
+            assert await stream_across(stub, first) == [110, 111, 112, 113]
+            restarted = register(fake.address)
+            restarted.worker_id = "process-b"
+            assert await stream_across(stub, restarted) == grpc.StatusCode.UNAVAILABLE
+            info = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
+            assert info.ready and info.num_free_kv_blocks == NUM_BLOCKS
         finally:
             await close()
 

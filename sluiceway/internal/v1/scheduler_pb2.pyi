@@ -108,7 +108,7 @@ class KvCacheStats(_message.Message):
     def __init__(self, utilization: _Optional[float] = ..., tokens_stored_total: _Optional[int] = ..., slots_allocated_total: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("address", "rank", "model_id", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "worker_group", "tensor_parallel_size", "kv_pool")
+    __slots__ = ("address", "rank", "model_id", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "worker_group", "tensor_parallel_size", "kv_pool", "worker_id")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class RegisterWorkerRequest(_message.Message):
     WORKER_GROUP_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     address: str
     rank: int
     model_id: str
@@ -129,7 +130,8 @@ class RegisterWorkerRequest(_message.Message):
     worker_group: int
     tensor_parallel_size: int
     kv_pool: KvPoolHandle
-    def __init__(self, address: _Optional[str] = ..., rank: _Optional[int] = ..., model_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_group: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolHandle, _Mapping]] = ...) -> None: ...
+    worker_id: str
+    def __init__(self, address: _Optional[str] = ..., rank: _Optional[int] = ..., model_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_group: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolHandle, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class KvPoolHandle(_message.Message):
     __slots__ = ("shm_path", "cuda_ipc_handle", "shape", "dtype", "device_index", "owner")
