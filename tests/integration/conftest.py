@@ -132,10 +132,14 @@ def wait_for_free_blocks(client: Client, timeout_s: float = 5.0) -> inference_pb
         time.sleep(0.05)
 
 
-def metrics_urls(log: list[str]) -> dict[str, str]:
-    """Each process's /metrics URL from `sluiceway serve`'s "metrics:" line, by name."""
-    line = next(line for line in log if "metrics:" in line)
-    return dict(re.findall(r"([\w-]+) (http://\S+/metrics)", line))
+def metrics_urls(log: list[str], timeout_s: float = 10.0) -> dict[str, str]:
+    """Each process's /metrics URL from `sluiceway serve`'s "metrics:" line, by name (it
+    follows the "serving" line that `start_stack` waits for: waits up to `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while not (lines := [line for line in list(log) if "metrics:" in line]):
+        assert time.monotonic() < deadline, "no metrics line:\n" + "".join(log[-20:])
+        time.sleep(0.05)
+    return dict(re.findall(r"([\w-]+) (http://\S+/metrics)", lines[0]))
 
 
 def metric_sum(url: str, name: str) -> float:

@@ -10,7 +10,12 @@ import pytest
 
 from sluiceway.client import Client
 from sluiceway.v1 import inference_pb2
-from tests.integration.conftest import Stack, generate_concurrently, wait_for_free_blocks
+from tests.integration.conftest import (
+    Stack,
+    generate_concurrently,
+    metrics_urls,
+    wait_for_free_blocks,
+)
 from tests.oracle import greedy
 
 pytestmark = pytest.mark.slow
@@ -188,13 +193,11 @@ def test_bench_serve_short_run(stack: Stack, tmp_path) -> None:  # type: ignore[
 
 
 def test_serve_prints_a_metrics_url_per_process(stack: Stack) -> None:
-    import re
     from urllib.request import urlopen
 
     with stack.client() as client:  # so that the router's labelled metrics have samples
         client.generate(Client.request("Hi", temperature=0, max_tokens=2), timeout=60)
-    line = next(line for line in stack.log if line.startswith("sluiceway: metrics:"))
-    urls = dict(re.findall(r"(router|scheduler|worker) (http://\S+/metrics)", line))
+    urls = metrics_urls(stack.log)
     assert set(urls) == {"router", "scheduler", "worker"}
     expected = {
         "router": "# TYPE sluiceway:time_to_first_token_seconds histogram",

@@ -94,16 +94,31 @@ def test_routers_past_port_65535_are_a_usage_error() -> None:
     assert "--num-routers 2 from --port 65535 runs past port 65535" in result.stderr
 
 
-def test_port_0_gives_each_router_a_free_port() -> None:
+def test_port_0_routers_and_a_drained_router_left_down_until_the_last() -> None:
     stack = start_stack("--port", "0", "--num-routers", "2")
     try:
         line = next(line for line in stack.log if "serving" in line and "pid" in line)
-        targets = re.findall(r"127\.0\.0\.1:(\d+)", line.split(" (", 1)[0])
-        assert len(targets) == 2 and "0" not in targets, line
-        for port in targets:
+        ports = re.findall(r"127\.0\.0\.1:(\d+)", line.split(" (", 1)[0])
+        assert len(ports) == 2 and "0" not in ports, line
+        for port in ports:
             with Client(f"127.0.0.1:{port}") as client:
                 _, ids, _ = client.generate(Client.request("Hi", temperature=0, max_tokens=2))
             assert len(ids) == 2
-    finally:
-        stack.process.send_signal(signal.SIGTERM)
+        # A router drained by its own SIGTERM stays down while the other one serves...
+        os.kill(stack.pids["router-1"], signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while not any("router-1 exited with 0 (drained); leaving it down" in x for x in stack.log):
+            assert time.monotonic() < deadline, "".join(stack.log[-20:])
+            time.sleep(0.1)
+        with Client(f"127.0.0.1:{ports[0]}") as client:
+            _, ids, _ = client.generate(Client.request("Hi", temperature=0, max_tokens=2))
+        assert len(ids) == 2 and stack.process.poll() is None
+        # ...and the last one stops serve.
+        os.kill(stack.pids["router-0"], signal.SIGTERM)
         assert stack.process.wait(timeout=60) == 0
+        assert any("router-0 exited with 0; stopping" in x for x in stack.log)
+        assert wait_gone(list(stack.pids.values()), 30) == []
+    finally:
+        if stack.process.poll() is None:
+            stack.process.send_signal(signal.SIGTERM)
+            stack.process.wait(timeout=60)

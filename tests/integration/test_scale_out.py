@@ -1,11 +1,10 @@
 """Scale-out on one machine: `sluiceway serve --num-replicas 2 --num-routers 2`. Requests
 through both routers spread over both replicas; a router killed mid-run takes only its own
-streams with it; a router drained by SIGTERM is left down while the other serves."""
+streams with it."""
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import threading
 import time
@@ -13,24 +12,13 @@ import time
 import grpc
 import pytest
 
-from sluiceway.client import Client, wait_until_serving
+from sluiceway.client import Client
 from tests.integration.conftest import metric_sum, metrics_urls, start_stack, stop_stack
 
 pytestmark = pytest.mark.slow
 
 NUM_REQUESTS = 40
 MAX_TOKENS = 32
-
-
-def wait_for_line(log: list[str], pattern: str, timeout_s: float) -> re.Match[str]:
-    """The first match of `pattern` in serve's output, waiting up to `timeout_s` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for line in list(log):
-            if match := re.search(pattern, line):
-                return match
-        assert time.monotonic() < deadline, "".join(log[-20:])
-        time.sleep(0.2)
 
 
 def test_two_routers_spread_requests_over_two_replicas_and_survive_a_dead_router() -> None:
@@ -90,18 +78,11 @@ def test_two_routers_spread_requests_over_two_replicas_and_survive_a_dead_router
         assert all(v > 0 for v in served.values()), served  # both replicas computed prompts
         ok = metric_sum(urls["router-0"], "sluiceway:request_success_total")
         assert ok == NUM_REQUESTS // 2
-        restarted = wait_for_line(stack.log, r"router-1 restarted \(pid (\d+)\)", 30)
-        wait_until_serving(targets[1], 120)
-
-        # A router drained by its own SIGTERM is left down; the other one goes on serving.
-        os.kill(int(restarted.group(1)), signal.SIGTERM)
-        wait_for_line(stack.log, r"router-1 exited with 0 \(drained\); leaving it down", 60)
-        with Client(targets[0]) as client:
-            request = Client.request("One more:", temperature=0, max_tokens=4, ignore_eos=True)
-            tokens = [t for r in client.stub.Generate(request, timeout=60) for t in r.token_ids]
-        assert len(tokens) == 4
         with Client(targets[0]) as client:  # the router adds up both replicas' step loops
             assert client.model_info().step_times.num_step_loops == 2
-        assert stack.process.poll() is None
+        deadline = time.monotonic() + 30  # the killed router is restarted by serve
+        while not any("router-1 restarted" in line for line in stack.log):
+            assert time.monotonic() < deadline, "".join(stack.log[-20:])
+            time.sleep(0.2)
     finally:
         assert stop_stack(stack) == 0, "".join(stack.log[-30:])

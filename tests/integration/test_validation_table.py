@@ -101,7 +101,7 @@ def test_control_characters_emoji_and_mixed_scripts_work(stack: Stack) -> None:
 def test_max_message_size_is_a_flag() -> None:
     from tests.integration.conftest import start_stack, stop_stack
 
-    stack = start_stack("--max-message-size", "8MiB")
+    stack = start_stack("--max-message-size", "1MiB")  # below the 4 MiB default
     try:
         with grpc.insecure_channel(stack.target) as channel:
             call = channel.unary_stream(
@@ -109,8 +109,11 @@ def test_max_message_size_is_a_flag() -> None:
                 request_serializer=inference_pb2.GenerateRequest.SerializeToString,
                 response_deserializer=inference_pb2.GenerateResponse.FromString,
             )
-            with pytest.raises(grpc.RpcError) as err:  # through, then too many tokens
-                list(call(_request(prompt="x " * (5 * 2**19)), timeout=120))
+            with pytest.raises(grpc.RpcError) as err:  # over 1 MiB: refused
+                list(call(_request(prompt="x" * (3 * 2**19)), timeout=60))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(grpc.RpcError) as err:  # under: through, then too many tokens
+                list(call(_request(prompt="x " * 2**17), timeout=120))
         assert err.value.code() == INVALID
         assert "max_model_len" in (err.value.details() or "")
     finally:
