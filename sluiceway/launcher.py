@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sluiceway.client import wait_until_serving
@@ -153,7 +154,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.port:
         router_ports = [args.port + i for i in range(args.num_routers)]
     else:  # picked here, not by the routers: the launcher dials each one's health service
-        router_ports = [free_port(args.host) for _ in range(args.num_routers)]
+        router_ports = free_ports(args.num_routers, args.host, exclude=())
     for port in router_ports:
         taken = _taken_port(args.host, port)
         if taken:
@@ -168,7 +169,9 @@ def serve_command(args: argparse.Namespace) -> int:
         f"unix:{tmp}/{_name('scheduler', ('', r, num_replicas))}.sock" for r in range(num_replicas)
     ]
     common = ["--log-format", args.log_format, "--log-level", args.log_level]
-    metrics_ports = _metrics_ports(args.metrics_port, args.num_routers + num_replicas + num_workers)
+    metrics_ports = _metrics_ports(
+        args.metrics_port, args.num_routers + num_replicas + num_workers, exclude=router_ports
+    )
     children: list[Child] = []
     stopping = False
 
@@ -206,7 +209,10 @@ def serve_command(args: argparse.Namespace) -> int:
         w = 0
         for r, scheduler_addr in enumerate(scheduler_addrs):
             for g, role, i in instances:
-                init_method = f"tcp://127.0.0.1:{free_port()}" if tp > 1 else None
+                init_method = None
+                if tp > 1:  # not a port another child of this stack was given
+                    (rendezvous,) = free_ports(1, exclude=[*router_ports, *metrics_ports])
+                    init_method = f"tcp://127.0.0.1:{rendezvous}"
                 for rank in range(tp):
                     name = _name(
                         "worker",
@@ -401,23 +407,36 @@ def _taken_port(host: str, port: int) -> str:
     return ""
 
 
-def _metrics_ports(first: int, count: int) -> list[int]:
+def _metrics_ports(first: int, count: int, exclude: list[int]) -> list[int]:
     """Metrics ports of `count` processes (routers, schedulers, workers, in that order):
-    `first`, `first + 1`, ...; free ports for 0; -1 (off) for every process when `first` is
-    negative."""
+    `first`, `first + 1`, ...; distinct free ports, none in `exclude`, for 0; -1 (off) for
+    every process when `first` is negative."""
     if first < 0:
         return [-1] * count
     if first > 0:
         return [first + i for i in range(count)]
-    return [free_port() for _ in range(count)]
+    return free_ports(count, exclude=exclude)
+
+
+def free_ports(count: int, host: str = "127.0.0.1", exclude: Sequence[int] = ()) -> list[int]:
+    """`count` distinct TCP ports nothing listens on right now, none in `exclude` (the OS's
+    picks, all held open until every one is picked; another process may take one before it
+    is used)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        while len(ports) < count:
+            s = held.enter_context(socket.socket(family))
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+            if port not in exclude:
+                ports.append(port)
+        return ports
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the OS's pick; another process may take it
-    before it is used)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port nothing listens on right now (see `free_ports`)."""
+    return free_ports(1, host)[0]
 
 
 def _stop_all(children: list[Child], router_timeout_s: float) -> None:
