@@ -42,7 +42,7 @@ def _add_worker(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else float32",
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument(
         "--kv-cache-memory",
         type=parse_size,
