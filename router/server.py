@@ -143,7 +143,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         try:
             async for response in self._generate(request, context, request_id, rlog, recorder):
                 yield response
-        except asyncio.CancelledError:  # the client left, or its deadline passed
+        # The client left, or its deadline passed: the task is cancelled, or (cancelled while
+        # the handler in router/handlers.py waited at a yield) this generator is closed.
+        except (asyncio.CancelledError, GeneratorExit):
             remaining = context.time_remaining()
             code = grpc.StatusCode.CANCELLED
             if remaining is not None and remaining <= DEADLINE_SLACK_S:

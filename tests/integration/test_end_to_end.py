@@ -91,6 +91,35 @@ def test_batching_changes_nothing(
         assert info.num_free_kv_blocks == info.num_kv_blocks
 
 
+def test_every_cancelled_stream_is_counted_by_the_router(stack: Stack) -> None:
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.integration.conftest import metric_sum
+
+    url = metrics_urls(stack.log)["router"]
+    name = "sluiceway:request_failure_total"
+    before = metric_sum(url, name)
+
+    def cancel_after_3(i: int) -> None:
+        with stack.client() as client:
+            call = client.stub.Generate(
+                Client.request(f"Count to {100 + i}:", temperature=0, ignore_eos=True,
+                               max_tokens=200), timeout=120,
+            )  # fmt: skip
+            for k, _ in enumerate(call):
+                if k == 2:
+                    call.cancel()
+                    break
+
+    with ThreadPoolExecutor(10) as pool:
+        list(pool.map(cancel_after_3, range(10)))
+    deadline = time.monotonic() + 10
+    while metric_sum(url, name) - before < 10 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric_sum(url, name) - before == 10
+
+
 def test_client_cancel_mid_stream_frees_every_block(stack: Stack) -> None:
     with stack.client() as client:
         start = client.model_info()
