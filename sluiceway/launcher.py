@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import ctypes
 import os
+import pathlib
 import shutil
 import signal
 import socket
@@ -38,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sluiceway.client import wait_until_serving
-from sluiceway.pids import pid_alive
+from sluiceway.pids import dead_owner_paths
 
 STARTUP_TIMEOUT_S = 600.0
 RUN_DIR_PREFIX = "sluiceway-"  # + pid + "-": the children's Unix sockets
@@ -314,14 +315,9 @@ def remove_stale_run_dirs(directory: str | None = None) -> list[str]:
     """Deletes the socket folders (`sluiceway-<pid>-*` in the temp dir) of `serve` runs whose
     process is gone (killed before it could clean up); returns the paths removed."""
     removed = []
-    root = directory or tempfile.gettempdir()
-    for name in os.listdir(root):
-        if not name.startswith(RUN_DIR_PREFIX):
-            continue
-        pid = name.removeprefix(RUN_DIR_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-            removed.append(os.path.join(root, name))
+    for path in dead_owner_paths(pathlib.Path(directory or tempfile.gettempdir()), RUN_DIR_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
     return removed
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from sluiceway.internal.v1 import scheduler_pb2
-from sluiceway.pids import pid_alive
+from sluiceway.pids import dead_owner_paths, pid_alive
 
 __all__ = [
     "SharedKvPool",
@@ -107,15 +107,10 @@ def remove_stale_pools(directory: pathlib.Path | None = None) -> list[pathlib.Pa
     """Deletes the pool files of workers that are no longer running (killed before they could
     close their pool); returns the paths removed."""
     removed = []
-    for path in (directory or _shm_dir()).glob(f"{SHM_PREFIX}*"):
-        try:
-            pid = int(path.name[len(SHM_PREFIX) :].split("-", 1)[0])
-        except ValueError:
-            continue
-        if not pid_alive(pid):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                removed.append(path)
+    for path in dead_owner_paths(directory or _shm_dir(), SHM_PREFIX):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
     return removed
 
 
