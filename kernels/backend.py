@@ -8,8 +8,10 @@ A backend is three operations over the paged KV pool, with the layout of
 - ``write_kv(key, value, kv_cache, metadata)`` per layer: scatter the step's new K/V,
 - ``attention(query, kv_cache, metadata)`` per layer: attention of the flattened varlen batch.
 
-The worker chooses one at start (``--attention-backend auto|torch|triton``, see
-:func:`get_attention_backend`); ``auto`` is Triton on CUDA when Triton imports, else torch.
+The worker chooses one at start (``--attention-backend auto|torch|cpu|triton``, see
+:func:`get_attention_backend`); ``auto`` is Triton on CUDA when Triton imports, the C++ kernels
+(:mod:`kernels.cpu_backend`) on CPU when they build, else the torch reference. A backend whose
+``fused_layer_ops`` is true also runs the decoder's elementwise work through its fused ops.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels import paged_attention
+from kernels import cpu_ops, paged_attention
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -31,7 +33,7 @@ __all__ = [
     "triton_available",
 ]
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 class AttentionBackend(Protocol):
@@ -39,6 +41,7 @@ class AttentionBackend(Protocol):
     returned; its type is the backend's own."""
 
     name: str
+    fused_layer_ops: bool
 
     def build_metadata(
         self,
@@ -69,9 +72,10 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
-    """The torch reference of :mod:`kernels.paged_attention` (the CPU path)."""
+    """The torch reference of :mod:`kernels.paged_attention` (the oracle; any device)."""
 
     name = "torch"
+    fused_layer_ops = False
 
     def build_metadata(
         self,
@@ -123,22 +127,35 @@ def triton_available() -> bool:
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """The backend called `name` for `device`, chosen once when the worker starts.
 
-    ``auto``: Triton on CUDA when it is installed, the torch reference otherwise.
+    ``auto``: Triton on CUDA when it is installed; on CPU the C++ kernels when they build
+    (:func:`kernels.cpu_ops.available`, which logs why not), else the torch reference.
+    ``cpu``: the C++ kernels (CPU only).
     ``triton`` on a CPU device runs the kernels in Triton's interpreter, which must be switched
     on before the kernels are defined (``TRITON_INTERPRET=1`` in the environment); it is for
     tests, thousands of times slower than the torch path.
 
     Raises:
-        ValueError: an unknown name, ``triton`` without Triton installed, or ``triton`` on CPU
-            without ``TRITON_INTERPRET=1``.
+        ValueError: an unknown name, ``triton`` without Triton installed, ``triton`` on CPU
+            without ``TRITON_INTERPRET=1``, or ``cpu`` on another device.
+        kernels.cpu_ops.CpuKernelsUnavailable: ``cpu`` when the C++ kernels cannot be built.
     """
     device = torch.device(device)
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            name = "triton" if triton_available() else "torch"
+        else:
+            name = "cpu" if device.type == "cpu" and cpu_ops.available() else "torch"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"--attention-backend cpu runs on the CPU only, not on {device}")
+        cpu_ops.load()
+        from kernels.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if not triton_available():
         raise ValueError(
             "--attention-backend triton needs Triton (pip install triton; it comes with the "

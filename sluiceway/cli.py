@@ -64,9 +64,10 @@ def _add_worker(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--attention-backend",
-        choices=["auto", "torch", "triton"],
+        choices=["auto", "torch", "cpu", "triton"],
         default="auto",
-        help="paged attention kernels: auto = Triton on CUDA, the torch reference on CPU",
+        help="paged attention and fused layer kernels: auto = Triton on CUDA, the C++ kernels "
+        "(cpu) on CPU, the torch reference (torch) where those cannot be built",
     )
     p.add_argument(
         "--enforce-eager",

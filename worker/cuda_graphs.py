@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.triton_backend import TritonAttentionMetadata
+from kernels.varlen_metadata import VarlenMetadata
 from worker.model import LlamaForCausalLM
 
 __all__ = ["CUDA_GRAPH_BATCH_SIZES", "DecodeCudaGraphs"]
@@ -72,7 +72,7 @@ class DecodeCudaGraphs:
         self.device = device
         self.input_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
-        self.metadata = TritonAttentionMetadata.decode_static(
+        self.metadata = VarlenMetadata.decode_static(
             self.max_batch,
             max_blocks_per_seq,
             device,
@@ -98,7 +98,7 @@ class DecodeCudaGraphs:
             (free_before - torch.cuda.mem_get_info(device)[0]) // 2**20,
         )
 
-    def _view(self, batch: int) -> TritonAttentionMetadata:
+    def _view(self, batch: int) -> VarlenMetadata:
         m = self.metadata
         return dataclasses.replace(
             m,
@@ -151,7 +151,7 @@ class DecodeCudaGraphs:
         Raises:
             ValueError: more sequences than the largest captured size, or a block table
                 too short or a context wider than ``max_blocks_per_seq`` (from
-                :meth:`TritonAttentionMetadata.fill_decode`).
+                :meth:`VarlenMetadata.fill_decode`).
         """
         n = len(input_ids)
         batch = self.batch_size_for(n)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_ops
 from kernels.backend import AttentionBackend, TorchAttentionBackend
 from worker.parallel import TensorParallelGroup
 
@@ -208,34 +209,82 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeInputs,
         kv_cache: torch.Tensor,
         metadata: Any,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """``hidden`` ``[T, H]`` -> ``[T, H]``; writes this step's K/V into ``kv_cache``.
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer, vLLM's residual convention: ``hidden`` ``[T, H]`` is the previous
+        layer's MLP output (the embeddings, with ``residual`` None, for the first layer) and
+        ``residual`` ``[T, H]`` the residual stream before it; returns this layer's MLP
+        output and the residual stream before it. Writes this step's K/V into ``kv_cache``.
 
-        ``cos``/``sin`` are ``[T, 1, D / 2]`` in the model dtype, ``kv_cache`` this layer's
-        ``[2, num_blocks, Hkv, block_size * D]``, ``metadata`` what ``backend.build_metadata``
-        returned for the step. With ``N > 1`` all ranks must call it together (two
-        all-reduces).
+        ``kv_cache`` is this layer's ``[2, num_blocks, Hkv, block_size * D]``, ``metadata``
+        what ``backend.build_metadata`` returned for the step. With ``backend.fused_layer_ops``
+        the elementwise work runs through the fused C++ ops (:mod:`kernels.cpu_ops`), which
+        may overwrite ``hidden`` and ``residual`` in place. With ``N > 1`` all ranks must
+        call it together (two all-reduces).
         """
         t = hidden.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        x = _rms_norm(hidden, self.input_norm, self.eps)
+        fused = backend.fused_layer_ops
+        x, residual = _add_rms_norm(hidden, residual, self.input_norm, self.eps, fused)
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        qk = _apply_rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
-        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-        backend.write_kv(qk[:, hq:], v, kv_cache, metadata)
-        attn = backend.attention(qk[:, :hq], kv_cache, metadata)
-        hidden = hidden + _row_parallel_linear(
-            attn.view(t, hq * d), self.o_weight, self.o_bias, self.tp
-        )
-        x = _rms_norm(hidden, self.post_norm, self.eps)
+        if fused:
+            cpu_ops.rotary_embedding_write_kv(
+                qkv, rope.positions, rope.cos_table, rope.sin_table, kv_cache,
+                metadata.slot_mapping, hq, hkv,
+            )  # fmt: skip
+            q = qkv[:, : hq * d].view(t, hq, d)
+        else:
+            assert rope.cos is not None and rope.sin is not None
+            qk = _apply_rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), rope.cos, rope.sin)
+            v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+            backend.write_kv(qk[:, hq:], v, kv_cache, metadata)
+            q = qk[:, :hq]
+        attn = backend.attention(q, kv_cache, metadata)
+        hidden = _row_parallel_linear(attn.view(t, hq * d), self.o_weight, self.o_bias, self.tp)
+        x, residual = _add_rms_norm(hidden, residual, self.post_norm, self.eps, fused)
         gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
-        act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return hidden + _row_parallel_linear(act, self.down_weight, self.down_bias, self.tp)
+        if fused:
+            act = cpu_ops.silu_and_mul(gate_up)
+        else:
+            act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+        return _row_parallel_linear(act, self.down_weight, self.down_bias, self.tp), residual
+
+
+@dataclass(slots=True)
+class RopeInputs:
+    """The step's rotary inputs: ``positions`` ``[T]`` int64 and the model's float32 tables
+    ``cos_table``/``sin_table`` ``[max_positions, D / 2]`` (what the fused op reads), and for
+    the torch path ``cos``/``sin`` ``[T, 1, D / 2]`` gathered in the model dtype (None with
+    fused ops)."""
+
+    positions: torch.Tensor
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
+def _add_rms_norm(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(hidden + residual), hidden + residual)``; ``residual`` None: no addition.
+    Fused: in place (``hidden`` becomes the normed rows, ``residual`` the sum)."""
+    if residual is None:
+        normed = cpu_ops.rms_norm(hidden, weight, eps) if fused else _rms_norm(hidden, weight, eps)
+        return normed, hidden
+    if fused:
+        cpu_ops.fused_add_rms_norm(hidden, residual, weight, eps)
+        return hidden, residual
+    residual = hidden + residual
+    return _rms_norm(residual, weight, eps), residual
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -326,13 +375,19 @@ class LlamaForCausalLM(nn.Module):
             ``[T, H]`` final hidden states (after the last norm), model dtype, the same on
             every rank.
         """
-        dtype = self.dtype
-        cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
-        sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
+        backend = self.attention_backend
+        rope = RopeInputs(positions, self.rope_cos, self.rope_sin)
+        if not backend.fused_layer_ops:
+            rope.cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)
+            rope.sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
         hidden = self._embed(input_ids)
+        residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, cache, metadata, self.attention_backend)
-        return _rms_norm(hidden, self.norm_weight, self.config.rms_norm_eps)
+            hidden, residual = layer(hidden, residual, rope, cache, metadata, backend)
+        normed, _ = _add_rms_norm(
+            hidden, residual, self.norm_weight, self.config.rms_norm_eps, backend.fused_layer_ops
+        )
+        return normed
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` ids -> ``[T, H]``. Vocab-parallel: each rank looks up the ids of its shard,

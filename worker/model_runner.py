@@ -153,7 +153,7 @@ class ModelRunner:
         max_num_batched_tokens: tokens of the CUDA profiling forward (beyond the base API).
         kv_pool_factory: ``(shape, dtype, device) -> tensor`` allocating the pool, e.g. in
             shared memory (beyond the base API); ``torch.empty`` when None.
-        attention_backend: ``auto|torch|triton`` (:func:`kernels.backend.get_attention_backend`).
+        attention_backend: ``auto|torch|cpu|triton`` (:func:`kernels.backend.get_attention_backend`).
         tensor_parallel_rank, tensor_parallel_size: this runner's rank ``r`` of ``N`` (beyond
             the base API). With ``N > 1`` the caller first joins the group with
             :func:`worker.parallel.init_tensor_parallel`; the runner then loads only its shard

@@ -383,9 +383,9 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument(
         "--attention-backend",
-        choices=["auto", "torch", "triton"],
+        choices=["auto", "torch", "cpu", "triton"],
         default="auto",
-        help="auto: Triton on CUDA, the torch reference on CPU",
+        help="auto: Triton on CUDA, the C++ kernels (cpu) on CPU",
     )
     p.add_argument(
         "--enforce-eager",

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernels.backend import AttentionBackend, TorchAttentionBackend
 from kernels.paged_attention import (
     build_attention_metadata,
     dense_causal_attention,
@@ -21,23 +22,34 @@ BLOCK = 4
 
 
 def _run_case(
-    seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, seed: int, dtype: torch.dtype
+    seqs: list[tuple[int, int]],
+    hq: int,
+    hkv: int,
+    d: int,
+    seed: int,
+    dtype: torch.dtype,
+    backend: AttentionBackend | None = None,
+    block_size: int = BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged vs dense for sequences given as (cached tokens, new tokens).
+    """Paged (through `backend`, default the torch reference) vs dense for sequences given as
+    (cached tokens, new tokens).
 
     The cached prefix is written in an earlier "step"; the chunk's K/V are written with the
     slot mapping the metadata builds, then attention runs over the pool.
     """
+    backend = backend or TorchAttentionBackend()
+    geometry = {"block_size": block_size, "num_heads": hq, "num_kv_heads": hkv, "head_dim": d}
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-(c + q) // BLOCK) for c, q in seqs) + 5
+    num_blocks = sum(-(-(c + q) // block_size) for c, q in seqs) + 5
     # garbage around, NaN included: unwritten slots must never reach the output
-    cache = torch.randn(kv_pool_shape(1, num_blocks, BLOCK, hkv, d)[1:], generator=gen).to(dtype)
+    shape = kv_pool_shape(1, num_blocks, block_size, hkv, d)[1:]
+    cache = torch.randn(shape, generator=gen).to(dtype)
     cache.view(-1)[::7] = float("nan")
     perm = torch.randperm(num_blocks, generator=gen).tolist()  # non-contiguous block ids
     tables, keys, values, queries = [], [], [], []
     for cached, new in seqs:
         total = cached + new
-        nb = -(-total // BLOCK)
+        nb = -(-total // block_size)
         tables.append([perm.pop() for _ in range(nb)])
         keys.append(torch.randn(total, hkv, d, generator=gen).to(dtype))
         values.append(torch.randn(total, hkv, d, generator=gen).to(dtype))
@@ -45,38 +57,27 @@ def _run_case(
     # step 1: the cached prefixes
     pre = [(i, c) for i, (c, _) in enumerate(seqs) if c > 0]
     if pre:
-        md0 = build_attention_metadata(
-            [c for _, c in pre],
-            [c for _, c in pre],
-            [tables[i] for i, _ in pre],
-            block_size=BLOCK,
-            num_heads=hq,
-            num_kv_heads=hkv,
-            head_dim=d,
-        )
-        write_kv(
+        md0 = backend.build_metadata(
+            [c for _, c in pre], [c for _, c in pre], [tables[i] for i, _ in pre],
+            device="cpu", **geometry,
+        )  # fmt: skip
+        backend.write_kv(
             torch.cat([keys[i][:c] for i, c in pre]),
             torch.cat([values[i][:c] for i, c in pre]),
             cache,
-            md0.slot_mapping,
+            md0,
         )
     # step 2: the chunks
-    md = build_attention_metadata(
-        [q for _, q in seqs],
-        [c + q for c, q in seqs],
-        tables,
-        block_size=BLOCK,
-        num_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
+    md = backend.build_metadata(
+        [q for _, q in seqs], [c + q for c, q in seqs], tables, device="cpu", **geometry
     )
-    write_kv(
+    backend.write_kv(
         torch.cat([k[c:] for k, (c, _) in zip(keys, seqs, strict=True)]),
         torch.cat([v[c:] for v, (c, _) in zip(values, seqs, strict=True)]),
         cache,
-        md.slot_mapping,
+        md,
     )
-    out = paged_attention(torch.cat(queries), cache, md)
+    out = backend.attention(torch.cat(queries), cache, md)
     ref = torch.cat(
         [dense_causal_attention(q, k, v) for q, k, v in zip(queries, keys, values, strict=True)]
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import random
 import subprocess
 import sys
 import textwrap
@@ -27,12 +26,11 @@ from kernels.paged_attention import (
     paged_attention,
     write_kv,
 )
-from kernels.triton_backend import (
-    TritonAttentionBackend,
-    TritonAttentionMetadata,
-)
+from kernels.triton_backend import TritonAttentionBackend
 from kernels.triton_decode_attention import triton_decode_attention
 from kernels.triton_kv_write import triton_write_kv
+from kernels.varlen_metadata import VarlenMetadata
+from tests.kernels.runner_parity import worst_logit_difference
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -90,7 +88,7 @@ def _run_case(
     dtype: torch.dtype,
     seed: int,
     block_size: int = BLOCK,
-) -> tuple[torch.Tensor, torch.Tensor, TritonAttentionMetadata]:
+) -> tuple[torch.Tensor, torch.Tensor, VarlenMetadata]:
     """Triton vs torch for sequences given as (cached tokens, new tokens).
 
     The cached prefixes are written by the torch writer in an earlier "step"; the chunks' K/V
@@ -217,7 +215,7 @@ def test_static_decode_buffers_pad_with_zero_rows() -> None:
     gen = torch.Generator().manual_seed(1)
     hq, hkv, d = 4, 2, 16
     cache = _pool(12, hkv, d, torch.float32, gen)
-    md = TritonAttentionMetadata.decode_static(
+    md = VarlenMetadata.decode_static(
         4, 3, DEVICE, block_size=BLOCK, num_heads=hq, num_kv_heads=hkv, head_dim=d
     )
     assert md.context_lens.tolist() == [0] * 4 and md.slot_mapping.tolist() == [-1] * 4
@@ -278,59 +276,19 @@ def test_get_attention_backend_triton() -> None:
     assert isinstance(backend, TritonAttentionBackend) and backend.name == "triton"
     if not CUDA:
         assert os.environ.get("TRITON_INTERPRET") == "1"
-        assert get_attention_backend("auto", "cpu").name == "torch"
+        assert get_attention_backend("auto", "cpu").name == "cpu"
 
 
 def test_model_runner_triton_matches_torch(tmp_path: pathlib.Path) -> None:
     """A tiny random Llama: prefill chunks then decode steps, Triton vs torch backend."""
-    from tests.worker.tiny_models import make_tiny_model
-    from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
-
-    model_dir = make_tiny_model(tmp_path / "llama", "llama-untied", seed=3)
-    runners = {
-        name: ModelRunner(
-            model_dir, device=str(DEVICE), dtype="float32", block_size=BLOCK,
-            kv_cache_memory=1 << 18, attention_backend=name,
-        )
-        for name in ("torch", "triton")
-    }  # fmt: skip
-    assert runners["triton"].attention_backend.name == "triton"
-    rng = random.Random(0)
-    prompts = {0: [rng.randrange(256) for _ in range(9)], 1: [rng.randrange(256) for _ in range(5)]}
-    free = list(range(runners["torch"].num_kv_blocks))
-    rng.shuffle(free)
-    tables = {s: [free.pop() for _ in range(5)] for s in prompts}  # room for 20 tokens
-    seqs = {
-        name: {s: r.make_sequence(s, list(p), SamplingOptions()) for s, p in prompts.items()}
-        for name, r in runners.items()
-    }
-    for by_id in seqs.values():
-        for s, seq in by_id.items():
-            seq.block_table.extend(tables[s])
-    # (seq, computed, new) per step: seq 0 in two chunks (the second with a cached prefix)
-    # beside seq 1's whole prompt, then decodes of both together, then of both again
-    plan = [[(0, 0, 6), (1, 0, 5)], [(0, 6, 3), (1, 5, 1)], [(1, 6, 1), (0, 9, 1)]]
-    plan += [[(0, 10, 1), (1, 7, 1)], [(1, 8, 1), (0, 11, 1)]]
-    worst = 0.0
-    for step in plan:
-        logits = {}
-        for name, runner in runners.items():
-            chunks = [ScheduledChunk(seqs[name][s], done, new) for s, done, new in step]
-            logits[name] = runner.compute_logits_for_test(chunks)
-        for s, done, new in step:  # teacher forcing: the torch backend's argmax
-            nxt = int(logits["torch"][[x for x, *_ in step].index(s)][-1].argmax())
-            if done + new == len(seqs["torch"][s].token_ids):
-                for name in runners:
-                    seqs[name][s].token_ids.append(nxt)
-        for mine, ref in zip(logits["triton"], logits["torch"], strict=True):
-            worst = max(worst, float((mine - ref).abs().max()))
+    worst = worst_logit_difference(tmp_path, "triton", DEVICE, BLOCK)
     _record(torch.float32, worst)
     assert worst <= 1e-3
 
 
 def test_imports_and_torch_backend_without_triton() -> None:
     """With Triton absent (``sys.modules["triton"] = None``: ``import triton`` fails and
-    ``find_spec`` finds nothing), the package imports and falls back to torch."""
+    ``find_spec`` finds nothing), the package imports and CPU steps keep the C++ kernels."""
     code = textwrap.dedent(
         """
         import sys
@@ -348,7 +306,7 @@ def test_imports_and_torch_backend_without_triton() -> None:
 
         assert not backend.triton_available()
 
-        assert backend.get_attention_backend("auto", "cpu").name == "torch"
+        assert backend.get_attention_backend("auto", "cpu").name == "cpu"
         try:
             backend.get_attention_backend("triton", "cpu")
         except ValueError as e:

@@ -1,0 +1,82 @@
+"""The CPU attention backend: :class:`kernels.backend.AttentionBackend` on the C++ kernels of
+:mod:`kernels.cpu_ops`.
+
+One kernel serves prefill chunks and decode tokens of a step alike
+(:func:`kernels.cpu_ops.paged_attention`), over :class:`kernels.varlen_metadata.VarlenMetadata`.
+``fused_layer_ops`` tells the decoder to run its elementwise work through the fused C++ ops
+too (RoPE + KV write, add + RMSNorm, SiLU-and-mul).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from kernels import cpu_ops
+from kernels.paged_attention import write_kv
+from kernels.varlen_metadata import VarlenMetadata, build_varlen_metadata
+
+__all__ = ["CpuAttentionBackend"]
+
+
+class CpuAttentionBackend:
+    """The C++ paged attention (CPU tensors only); create after :func:`kernels.cpu_ops.load`."""
+
+    name = "cpu"
+    fused_layer_ops = True
+
+    def build_metadata(
+        self,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        *,
+        block_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+    ) -> VarlenMetadata:
+        """See :func:`kernels.varlen_metadata.build_varlen_metadata`."""
+        return build_varlen_metadata(
+            query_lens,
+            context_lens,
+            block_tables,
+            block_size=block_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            device=device,
+        )
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: VarlenMetadata,
+    ) -> None:
+        """Scatter ``key``/``value`` ``[T, Hkv, D]`` to ``metadata.slot_mapping`` (the torch
+        reference; the decoder fuses this with RoPE instead)."""
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: VarlenMetadata,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """``query`` ``[T, Hq, D]`` (heads contiguous) -> ``[T, Hq, D]`` contiguous."""
+        if scale is None:
+            scale = 1.0 / math.sqrt(query.shape[-1])
+        return cpu_ops.paged_attention(
+            query,
+            kv_cache,
+            metadata.block_tables,
+            metadata.context_lens,
+            metadata.query_start_loc,
+            scale,
+        )

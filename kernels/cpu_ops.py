@@ -1,0 +1,192 @@
+"""The C++ CPU kernels (``kernels/csrc``): paged attention and the fused elementwise ops.
+
+They are compiled once per machine with the system C++ compiler through
+:func:`torch.utils.cpp_extension.load` (``-O3 -march=native``: the vector width of this CPU) and
+cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), keyed by the
+sources and this CPU's instruction-set flags; ``make install`` builds them, so a first ``serve``
+only loads the library (well under a second). Why C++ and not ``torch.compile``: Inductor
+compiles the model again at every start (vLLM's CPU build spends 71-90 s there on this
+model), and a fixed per-row reduction order is ours to write here.
+
+After :func:`load` the operators are ``torch.ops.sluiceway.*`` (they write into the tensors
+they are given and return nothing):
+
+- ``paged_attention(out, query, kv_cache, block_tables, context_lens, query_start_loc, scale)``
+- ``rms_norm(out, x, weight, eps)``, ``fused_add_rms_norm(x, residual, weight, eps)``
+- ``silu_and_mul(out, x)``
+- ``rotary_embedding_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, Hq, Hkv)``
+
+The Python wrappers below give their shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+
+import torch
+
+__all__ = [
+    "CpuKernelsUnavailable",
+    "fused_add_rms_norm",
+    "load",
+    "paged_attention",
+    "rms_norm",
+    "rotary_embedding_write_kv",
+    "silu_and_mul",
+]
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("paged_attention.cpp", "elementwise.cpp", "bindings.cpp")
+HEADERS = ("cpu_math.h",)
+CSRC = pathlib.Path(__file__).with_name("csrc")
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    """The C++ kernels could not be built or loaded (no C++ compiler, or a build error)."""
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def _extension_name() -> str:
+    """``sluiceway_cpu_<hash>``: a new build for other sources, flags, torch or CPU."""
+    h = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        h.update((CSRC / name).read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return f"sluiceway_cpu_{h.hexdigest()[:12]}"
+
+
+@functools.cache
+def load() -> None:
+    """Build (first time on this machine) and load the kernels; idempotent.
+
+    Raises:
+        CpuKernelsUnavailable: no compiler or a failed build (the message says which).
+    """
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            name=_extension_name(),
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=CFLAGS,
+            is_python_module=False,
+            verbose=os.environ.get("SLUICEWAY_VERBOSE_BUILD") == "1",
+        )
+    except (OSError, RuntimeError, ImportError) as e:  # compiler missing, build or link error
+        raise CpuKernelsUnavailable(f"the C++ CPU kernels could not be built: {e}") from e
+
+
+def available() -> bool:
+    """Whether :func:`load` succeeds (it logs why not, once)."""
+    try:
+        load()
+    except CpuKernelsUnavailable as e:
+        log.warning("%s; using the torch reference kernels", e)
+        return False
+    return True
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of a flattened varlen batch over the paged pool (layout and batch rules of
+    :mod:`kernels.paged_attention`): prefill chunks and decode tokens alike, each row causal
+    over its sequence's cached tokens and its own chunk.
+
+    Args:
+        query: ``[T, Hq, D]`` float32/bfloat16/float16, heads contiguous (a row-strided view of
+            the fused qkv is fine).
+        kv_cache: ``[2, num_blocks, Hkv, block_size * D]`` contiguous, ``query``'s dtype.
+        block_tables: ``[S, max_blocks]`` int32 contiguous.
+        context_lens: ``[S]`` int32, tokens in the pool per sequence (cached + this chunk).
+        query_start_loc: ``[S + 1]`` int32, row offsets of each sequence's chunk.
+        scale: softmax scale.
+        out: ``[T, Hq, D]`` contiguous to write into (allocated when None).
+
+    Returns:
+        ``out``. Scores, softmax and sums in float32, one rounding at the end.
+    """
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    torch.ops.sluiceway.paged_attention(
+        out, query, kv_cache, block_tables, context_lens, query_start_loc, scale
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` ``[T, H]`` (rows contiguous) -> ``weight * round(x * rsqrt(mean(x^2) + eps))``,
+    a new ``[T, H]`` tensor (HF LlamaRMSNorm's roundings; the mean in float32)."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.sluiceway.rms_norm(out, x, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """In place, both ``[T, H]`` contiguous: ``residual += x`` (rounded to the dtype), then
+    ``x = rms_norm(residual)`` (vLLM's ``fused_add_rms_norm``)."""
+    torch.ops.sluiceway.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, 2 I]`` contiguous (gate columns, then up) -> ``silu(gate) * up`` ``[T, I]``,
+    computed in float32 and rounded once."""
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    torch.ops.sluiceway.silu_and_mul(out, x)
+    return out
+
+
+def rotary_embedding_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> None:
+    """Rotate-half RoPE of the q and k heads of ``qkv`` in place, then the step's K (rotated)
+    and V written to their slots of ``kv_cache``.
+
+    Args:
+        qkv: ``[T, (Hq + 2 Hkv) D]``, rows contiguous: q heads, k heads, v heads.
+        positions: ``[T]`` int64.
+        cos, sin: ``[max_positions, D / 2]`` float32 rotary tables.
+        kv_cache: this layer's ``[2, num_blocks, Hkv, block_size * D]``, ``qkv``'s dtype.
+        slot_mapping: ``[T]`` int64 slots (``-1``: write nothing for that row).
+    """
+    torch.ops.sluiceway.rotary_embedding_write_kv(
+        qkv, positions, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads
+    )
+
+
+if __name__ == "__main__":  # `python -m kernels.cpu_ops`: build now (make install does)
+    load()
+    print(f"C++ CPU kernels ready: {_extension_name()}")

@@ -1,0 +1,40 @@
+// Registers the CPU kernels as torch operators, torch.ops.sluiceway.<name>; each writes into
+// tensors it is given (no allocation) and returns nothing.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+namespace sluiceway {
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& block_tables, const at::Tensor& context_lens,
+                     const at::Tensor& query_start_loc, double scale);
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps);
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+void rotary_embedding_write_kv(at::Tensor& qkv, const at::Tensor& positions,
+                               const at::Tensor& cos, const at::Tensor& sin,
+                               at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                               int64_t num_heads, int64_t num_kv_heads);
+
+}  // namespace sluiceway
+
+TORCH_LIBRARY(sluiceway, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
+      "Tensor context_lens, Tensor query_start_loc, float scale) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def(
+      "rotary_embedding_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
+      "Tensor(b!) kv_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(sluiceway, CPU, m) {
+  m.impl("paged_attention", &sluiceway::paged_attention);
+  m.impl("rms_norm", &sluiceway::rms_norm);
+  m.impl("fused_add_rms_norm", &sluiceway::fused_add_rms_norm);
+  m.impl("silu_and_mul", &sluiceway::silu_and_mul);
+  m.impl("rotary_embedding_write_kv", &sluiceway::rotary_embedding_write_kv);
+}

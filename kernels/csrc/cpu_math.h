@@ -1,0 +1,141 @@
+// Scalar helpers the CPU kernels share, written so that GCC/Clang vectorize the loops that call
+// them (no function calls, no branches the vectorizer cannot turn into selects).
+//
+// Every loop in these kernels vectorizes across tokens (the 16 keys of a block) or across the
+// head dimension, never across the rows of a batch, and reduces in a fixed order: a row's
+// result does not depend on which other rows share the step or the thread that computed it.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+namespace sluiceway {
+
+inline float to_float(float x) { return x; }
+
+// bfloat16 is the upper half of a float32: widening is exact.
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T from_float(float x);
+
+template <>
+inline float from_float<float>(float x) {
+  return x;
+}
+
+// Round to nearest even, as c10::BFloat16(float) does (NaN stays a quiet NaN).
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  uint32_t is_nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  c10::BFloat16 out;
+  out.x = static_cast<uint16_t>(is_nan ? 0x7FC0u : rounded);
+  return out;
+}
+
+template <>
+inline c10::Half from_float<c10::Half>(float x) {
+  return c10::Half(x);
+}
+
+// exp(x) in float32 to about 2 ulp (Cephes' expf: x = n ln2 + r with a two-constant
+// Cody-Waite reduction, a degree-5 minimax polynomial for e^r, 2^n built in the exponent
+// bits). exp(-inf) and anything below -87.3 is 0; above 88.3 it saturates at e^88.3.
+inline float fast_exp(float x) {
+  const float clamped = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+  // round to nearest integer without a libm call: add and remove 1.5 * 2^23
+  const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = clamped - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return x < -87.3f ? 0.0f : p * scale;
+}
+
+}  // namespace sluiceway
+
+namespace sluiceway {
+
+// 16 float32 lanes as a GCC/Clang vector type: one AVX-512 register, two AVX2 ones; the
+// compiler keeps these in registers where arrays of floats would be spilled.
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+
+inline v16f splat(float x) { return v16f{} + x; }
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v16f load16(const c10::BFloat16* p) {
+  v16u16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return reinterpret_cast<v16f>(__builtin_convertvector(raw, v16i) << 16);
+}
+
+inline v16f load16(const c10::Half* p) {
+  v16f v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// fast_exp on 16 lanes, the same operations lane by lane.
+inline v16f fast_exp16(v16f x) {
+  const v16f lo = splat(-87.3f), hi = splat(88.3f);
+  v16f clamped = x < lo ? lo : x;
+  clamped = clamped > hi ? hi : clamped;
+  const v16f n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  v16f r = clamped - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v16f p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+  return x < lo ? splat(0.0f) : p * reinterpret_cast<v16f>(e);
+}
+
+// Horizontal max (exact in any order) and a fixed-tree horizontal sum.
+inline float reduce_max(v16f v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+inline float reduce_sum(v16f v) {
+  float a[8];
+  for (int i = 0; i < 8; ++i) a[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) a[i] += a[i + 4];
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+}  // namespace sluiceway

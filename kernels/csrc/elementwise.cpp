@@ -1,0 +1,221 @@
+// The per-layer elementwise work of a Llama decoder, fused: one pass over memory each instead
+// of a chain of aten ops (and their OpenMP start-ups). All arithmetic in float32, one rounding
+// to the model dtype per output, rows independent (parallel over tokens).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+#include "cpu_math.h"
+
+namespace sluiceway {
+
+namespace {
+
+constexpr int kLanes = 16;  // partial sums of a row reduction: fixed order, vectorizable
+
+template <typename T>
+float inverse_rms(const T* x, int64_t n, float eps) {
+  float part[kLanes] = {0.0f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = to_float(x[i + j]);
+      part[j] += v * v;
+    }
+  }
+  for (int j = 0; i < n; ++i, ++j) {
+    const float v = to_float(x[i]);
+    part[j] += v * v;
+  }
+  float sum = 0.0f;
+  for (int j = 0; j < kLanes; ++j) sum += part[j];
+  return 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+}
+
+// HF LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)) rounded to the dtype first.
+template <typename T>
+void normalize_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
+  const float inv = inverse_rms(x, n, eps);
+  for (int64_t i = 0; i < n; ++i) {
+    const float normed = to_float(from_float<T>(to_float(x[i]) * inv));
+    out[i] = from_float<T>(to_float(weight[i]) * normed);
+  }
+}
+
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, float eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) normalize_row(xp + r * xs, w, o + r * n, n, eps);
+  });
+}
+
+template <typename T>
+void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, float eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = xp + r * n;
+      T* rr = rp + r * n;
+      for (int64_t i = 0; i < n; ++i) rr[i] = from_float<T>(to_float(xr[i]) + to_float(rr[i]));
+      normalize_row(rr, w, xr, n, eps);
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t rows = x.size(0), n = out.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xp + r * 2 * n;
+      const T* up = gate + n;
+      T* orow = o + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = to_float(gate[i]);
+        orow[i] = from_float<T>(g / (1.0f + fast_exp(-g)) * to_float(up[i]));
+      }
+    }
+  });
+}
+
+// Rotate-half RoPE (HF/NeoX) of one head in place: cos/sin [D / 2] float32.
+template <typename T>
+void rotate(T* x, const float* cos, const float* sin, int half) {
+  for (int i = 0; i < half; ++i) {
+    const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+    x[i] = from_float<T>(x1 * cos[i] - x2 * sin[i]);
+    x[i + half] = from_float<T>(x2 * cos[i] + x1 * sin[i]);
+  }
+}
+
+template <typename T>
+void rotary_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                          const at::Tensor& sin, at::Tensor& kv_cache,
+                          const at::Tensor& slot_mapping, int num_heads, int num_kv_heads) {
+  const int64_t tokens = qkv.size(0);
+  const int head_dim = static_cast<int>(cos.size(1)) * 2;
+  const int half = head_dim / 2;
+  const int block_size = static_cast<int>(kv_cache.size(3) / head_dim);
+  T* base = qkv.data_ptr<T>();
+  const int64_t row_stride = qkv.stride(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  T* key_cache = kv_cache.data_ptr<T>();
+  T* value_cache = key_cache + kv_cache.stride(0);
+  const int64_t block_stride = kv_cache.stride(1);
+  const int64_t head_stride = kv_cache.stride(2);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = base + t * row_stride;
+      const float* c = cp + pos[t] * half;
+      const float* s = sp + pos[t] * half;
+      for (int h = 0; h < num_heads + num_kv_heads; ++h) rotate(row + h * head_dim, c, s, half);
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;  // a padding row writes nothing
+      const int64_t block = slot / block_size, offset = slot % block_size;
+      for (int h = 0; h < num_kv_heads; ++h) {
+        const T* k = row + (num_heads + h) * head_dim;
+        const T* v = row + (num_heads + num_kv_heads + h) * head_dim;
+        T* kb = key_cache + block * block_stride + h * head_stride;  // [D, block_size]
+        T* vb = value_cache + block * block_stride + h * head_stride + offset * head_dim;
+        for (int i = 0; i < head_dim; ++i) kb[i * block_size + offset] = k[i];
+        for (int i = 0; i < head_dim; ++i) vb[i] = v[i];
+      }
+    }
+  });
+}
+
+#define SLUICEWAY_DISPATCH(dtype, name, ...)                                   \
+  switch (dtype) {                                                             \
+    case at::kFloat: {                                                         \
+      using scalar_t = float;                                                  \
+      __VA_ARGS__;                                                             \
+      break;                                                                   \
+    }                                                                          \
+    case at::kBFloat16: {                                                      \
+      using scalar_t = c10::BFloat16;                                          \
+      __VA_ARGS__;                                                             \
+      break;                                                                   \
+    }                                                                          \
+    case at::kHalf: {                                                          \
+      using scalar_t = c10::Half;                                              \
+      __VA_ARGS__;                                                             \
+      break;                                                                   \
+    }                                                                          \
+    default:                                                                   \
+      TORCH_CHECK(false, name, ": unsupported dtype ", dtype);                 \
+  }
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, " must be 2-D with contiguous rows");
+}
+
+}  // namespace
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes(), "out must be contiguous like x");
+  TORCH_CHECK(weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be [H] in x's dtype");
+  SLUICEWAY_DISPATCH(x.scalar_type(), "rms_norm",
+                     rms_norm_impl<scalar_t>(out, x, weight, static_cast<float>(eps)));
+}
+
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.dim() == 2 &&
+                  x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "x and residual must be contiguous [T, H] of one dtype");
+  TORCH_CHECK(weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be [H] in x's dtype");
+  SLUICEWAY_DISPATCH(x.scalar_type(), "fused_add_rms_norm",
+                     add_rms_norm_impl<scalar_t>(x, residual, weight, static_cast<float>(eps)));
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2 I]");
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && 2 * out.size(1) == x.size(1) &&
+                  out.scalar_type() == x.scalar_type(),
+              "out must be [T, I] in x's dtype");
+  SLUICEWAY_DISPATCH(x.scalar_type(), "silu_and_mul", silu_and_mul_impl<scalar_t>(out, x));
+}
+
+void rotary_embedding_write_kv(at::Tensor& qkv, const at::Tensor& positions,
+                               const at::Tensor& cos, const at::Tensor& sin,
+                               at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                               int64_t num_heads, int64_t num_kv_heads) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(),
+              "cos and sin must be contiguous float32 [max_positions, D / 2]");
+  const int64_t head_dim = 2 * cos.size(1);
+  TORCH_CHECK(qkv.size(1) >= (num_heads + 2 * num_kv_heads) * head_dim,
+              "qkv must hold (Hq + 2 Hkv) * D columns");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.size(2) == num_kv_heads && kv_cache.size(3) % head_dim == 0 &&
+                  kv_cache.scalar_type() == qkv.scalar_type(),
+              "kv_cache must be a contiguous [2, num_blocks, Hkv, block_size * D] in qkv's dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                  positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0),
+              "positions and slot_mapping must be int64 [T]");
+  SLUICEWAY_DISPATCH(qkv.scalar_type(), "rotary_embedding_write_kv",
+                     rotary_write_kv_impl<scalar_t>(qkv, positions, cos, sin, kv_cache,
+                                                    slot_mapping, static_cast<int>(num_heads),
+                                                    static_cast<int>(num_kv_heads)));
+}
+
+}  // namespace sluiceway

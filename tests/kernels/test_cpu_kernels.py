@@ -1,0 +1,230 @@
+"""The C++ CPU kernels (kernels/csrc) against the torch reference and the float64 oracle.
+
+Shapes cover both code paths of the attention kernel: the vectorized one (block size a multiple
+of 16, head dim 32/64/96/128) and the generic one (anything else), with grouped-query heads,
+prefill chunks over a cached prefix, decodes, block boundaries and NaN garbage in the slots no
+sequence owns.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+from kernels.backend import get_attention_backend
+from kernels.cpu_backend import CpuAttentionBackend
+from kernels.paged_attention import key_blocks, kv_pool_shape, value_blocks, write_kv
+from tests.kernels.runner_parity import worst_logit_difference
+from tests.kernels.test_paged_attention import _run_case
+from worker.model import _apply_rope, _rms_norm
+
+cpu_ops.load()
+BACKEND = CpuAttentionBackend()
+
+CASES = [
+    [(0, 7)],  # a whole prompt
+    [(5, 1), (12, 1), (3, 1)],  # decode only
+    [(9, 1), (0, 6), (4, 1), (8, 5), (1, 1)],  # mixed, decodes not contiguous
+    [(0, 1)],  # a one-token prompt
+    [(16, 4), (15, 1), (0, 16), (31, 33)],  # block boundaries, a chunk of several row tiles
+    [(70, 40), (100, 1)],
+]
+
+
+@pytest.mark.parametrize("seqs", CASES)
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "block_size"),
+    [
+        (9, 3, 64, 16),  # SmolLM2: the vectorized path
+        (8, 1, 128, 32),  # 8 query heads on one KV head: two lane groups of 4
+        (4, 4, 32, 16),
+        (6, 2, 80, 16),  # head dim 80: the generic path
+        (6, 2, 16, 4),  # block size 4: the generic path
+    ],
+)
+def test_matches_dense_float32(
+    seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, block_size: int
+) -> None:
+    out, ref = _run_case(
+        seqs, hq, hkv, d, seed=len(seqs) * 31 + d, dtype=torch.float32, backend=BACKEND,
+        block_size=block_size,
+    )  # fmt: skip
+    assert out.dtype == torch.float32 and out.is_contiguous()
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_close(dtype: torch.dtype) -> None:
+    out, ref = _run_case(
+        [(20, 1), (0, 9), (7, 3), (33, 1)], 9, 3, 64, seed=3, dtype=dtype, backend=BACKEND,
+        block_size=16,
+    )  # fmt: skip
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def _pool_with_sequences(
+    lengths: list[int], hkv: int, d: int, block_size: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, list[list[int]]]:
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
+    cache = torch.randn(kv_pool_shape(1, num_blocks, block_size, hkv, d)[1:], generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[perm.pop() for _ in range(-(-n // block_size))] for n in lengths]
+    return cache.to(dtype), tables
+
+
+def _attend(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    query_lens: list[int],
+    context_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
+) -> torch.Tensor:
+    md = BACKEND.build_metadata(
+        query_lens, context_lens, tables, block_size=block_size, num_heads=query.shape[1],
+        num_kv_heads=cache.shape[2], head_dim=query.shape[2], device="cpu",
+    )  # fmt: skip
+    return BACKEND.attention(query, cache, md)
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_a_row_is_bitwise_the_same_whatever_else_is_in_the_step(block_size: int) -> None:
+    """Batch invariance in bfloat16: the output of one decode row is bitwise equal alone, in a
+    batch of other sequences (before and after it), and as the last row of a prefill chunk
+    of its own sequence; each row of a chunk equals that row computed as a decode."""
+    hq, hkv, d = 9, 3, 64
+    lengths = [200, 37, 64, 1]
+    cache, tables = _pool_with_sequences(lengths, hkv, d, block_size, torch.bfloat16, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(sum(lengths), hq, d, generator=gen).to(torch.bfloat16)
+    chunk = q[: lengths[0]]  # the queries of sequence 0's positions 0..199
+    alone = _attend(chunk[-1:], cache, [1], [200], tables[:1], block_size)
+    others = [q[lengths[0] + i : lengths[0] + i + 1] for i in range(3)]
+    batch = torch.cat([others[0], chunk[-1:], others[1], others[2]])
+    in_batch = _attend(batch, cache, [1] * 4, [37, 200, 64, 1],
+                       [tables[1], tables[0], tables[2], tables[3]], block_size)  # fmt: skip
+    as_prefill = _attend(chunk, cache, [200], [200], tables[:1], block_size)
+    as_chunks = _attend(chunk[150:], cache, [50], [200], tables[:1], block_size)
+    assert torch.equal(in_batch[1], alone[0])
+    assert torch.equal(as_prefill[-1], alone[0])
+    assert torch.equal(as_chunks, as_prefill[150:])
+    for pos in (0, 15, 16, 17, 99):
+        decode = _attend(chunk[pos : pos + 1], cache, [1], [pos + 1], tables[:1], block_size)
+        assert torch.equal(decode[0], as_prefill[pos]), pos
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norms_match_torch(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x, res = torch.randn(37, 576).to(dtype), torch.randn(37, 576).to(dtype)
+    w = (torch.rand(576) + 0.5).to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.02}
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), _rms_norm(x, w, 1e-5), **tol)
+    summed = x + res
+    xx, rr = x.clone(), res.clone()
+    cpu_ops.fused_add_rms_norm(xx, rr, w, 1e-5)
+    assert torch.equal(rr, summed)  # the sum is rounded once, like torch's add
+    torch.testing.assert_close(xx, _rms_norm(summed, w, 1e-5), **tol)
+    # a strided input row (a view) works for rms_norm
+    wide = torch.randn(5, 1000).to(dtype)
+    torch.testing.assert_close(
+        cpu_ops.rms_norm(wide[:, :576], w, 1e-6), _rms_norm(wide[:, :576], w, 1e-6), **tol
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    x = (torch.randn(19, 2 * 1536) * 4).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    ref = F.silu(x[:, :1536].float()) * x[:, 1536:].float()
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.01}
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x).float(), ref, **tol)
+
+
+def test_fast_exp_accuracy() -> None:
+    """The kernels' exp (inside silu here): relative error near float32 rounding over the
+    whole useful range, 0 far below it."""
+    g = torch.linspace(-80, 80, 100_001)
+    x = torch.cat([g[:, None], torch.ones(g.numel(), 1)], dim=1)  # up = 1: out = silu(g)
+    out = cpu_ops.silu_and_mul(x)[:, 0].double()
+    ref = F.silu(g.double())
+    rel = ((out - ref).abs() / ref.abs().clamp_min(1e-30)).max().item()
+    assert rel < 1e-6, rel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_write_kv_matches_torch(dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    hq, hkv, d, bs, t = 9, 3, 64, 16, 11
+    qkv = torch.randn(t, 1024)[:, : (hq + 2 * hkv) * d].to(dtype)  # row-strided view
+    positions = torch.tensor([0, 1, 5, 17, 300, 301, 302, 40, 41, 42, 99])
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(512).float()[:, None] * inv[None]
+    cos, sin = freqs.cos(), freqs.sin()
+    slots = torch.tensor([3, 4, 20, 21, 22, 50, 51, 52, -1, 60, 79])  # -1: write nothing
+    cache = torch.zeros(kv_pool_shape(1, 5, bs, hkv, d)[1:], dtype=dtype)
+    ref_cache = cache.clone()
+    ref_qk = _apply_rope(
+        qkv[:, : (hq + hkv) * d].float().view(t, hq + hkv, d),
+        cos[positions].unsqueeze(1),
+        sin[positions].unsqueeze(1),
+    ).to(dtype)
+    v = qkv[:, (hq + hkv) * d :].reshape(t, hkv, d)
+    keep = slots >= 0
+    write_kv(ref_qk[keep, hq:], v[keep], ref_cache, slots[keep])
+    out = qkv.clone()
+    cpu_ops.rotary_embedding_write_kv(out, positions, cos, sin, cache, slots, hq, hkv)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.02}
+    torch.testing.assert_close(out[:, : (hq + hkv) * d].view(t, hq + hkv, d), ref_qk, **tol)
+    assert torch.equal(out[:, (hq + hkv) * d :], qkv[:, (hq + hkv) * d :])  # v untouched
+    torch.testing.assert_close(cache, ref_cache, **tol)
+    # the skipped row wrote nothing: every slot not in `slots` is still 0
+    written = set(slots[keep].tolist())
+    k_all = key_blocks(cache, d).permute(0, 3, 1, 2).reshape(-1, hkv, d)
+    v_all = value_blocks(cache, d).transpose(1, 2).reshape(-1, hkv, d)
+    untouched = [s for s in range(5 * bs) if s not in written]
+    assert k_all[untouched].count_nonzero() == 0 and v_all[untouched].count_nonzero() == 0
+
+
+def test_kernels_reject_bad_arguments() -> None:
+    q = torch.randn(2, 4, 16)
+    cache = torch.randn(2, 3, 2, 4 * 16)
+    tables = torch.zeros(2, 1, dtype=torch.int32)
+    lens = torch.tensor([1, 1], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_ops.paged_attention(q.double(), cache, tables, lens, qsl, 0.25)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_ops.paged_attention(q, cache, tables.long(), lens, qsl, 0.25)
+    with pytest.raises(RuntimeError, match=r"\[T, 2 I\]"):
+        cpu_ops.silu_and_mul(torch.randn(3, 5))
+
+
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert get_attention_backend("auto", "cpu").name == "cpu"
+    assert get_attention_backend("cpu", "cpu").fused_layer_ops
+    with pytest.raises(ValueError, match="CPU only"):
+        get_attention_backend("cpu", "meta")
+
+    def broken() -> None:
+        raise cpu_ops.CpuKernelsUnavailable("no compiler")
+
+    monkeypatch.setattr(cpu_ops, "load", broken)
+    assert get_attention_backend("auto", "cpu").name == "torch"  # and a warning says why
+    with pytest.raises(cpu_ops.CpuKernelsUnavailable):
+        get_attention_backend("cpu", "cpu")
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_model_runner_cpu_kernels_match_torch(tmp_path: pathlib.Path, block_size: int) -> None:
+    """A tiny random Llama in float32, prefill chunks then decodes: logits of the C++ path
+    (attention and the fused layer ops) against the torch reference."""
+    worst = worst_logit_difference(tmp_path, "cpu", torch.device("cpu"), block_size)
+    assert worst < 1e-4, worst
