@@ -15,6 +15,7 @@ they are given and return nothing):
 - ``rms_norm(out, x, weight, eps)``, ``fused_add_rms_norm(x, residual, weight, eps)``
 - ``silu_and_mul(out, x)``
 - ``rotary_embedding_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, Hq, Hkv)``
+- ``argmax_logsumexp(argmax, logsumexp, logits)``
 
 The Python wrappers below give their shapes and dtypes.
 """
@@ -31,6 +32,7 @@ import torch
 
 __all__ = [
     "CpuKernelsUnavailable",
+    "argmax_logsumexp",
     "fused_add_rms_norm",
     "load",
     "paged_attention",
@@ -41,7 +43,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.cpp", "elementwise.cpp", "bindings.cpp")
+SOURCES = ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "bindings.cpp")
 HEADERS = ("cpu_math.h",)
 CSRC = pathlib.Path(__file__).with_name("csrc")
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
@@ -185,6 +187,18 @@ def rotary_embedding_write_kv(
     torch.ops.sluiceway.rotary_embedding_write_kv(
         qkv, positions, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads
     )
+
+
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits`` ``[R, V]`` float32 (rows contiguous) -> ``(argmax [R] int64, logsumexp [R]
+    float32)`` in one pass per row: the first index of each row's largest logit (as
+    ``torch.argmax``) and ``log(sum(exp(row)))`` (max-shifted; ``-inf`` for a row of ``-inf``).
+    """
+    rows = logits.shape[0]
+    argmax = torch.empty(rows, dtype=torch.int64)
+    lse = torch.empty(rows, dtype=torch.float32)
+    torch.ops.sluiceway.argmax_logsumexp(argmax, lse, logits)
+    return argmax, lse
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu_ops`: build now (make install does)

@@ -464,6 +464,7 @@ class ModelRunner:
                 [s.generator for s in seqs],
                 [s.token_ids for s in seqs],
                 [s.num_prompt_tokens for s in seqs],
+                cpu_kernels=self.attention_backend.fused_layer_ops,
             )
             out = [
                 SampledToken(s.seq_id, t, lp)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_ops
+
 __all__ = [
     "SampleResult",
     "SamplingOptions",
@@ -244,6 +246,8 @@ def sample(
     generators: Sequence[torch.Generator | None],
     seen_token_ids: Sequence[Sequence[int]],
     num_prompt_tokens: Sequence[int] | None = None,
+    *,
+    cpu_kernels: bool = False,
 ) -> SampleResult:
     """Pick one token per row.
 
@@ -256,6 +260,9 @@ def sample(
             ``min_tokens``.
         num_prompt_tokens: per-row prompt length within ``seen_token_ids`` (the rest is
             output); None = all prompt (no output yet).
+        cpu_kernels: CPU logits and the C++ kernels loaded (:mod:`kernels.cpu_ops`): the
+            argmax and the log-sum-exp of every row in one pass
+            (:func:`kernels.cpu_ops.argmax_logsumexp`), same tokens as ``torch.argmax``.
 
     Returns:
         A :class:`SampleResult` on ``logits``' device.
@@ -301,15 +308,22 @@ def sample(
             stop_ids = torch.tensor(o.stop_token_ids, device=device)
             logits[i, stop_ids] = float("-inf")
 
+    top_n = max((o.num_logprobs or 0 for o in options), default=0)
     greedy = [i for i, o in enumerate(options) if o.temperature == 0]
     sampled = [i for i, o in enumerate(options) if o.temperature != 0]
-    if len(greedy) == rows:
-        tokens = logits.argmax(dim=-1)
+    lse: torch.Tensor | None = None
+    argmax: torch.Tensor | None
+    if cpu_kernels and not top_n:
+        argmax, lse = cpu_ops.argmax_logsumexp(logits)
+    else:
+        argmax = logits.argmax(dim=-1) if len(greedy) == rows else None
+    if argmax is not None and len(greedy) == rows:
+        tokens = argmax
     else:
         tokens = torch.empty(rows, dtype=torch.int64, device=device)
     if greedy and len(greedy) < rows:
         g = torch.tensor(greedy, device=device)
-        tokens[g] = logits[g].argmax(dim=-1)
+        tokens[g] = logits[g].argmax(dim=-1) if argmax is None else argmax[g]
 
     if sampled:
         s_idx = None if len(sampled) == rows else torch.tensor(sampled, device=device)
@@ -336,9 +350,10 @@ def sample(
         else:
             tokens[s_idx] = draw
 
+    if not top_n:  # the chosen token's only: no [R, V] log_softmax written out
+        chosen = logits.gather(1, tokens[:, None]).squeeze(1)
+        return SampleResult(tokens, chosen - (torch.logsumexp(logits, -1) if lse is None else lse))
     log_probs = torch.log_softmax(logits, dim=-1)
     result = SampleResult(tokens, log_probs.gather(1, tokens[:, None]).squeeze(1))
-    top_n = max((o.num_logprobs or 0 for o in options), default=0)
-    if top_n:
-        result.top_logprobs, result.top_ids = torch.topk(log_probs, top_n, dim=-1)
+    result.top_logprobs, result.top_ids = torch.topk(log_probs, top_n, dim=-1)
     return result

@@ -16,6 +16,7 @@ void rotary_embedding_write_kv(at::Tensor& qkv, const at::Tensor& positions,
                                const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                                int64_t num_heads, int64_t num_kv_heads);
+void argmax_logsumexp(at::Tensor& argmax, at::Tensor& logsumexp, const at::Tensor& logits);
 
 }  // namespace sluiceway
 
@@ -29,6 +30,7 @@ TORCH_LIBRARY(sluiceway, m) {
   m.def(
       "rotary_embedding_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor(b!) kv_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
+  m.def("argmax_logsumexp(Tensor(a!) argmax, Tensor(b!) logsumexp, Tensor logits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sluiceway, CPU, m) {
@@ -37,4 +39,5 @@ TORCH_LIBRARY_IMPL(sluiceway, CPU, m) {
   m.impl("fused_add_rms_norm", &sluiceway::fused_add_rms_norm);
   m.impl("silu_and_mul", &sluiceway::silu_and_mul);
   m.impl("rotary_embedding_write_kv", &sluiceway::rotary_embedding_write_kv);
+  m.impl("argmax_logsumexp", &sluiceway::argmax_logsumexp);
 }

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "cpu_math.h"
@@ -14,6 +15,14 @@ namespace sluiceway {
 namespace {
 
 constexpr int kLanes = 16;  // partial sums of a row reduction: fixed order, vectorizable
+
+// Rows per task: each thread gets at least this many elements, so that a decode step's few rows
+// run on the calling thread rather than paying an OpenMP wake-up (tens of us) per layer.
+constexpr int64_t kMinElementsPerTask = 65536;
+
+inline int64_t grain_rows(int64_t elements_per_row) {
+  return std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(1, elements_per_row));
+}
 
 template <typename T>
 float inverse_rms(const T* x, int64_t n, float eps) {
@@ -51,7 +60,7 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   const T* w = weight.data_ptr<T>();
   T* o = out.data_ptr<T>();
   const int64_t xs = x.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) normalize_row(xp + r * xs, w, o + r * n, n, eps);
   });
 }
@@ -62,7 +71,7 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& we
   T* xp = x.data_ptr<T>();
   T* rp = residual.data_ptr<T>();
   const T* w = weight.data_ptr<T>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* xr = xp + r * n;
       T* rr = rp + r * n;
@@ -77,7 +86,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = x.size(0), n = out.size(1);
   const T* xp = x.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(8 * n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = xp + r * 2 * n;
       const T* up = gate + n;
@@ -118,7 +127,7 @@ void rotary_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at
   T* value_cache = key_cache + kv_cache.stride(0);
   const int64_t block_stride = kv_cache.stride(1);
   const int64_t head_stride = kv_cache.stride(2);
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain_rows(4 * row_stride), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* row = base + t * row_stride;
       const float* c = cp + pos[t] * half;

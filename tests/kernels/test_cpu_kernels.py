@@ -228,3 +228,36 @@ def test_model_runner_cpu_kernels_match_torch(tmp_path: pathlib.Path, block_size
     (attention and the fused layer ops) against the torch reference."""
     worst = worst_logit_difference(tmp_path, "cpu", torch.device("cpu"), block_size)
     assert worst < 1e-4, worst
+
+
+def test_argmax_logsumexp_matches_torch() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(9, 49_157) * 6  # not a multiple of 16: the tail too
+    logits[1] = float("-inf")
+    logits[2] = 0.5  # a tie everywhere: the first index
+    logits[3, [10, 40_000]] = 1e4  # a tie of two maxima
+    logits[4, -1] = 1e4  # the maximum in the tail
+    argmax, lse = cpu_ops.argmax_logsumexp(logits)
+    assert torch.equal(argmax, logits.argmax(-1))
+    ref = torch.logsumexp(logits.double(), -1)
+    assert lse[1] == float("-inf")
+    finite = torch.isfinite(ref)
+    torch.testing.assert_close(lse[finite].double(), ref[finite], atol=1e-5, rtol=1e-6)
+
+
+def test_sampler_with_cpu_kernels_picks_the_same_tokens() -> None:
+    from worker.sampler import SamplingOptions, sample
+
+    torch.manual_seed(5)
+    logits = torch.randn(6, 1000) * 3
+    options = [SamplingOptions(temperature=0.0)] * 4 + [
+        SamplingOptions(temperature=0.8, seed=1),
+        SamplingOptions(temperature=0.0, repetition_penalty=1.3),
+    ]
+    gens = [None] * 4 + [torch.Generator().manual_seed(1), None]
+    seen = [[1, 2, 3]] * 6
+    ref = sample(logits.clone(), options, gens, seen)
+    gens[4] = torch.Generator().manual_seed(1)
+    mine = sample(logits.clone(), options, gens, seen, cpu_kernels=True)
+    assert torch.equal(mine.token_ids, ref.token_ids)
+    torch.testing.assert_close(mine.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,74 @@
+// Greedy sampling's two reductions over the vocabulary, in one pass per row: the argmax (the
+// first index of the largest logit, as torch.argmax) and the log-sum-exp (for the chosen
+// token's logprob, logit - logsumexp). Rows in parallel; 16 lanes and a fixed combining order
+// per row.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+
+#include "cpu_math.h"
+
+namespace sluiceway {
+
+void argmax_logsumexp(at::Tensor& argmax, at::Tensor& logsumexp, const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat,
+              "logits must be float32 [R, V] with contiguous rows");
+  TORCH_CHECK(argmax.scalar_type() == at::kLong && argmax.numel() == logits.size(0) &&
+                  logsumexp.scalar_type() == at::kFloat && logsumexp.numel() == logits.size(0),
+              "argmax must be int64 [R] and logsumexp float32 [R]");
+  const int64_t rows = logits.size(0), v = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(v > 0, "logits have no columns");
+  const float* base = logits.data_ptr<float>();
+  int64_t* am = argmax.data_ptr<int64_t>();
+  float* lse = logsumexp.data_ptr<float>();
+  const v16f neg_inf = splat(-std::numeric_limits<float>::infinity());
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = base + r * stride;
+      v16f best = neg_inf;
+      v16i best_at{};
+      v16i at_i;
+      for (int j = 0; j < 16; ++j) at_i[j] = j;
+      int64_t i = 0;
+      for (; i + 16 <= v; i += 16, at_i += 16) {
+        const v16f chunk = load16(x + i);
+        const v16i better = chunk > best;  // strict: the first index wins a tie
+        best = better ? chunk : best;
+        best_at = better ? at_i : best_at;
+      }
+      float m = -std::numeric_limits<float>::infinity();
+      int64_t m_at = 0;
+      bool found = false;
+      for (int j = 0; j < 16; ++j) {
+        if (i > 0 && (!found || best[j] > m || (best[j] == m && best_at[j] < m_at))) {
+          m = best[j];
+          m_at = best_at[j];
+          found = true;
+        }
+      }
+      for (int64_t k = i; k < v; ++k) {
+        if (!found || x[k] > m) {
+          m = x[k];
+          m_at = k;
+          found = true;
+        }
+      }
+      am[r] = m_at;
+      if (std::isinf(m) && m < 0) {  // every logit -inf
+        lse[r] = m;
+        continue;
+      }
+      v16f sum = splat(0.0f);
+      int64_t k = 0;
+      for (; k + 16 <= v; k += 16) sum += fast_exp16(load16(x + k) - m);
+      float total = reduce_sum(sum);
+      for (; k < v; ++k) total += fast_exp(x[k] - m);
+      lse[r] = m + std::log(total);
+    }
+  });
+}
+
+}  // namespace sluiceway
