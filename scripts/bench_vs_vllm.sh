@@ -39,7 +39,8 @@
 # DTYPE (bfloat16), OUT_DIR (docs/bench/vs-vllm), VLLM_VENV
 # (~/.cache/sluiceway-bench/vllm-venv), BENCH_DATA_DIR (~/.cache/sluiceway-bench: the ShareGPT
 # JSON), VLLM_PORT (18000), SLUICEWAY_PORT (18051), MAX_NUM_SEQS (256),
-# MAX_NUM_BATCHED_TOKENS (2048), KV_CACHE_GIB (4), START_TIMEOUT_S (900), W3_SEED (1), PROJECT_PYTHON
+# MAX_NUM_BATCHED_TOKENS (2048), KV_CACHE_GIB (4), SLUICEWAY_SERVE_ARGS (more `serve` flags, e.g.
+# "--num-threads 1"), START_TIMEOUT_S (900), W3_SEED (1), PROJECT_PYTHON
 # (.venv/bin/python), BASE_PYTHON (python3: makes the vLLM venv).
 # Option: --vllm-binding pinned|default (pinned: VLLM_CPU_OMP_THREADS_BIND=0-1, its best here;
 # default: the variable unset, vLLM binds its engine to one core). Exit status 0 when every
@@ -72,6 +73,7 @@ DTYPE=${DTYPE:-bfloat16}
 VLLM_PORT=${VLLM_PORT:-18000}
 SLUICEWAY_PORT=${SLUICEWAY_PORT:-18051}
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}
+SLUICEWAY_SERVE_ARGS=${SLUICEWAY_SERVE_ARGS:-}
 MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-2048}
 KV_CACHE_GIB=${KV_CACHE_GIB:-4}
 START_TIMEOUT_S=${START_TIMEOUT_S:-900}
@@ -258,7 +260,7 @@ run_system() {
                 --metrics-port -1 --log-format console \
                 --dtype "$DTYPE" --max-num-seqs "$MAX_NUM_SEQS" \
                 --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" \
-                --kv-cache-memory "${KV_CACHE_GIB}GiB" || return 1
+                --kv-cache-memory "${KV_CACHE_GIB}GiB" $SLUICEWAY_SERVE_ARGS || return 1
             ;;
     esac
     STARTUP[$sys]=$STARTUP_S

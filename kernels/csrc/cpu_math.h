@@ -124,18 +124,24 @@ inline v16f fast_exp16(v16f x) {
   return x < lo ? splat(0.0f) : p * reinterpret_cast<v16f>(e);
 }
 
-// Horizontal max (exact in any order) and a fixed-tree horizontal sum.
+// Horizontal max (exact in any order) and sum, as a fixed tree of lane shuffles: halves, then
+// quarters, eighths and pairs (((v0 + v8) + (v4 + v12)) + ((v2 + v10) + (v6 + v14))) + ...
+inline v16f max16(v16f a, v16f b) { return a > b ? a : b; }
+
 inline float reduce_max(v16f v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
-  return m;
+  v = max16(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = max16(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = max16(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = max16(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
 }
 
 inline float reduce_sum(v16f v) {
-  float a[8];
-  for (int i = 0; i < 8; ++i) a[i] = v[i] + v[i + 8];
-  for (int i = 0; i < 4; ++i) a[i] += a[i + 4];
-  return (a[0] + a[2]) + (a[1] + a[3]);
+  v = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v = v + __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v = v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
 }
 
 }  // namespace sluiceway
