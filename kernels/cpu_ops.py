@@ -22,7 +22,6 @@ The Python wrappers below give their shapes and dtypes.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -75,13 +74,22 @@ def _extension_name() -> str:
     return f"sluiceway_cpu_{h.hexdigest()[:12]}"
 
 
-@functools.cache
+_load_error: CpuKernelsUnavailable | None = None
+_loaded = False
+
+
 def load() -> None:
-    """Build (first time on this machine) and load the kernels; idempotent.
+    """Build (first time on this machine) and load the kernels; idempotent, and a failure is
+    remembered (no second build attempt in the same process).
 
     Raises:
         CpuKernelsUnavailable: no compiler or a failed build (the message says which).
     """
+    global _load_error, _loaded
+    if _loaded:
+        return
+    if _load_error is not None:
+        raise _load_error
     from torch.utils import cpp_extension
 
     try:
@@ -93,11 +101,13 @@ def load() -> None:
             verbose=os.environ.get("SLUICEWAY_VERBOSE_BUILD") == "1",
         )
     except (OSError, RuntimeError, ImportError) as e:  # compiler missing, build or link error
-        raise CpuKernelsUnavailable(f"the C++ CPU kernels could not be built: {e}") from e
+        _load_error = CpuKernelsUnavailable(f"the C++ CPU kernels could not be built: {e}")
+        raise _load_error from e
+    _loaded = True
 
 
 def available() -> bool:
-    """Whether :func:`load` succeeds (it logs why not, once)."""
+    """Whether :func:`load` succeeds (logging why not)."""
     try:
         load()
     except CpuKernelsUnavailable as e:

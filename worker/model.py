@@ -22,11 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_ops
+from kernels import cpu_ops, onednn_linear
 from kernels.backend import AttentionBackend, TorchAttentionBackend
 from worker.parallel import TensorParallelGroup
 
 __all__ = ["DecoderLayer", "LlamaForCausalLM", "ModelConfig", "UnsupportedModelError"]
+
+LINEAR_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -157,17 +159,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def _row_parallel_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallelGroup
-) -> torch.Tensor:
-    """``x`` ``[T, K / N]`` (the rank's input columns) -> ``[T, M]``: the rank's partial
-    product summed over the ranks, then the (replicated) bias added once."""
-    if not tp.enabled:
-        return F.linear(x, weight, bias)
-    out = tp.all_reduce(F.linear(x, weight))
-    return out if bias is None else out + bias
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP block.
 
@@ -205,6 +196,39 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * self.intermediate) if c.mlp_bias else None
         self.down_weight = _param(c.hidden_size, self.intermediate)
         self.down_bias = _param(c.hidden_size) if c.mlp_bias else None
+        # oneDNN-blocked copies of the four weights, by name, once pack_linear_weights ran
+        self.packed: dict[str, torch.Tensor] = {}
+
+    def pack_linear_weights(self) -> int:
+        """Reorder the four linear weights for oneDNN (:mod:`kernels.onednn_linear`) and free
+        the plain copies (the forward reads only the packed ones). CPU only.
+
+        Returns:
+            Bytes the packed weights hold.
+        """
+        packed_bytes = 0
+        for name in LINEAR_WEIGHTS:
+            weight = getattr(self, name)
+            self.packed[name] = onednn_linear.pack(weight.data)
+            packed_bytes += weight.numel() * weight.element_size()
+            weight.data = torch.empty(0, dtype=weight.dtype)
+        return packed_bytes
+
+    def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None) -> torch.Tensor:
+        packed = self.packed.get(name)
+        if packed is None:
+            return F.linear(x, getattr(self, name), bias)
+        return onednn_linear.linear(x, packed, bias)
+
+    def _row_parallel_linear(
+        self, x: torch.Tensor, name: str, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x`` ``[T, K / N]`` (the rank's input columns) -> ``[T, M]``: the rank's partial
+        product summed over the ranks, then the (replicated) bias added once."""
+        if not self.tp.enabled:
+            return self._linear(x, name, bias)
+        out = self.tp.all_reduce(self._linear(x, name, None))
+        return out if bias is None else out + bias
 
     def forward(
         self,
@@ -230,7 +254,7 @@ class DecoderLayer(nn.Module):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         fused = backend.fused_layer_ops
         x, residual = _add_rms_norm(hidden, residual, self.input_norm, self.eps, fused)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self._linear(x, "qkv_weight", self.qkv_bias)
         if fused:
             cpu_ops.rotary_embedding_write_kv(
                 qkv, rope.positions, rope.cos_table, rope.sin_table, kv_cache,
@@ -244,14 +268,14 @@ class DecoderLayer(nn.Module):
             backend.write_kv(qk[:, hq:], v, kv_cache, metadata)
             q = qk[:, :hq]
         attn = backend.attention(q, kv_cache, metadata)
-        hidden = _row_parallel_linear(attn.view(t, hq * d), self.o_weight, self.o_bias, self.tp)
+        hidden = self._row_parallel_linear(attn.view(t, hq * d), "o_weight", self.o_bias)
         x, residual = _add_rms_norm(hidden, residual, self.post_norm, self.eps, fused)
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate_up = self._linear(x, "gate_up_weight", self.gate_up_bias)
         if fused:
             act = cpu_ops.silu_and_mul(gate_up)
         else:
             act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return _row_parallel_linear(act, self.down_weight, self.down_bias, self.tp), residual
+        return self._row_parallel_linear(act, "down_weight", self.down_bias), residual
 
 
 @dataclass(slots=True)
@@ -340,6 +364,18 @@ class LlamaForCausalLM(nn.Module):
         self.init_rope()
         # Paged attention and the KV scatter; the worker sets the one it chose at start.
         self.attention_backend: AttentionBackend = TorchAttentionBackend()
+        self.packed_lm_head: torch.Tensor | None = None  # see pack_linear_weights
+        self.packed_weight_bytes = 0  # bytes of the plain weights freed by pack_linear_weights
+
+    def pack_linear_weights(self) -> None:
+        """Reorder every linear weight once for oneDNN (:mod:`kernels.onednn_linear`; CPU
+        only): the layers' four (their plain copies freed, counted in
+        ``packed_weight_bytes``) and a packed copy of the logits' weight (the embedding
+        stays for the lookups)."""
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        self.packed_weight_bytes = sum(layer.pack_linear_weights() for layer in layers)
+        weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
+        self.packed_lm_head = onednn_linear.pack(weight.data)
 
     def init_rope(self) -> None:
         """(Re)build the rotary tables ``rope_cos``/``rope_sin`` ``[max_positions, D / 2]`` float32
@@ -415,9 +451,12 @@ class LlamaForCausalLM(nn.Module):
         it together with the same ``S`` and ``dst``. With ``N == 1`` ``dst`` is ignored.
         """
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
+        if self.packed_lm_head is not None:
+            local = onednn_linear.linear(hidden, self.packed_lm_head, None)
+        else:
+            local = F.linear(hidden, weight)
         if not self.tp.enabled:
-            return F.linear(hidden, weight).float()
-        local = F.linear(hidden, weight)
+            return local.float()
         if dst is None:
             full: torch.Tensor | None = self.tp.all_gather_last_dim(local)
         else:

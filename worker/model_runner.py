@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kernels import onednn_linear
 from kernels.backend import get_attention_backend
 from kernels.paged_attention import kv_pool_shape
 from worker.loader import load_config, load_model, read_json
@@ -240,6 +241,8 @@ class ModelRunner:
         self.model: LlamaForCausalLM = model
         self.attention_backend = get_attention_backend(attention_backend, self._device)
         self.model.attention_backend = self.attention_backend
+        if self.attention_backend.fused_layer_ops and onednn_linear.available():
+            self.model.pack_linear_weights()
         c = self.config
         hkv = self.model.num_kv_heads  # the rank's
         self.bytes_per_block = (
@@ -333,7 +336,8 @@ class ModelRunner:
     def parameter_bytes(self) -> int:
         """Bytes of this rank's parameters (its shard with tensor parallelism; a tied
         embedding counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        plain = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return plain + self.model.packed_weight_bytes
 
     def device_memory_used_bytes(self) -> int:
         """Bytes this worker holds on its device: torch's allocated bytes on CUDA; on CPU the
@@ -341,6 +345,11 @@ class ModelRunner:
         if self._device.type == "cuda":
             return int(torch.cuda.memory_allocated(self._device))
         weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        weights += self.model.packed_weight_bytes
+        if self.model.packed_lm_head is not None:  # a packed copy beside the plain weight
+            m = self.model
+            head = m.embed_weight if m.lm_head_weight is None else m.lm_head_weight
+            weights += head.numel() * head.element_size()
         return int(weights + self.kv_pool.numel() * self.kv_pool.element_size())
 
     # -- sequences and steps ----------------------------------------------------------------

@@ -9,21 +9,25 @@ sequence owns.
 from __future__ import annotations
 
 import pathlib
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from kernels import cpu_ops, onednn_linear
 from kernels.backend import get_attention_backend
 from kernels.cpu_backend import CpuAttentionBackend
 from kernels.paged_attention import key_blocks, kv_pool_shape, value_blocks, write_kv
 from tests.kernels.runner_parity import worst_logit_difference
 from tests.kernels.test_paged_attention import _run_case
-from worker.model import _apply_rope, _rms_norm
+from worker.model import LINEAR_WEIGHTS, _apply_rope, _rms_norm
 
 cpu_ops.load()
 BACKEND = CpuAttentionBackend()
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 CASES = [
     [(0, 7)],  # a whole prompt
@@ -207,19 +211,49 @@ def test_kernels_reject_bad_arguments() -> None:
         cpu_ops.silu_and_mul(torch.randn(3, 5))
 
 
-def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backend_choice() -> None:
     assert get_attention_backend("auto", "cpu").name == "cpu"
     assert get_attention_backend("cpu", "cpu").fused_layer_ops
+    assert not get_attention_backend("torch", "cpu").fused_layer_ops
     with pytest.raises(ValueError, match="CPU only"):
         get_attention_backend("cpu", "meta")
 
-    def broken() -> None:
-        raise cpu_ops.CpuKernelsUnavailable("no compiler")
 
-    monkeypatch.setattr(cpu_ops, "load", broken)
-    assert get_attention_backend("auto", "cpu").name == "torch"  # and a warning says why
-    with pytest.raises(cpu_ops.CpuKernelsUnavailable):
-        get_attention_backend("cpu", "cpu")
+def test_a_failed_build_falls_back_to_torch_and_is_tried_once() -> None:
+    """No compiler (the build raises): `auto` takes the torch reference with a warning that
+    says why, `cpu` raises, and the build is not attempted again in the process."""
+    code = textwrap.dedent(
+        """
+        import torch.utils.cpp_extension as cpp_extension
+
+        calls = []
+
+        def no_compiler(**kwargs):
+            calls.append(kwargs["name"])
+            raise RuntimeError("Error building extension: c++: command not found")
+
+        cpp_extension.load = no_compiler
+        from kernels import cpu_ops, onednn_linear
+        from kernels.backend import get_attention_backend
+
+        assert get_attention_backend("auto", "cpu").name == "torch"
+        assert get_attention_backend("auto", "cpu").name == "torch"
+        try:
+            get_attention_backend("cpu", "cpu")
+        except cpu_ops.CpuKernelsUnavailable as e:
+            assert "command not found" in str(e), e
+        else:
+            raise SystemExit("--attention-backend cpu without a compiler did not raise")
+        assert len(calls) == 1, calls
+        print("ok")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+    assert "using the torch reference kernels" in done.stderr
 
 
 @pytest.mark.parametrize("block_size", [16, 4])
@@ -261,3 +295,34 @@ def test_sampler_with_cpu_kernels_picks_the_same_tokens() -> None:
     mine = sample(logits.clone(), options, gens, seen, cpu_kernels=True)
     assert torch.equal(mine.token_ids, ref.token_ids)
     torch.testing.assert_close(mine.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_runner_packs_linear_weights_for_onednn(tmp_path: pathlib.Path) -> None:
+    """With the C++ kernels the runner reorders every linear weight once (oneDNN) and frees
+    the plain copies; sizes are still counted; bfloat16 logits equal F.linear's bit for bit."""
+    from tests.worker.tiny_models import make_tiny_model
+    from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
+
+    model_dir = make_tiny_model(tmp_path / "llama", "llama-untied", seed=3)
+    runners = {
+        name: ModelRunner(
+            model_dir, dtype="bfloat16", block_size=16, kv_cache_memory=1 << 20,
+            attention_backend=name,
+        )
+        for name in ("torch", "cpu")
+    }  # fmt: skip
+    packed = runners["cpu"].model
+    assert all(sorted(layer.packed) == sorted(LINEAR_WEIGHTS) for layer in packed.layers)
+    assert all(layer.qkv_weight.numel() == 0 for layer in packed.layers)
+    assert packed.packed_lm_head is not None and runners["torch"].model.packed_lm_head is None
+    assert runners["cpu"].parameter_bytes == runners["torch"].parameter_bytes
+    x = torch.randn(7, packed.config.hidden_size).bfloat16()
+    plain = runners["torch"].model.layers[0]
+    assert torch.equal(
+        onednn_linear.linear(x, packed.layers[0].packed["gate_up_weight"], None),
+        F.linear(x, plain.gate_up_weight),
+    )
+    seq = runners["cpu"].make_sequence(0, [5, 9, 11, 200, 3], SamplingOptions(temperature=0.0))
+    seq.block_table.append(0)
+    logits = runners["cpu"].compute_logits_for_test([ScheduledChunk(seq, 0, 5)])[0]
+    assert logits.shape == (5, packed.config.vocab_size) and torch.isfinite(logits).all()
