@@ -200,8 +200,8 @@ def rotary_embedding_write_kv(
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits`` ``[R, V]`` float32 (rows contiguous) -> ``(argmax [R] int64, logsumexp [R]
-    float32)`` in one pass per row: the first index of each row's largest logit (as
+    """``logits`` ``[R, V]`` float32 or bfloat16 (rows contiguous) -> ``(argmax [R] int64,
+    logsumexp [R] float32)`` in one pass per row, in float32: the first index of each row's largest logit (as
     ``torch.argmax``) and ``log(sum(exp(row)))`` (max-shifted; ``-inf`` for a row of ``-inf``).
     """
     rows = logits.shape[0]

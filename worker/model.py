@@ -437,13 +437,20 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_reduce(hidden)
 
     @overload
-    def compute_logits(self, hidden: torch.Tensor, dst: None = None) -> torch.Tensor: ...
+    def compute_logits(
+        self, hidden: torch.Tensor, dst: None = None, *, float32: bool = True
+    ) -> torch.Tensor: ...
 
     @overload
-    def compute_logits(self, hidden: torch.Tensor, dst: int) -> torch.Tensor | None: ...
+    def compute_logits(
+        self, hidden: torch.Tensor, dst: int, *, float32: bool = True
+    ) -> torch.Tensor | None: ...
 
-    def compute_logits(self, hidden: torch.Tensor, dst: int | None = None) -> torch.Tensor | None:
-        """``hidden`` ``[S, H]`` (only rows that sample) -> logits ``[S, V]`` float32.
+    def compute_logits(
+        self, hidden: torch.Tensor, dst: int | None = None, *, float32: bool = True
+    ) -> torch.Tensor | None:
+        """``hidden`` ``[S, H]`` (only rows that sample) -> logits ``[S, V]``, float32 (or, with
+        ``float32=False``, the GEMM's own output dtype, the model's: the caller converts).
 
         With ``N > 1`` each rank computes its ``[S, Vs]`` vocabulary slice; the slices are
         all-gathered (``dst`` None: every rank gets the logits) or gathered to rank ``dst``
@@ -456,9 +463,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             local = F.linear(hidden, weight)
         if not self.tp.enabled:
-            return local.float()
+            return local.float() if float32 else local
         if dst is None:
             full: torch.Tensor | None = self.tp.all_gather_last_dim(local)
         else:
             full = self.tp.gather_last_dim(local, dst)
-        return None if full is None else full[:, : self.config.vocab_size].float()
+        if full is None:
+            return None
+        full = full[:, : self.config.vocab_size]
+        return full.float() if float32 else full

@@ -461,7 +461,8 @@ class ModelRunner:
                 rows_t = torch.tensor(rows, dtype=torch.int64, device=self._device)
                 selected = hidden.index_select(0, rows_t)
             timings.prepare_s += t1 - t0
-            logits = self.model.compute_logits(selected, dst=0)
+            fused = self.attention_backend.fused_layer_ops  # the sampler converts if needed
+            logits = self.model.compute_logits(selected, dst=0, float32=not fused)
             t2 = time.perf_counter()
             timings.forward_s += t2 - t1
             if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
@@ -473,7 +474,7 @@ class ModelRunner:
                 [s.generator for s in seqs],
                 [s.token_ids for s in seqs],
                 [s.num_prompt_tokens for s in seqs],
-                cpu_kernels=self.attention_backend.fused_layer_ops,
+                cpu_kernels=fused,
             )
             out = [
                 SampledToken(s.seq_id, t, lp)

@@ -228,6 +228,17 @@ def _draw(scaled: torch.Tensor, opts: Sequence[SamplingOptions], u: torch.Tensor
     return draw
 
 
+def _plain_greedy(o: SamplingOptions) -> bool:
+    """Greedy with nothing that changes the logits first (penalties, a min_tokens mask)."""
+    return (
+        o.temperature == 0
+        and o.repetition_penalty == 1.0
+        and not o.presence_penalty
+        and not o.frequency_penalty
+        and not (o.min_tokens and o.stop_token_ids)
+    )
+
+
 @dataclass(slots=True)
 class SampleResult:
     """What :func:`sample` picked: ``token_ids [R] int64``, ``logprobs [R] float32`` (of the
@@ -252,7 +263,9 @@ def sample(
     """Pick one token per row.
 
     Args:
-        logits: ``[R, V]`` float32, raw model logits; modified in place by the penalties.
+        logits: ``[R, V]`` raw model logits, float32 (modified in place by the penalties), or in
+            the model's dtype: converted to float32 first unless every row is greedy without
+            penalties or logprobs and ``cpu_kernels`` is set (then read as they are).
         options: per-row parameters (``R`` entries).
         generators: per-row generator for seeded rows (None for the others), on ``logits``'
             device.
@@ -276,6 +289,14 @@ def sample(
     for o in options:
         if o.temperature < 0 or not 0 < o.top_p <= 1 or o.top_k < 0 or o.repetition_penalty <= 0:
             raise ValueError(f"invalid sampling options {o}")
+    top_n = max((o.num_logprobs or 0 for o in options), default=0)
+    if cpu_kernels and not top_n and all(_plain_greedy(o) for o in options):
+        # argmax and log-sum-exp in one pass, in float32, over the logits as they are (an
+        # argmax of bfloat16 values is the argmax of their float32 widening)
+        first_max, row_lse = cpu_ops.argmax_logsumexp(logits)
+        chosen = logits.gather(1, first_max[:, None]).squeeze(1).float()
+        return SampleResult(first_max, chosen - row_lse)
+    logits = logits.float()
 
     pen_rows = [i for i, o in enumerate(options) if o.repetition_penalty != 1.0]
     if pen_rows:
@@ -308,7 +329,6 @@ def sample(
             stop_ids = torch.tensor(o.stop_token_ids, device=device)
             logits[i, stop_ids] = float("-inf")
 
-    top_n = max((o.num_logprobs or 0 for o in options), default=0)
     greedy = [i for i, o in enumerate(options) if o.temperature == 0]
     sampled = [i for i, o in enumerate(options) if o.temperature != 0]
     lse: torch.Tensor | None = None

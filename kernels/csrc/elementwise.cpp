@@ -121,6 +121,12 @@ void rotary_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at
   const int64_t row_stride = qkv.stride(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = kv_cache.size(1) * block_size;
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " outside the rotary ",
+                "table of ", cos.size(0));
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " outside the pool of ", num_slots);
+  }
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   T* key_cache = kv_cache.data_ptr<T>();

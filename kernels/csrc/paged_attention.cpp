@@ -220,9 +220,23 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.size(1);
 
+  const int64_t pool_blocks = kv_cache.size(1);
+  TORCH_CHECK(query_start_loc.numel() == num_seqs + 1 && block_tables.size(0) == num_seqs &&
+                  qsl[0] == 0 && qsl[num_seqs] == query.size(0),
+              "query_start_loc must be [S + 1] from 0 to T, block_tables [S, max_blocks]");
   std::vector<WorkItem> items;
   for (int s = 0; s < num_seqs; ++s) {
     const int chunk_len = qsl[s + 1] - qsl[s];
+    TORCH_CHECK(chunk_len >= 1 && ctx[s] >= chunk_len, "sequence ", s, ": a chunk of ",
+                chunk_len, " rows with context ", ctx[s]);
+    const int64_t used = (ctx[s] + block_size - 1) / block_size;
+    TORCH_CHECK(used <= table_stride, "sequence ", s, ": ", ctx[s], " tokens need ", used,
+                " blocks, its table has ", table_stride);
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t block = tables[s * table_stride + b];
+      TORCH_CHECK(block >= 0 && block < pool_blocks, "sequence ", s, ": block ", block,
+                  " outside the pool of ", pool_blocks);
+    }
     for (int r = qsl[s]; r < qsl[s + 1]; r += kRowTile) {
       const int end = std::min(r + kRowTile, qsl[s + 1]);
       const int last_pos = ctx[s] - chunk_len + (end - 1 - qsl[s]);

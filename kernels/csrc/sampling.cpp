@@ -13,21 +13,18 @@
 
 namespace sluiceway {
 
-void argmax_logsumexp(at::Tensor& argmax, at::Tensor& logsumexp, const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat,
-              "logits must be float32 [R, V] with contiguous rows");
-  TORCH_CHECK(argmax.scalar_type() == at::kLong && argmax.numel() == logits.size(0) &&
-                  logsumexp.scalar_type() == at::kFloat && logsumexp.numel() == logits.size(0),
-              "argmax must be int64 [R] and logsumexp float32 [R]");
+namespace {
+
+template <typename T>
+void argmax_logsumexp_impl(at::Tensor& argmax, at::Tensor& logsumexp, const at::Tensor& logits) {
   const int64_t rows = logits.size(0), v = logits.size(1), stride = logits.stride(0);
-  TORCH_CHECK(v > 0, "logits have no columns");
-  const float* base = logits.data_ptr<float>();
+  const T* base = logits.data_ptr<T>();
   int64_t* am = argmax.data_ptr<int64_t>();
   float* lse = logsumexp.data_ptr<float>();
   const v16f neg_inf = splat(-std::numeric_limits<float>::infinity());
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* x = base + r * stride;
+      const T* x = base + r * stride;
       v16f best = neg_inf;
       v16i best_at{};
       v16i at_i;
@@ -50,8 +47,9 @@ void argmax_logsumexp(at::Tensor& argmax, at::Tensor& logsumexp, const at::Tenso
         }
       }
       for (int64_t k = i; k < v; ++k) {
-        if (!found || x[k] > m) {
-          m = x[k];
+        const float xk = to_float(x[k]);
+        if (!found || xk > m) {
+          m = xk;
           m_at = k;
           found = true;
         }
@@ -65,10 +63,27 @@ void argmax_logsumexp(at::Tensor& argmax, at::Tensor& logsumexp, const at::Tenso
       int64_t k = 0;
       for (; k + 16 <= v; k += 16) sum += fast_exp16(load16(x + k) - m);
       float total = reduce_sum(sum);
-      for (; k < v; ++k) total += fast_exp(x[k] - m);
+      for (; k < v; ++k) total += fast_exp(to_float(x[k]) - m);
       lse[r] = m + std::log(total);
     }
   });
+}
+
+}  // namespace
+
+void argmax_logsumexp(at::Tensor& argmax, at::Tensor& logsumexp, const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "logits must be float32 or bfloat16 [R, V] with contiguous rows");
+  TORCH_CHECK(argmax.scalar_type() == at::kLong && argmax.numel() == logits.size(0) &&
+                  logsumexp.scalar_type() == at::kFloat && logsumexp.numel() == logits.size(0),
+              "argmax must be int64 [R] and logsumexp float32 [R]");
+  TORCH_CHECK(logits.size(1) > 0, "logits have no columns");
+  if (logits.scalar_type() == at::kFloat) {
+    argmax_logsumexp_impl<float>(argmax, logsumexp, logits);
+  } else {
+    argmax_logsumexp_impl<c10::BFloat16>(argmax, logsumexp, logits);
+  }
 }
 
 }  // namespace sluiceway

@@ -209,6 +209,20 @@ def test_kernels_reject_bad_arguments() -> None:
         cpu_ops.paged_attention(q, cache, tables.long(), lens, qsl, 0.25)
     with pytest.raises(RuntimeError, match=r"\[T, 2 I\]"):
         cpu_ops.silu_and_mul(torch.randn(3, 5))
+    with pytest.raises(RuntimeError, match="block 3 outside the pool of 3"):
+        cpu_ops.paged_attention(q, cache, tables + 3, lens, qsl, 0.25)
+    with pytest.raises(RuntimeError, match="need 2 blocks"):
+        cpu_ops.paged_attention(q, cache, tables, lens + 4, qsl, 0.25)
+    qkv = torch.randn(2, (4 + 2 * 2) * 16)
+    cos = sin = torch.ones(8, 8)
+    with pytest.raises(RuntimeError, match="position 8 outside"):
+        cpu_ops.rotary_embedding_write_kv(
+            qkv, torch.tensor([0, 8]), cos, sin, cache, torch.tensor([0, 1]), 4, 2
+        )
+    with pytest.raises(RuntimeError, match="slot 12 outside"):
+        cpu_ops.rotary_embedding_write_kv(
+            qkv, torch.tensor([0, 1]), cos, sin, cache, torch.tensor([0, 12]), 4, 2
+        )
 
 
 def test_backend_choice() -> None:
@@ -326,3 +340,24 @@ def test_cpu_runner_packs_linear_weights_for_onednn(tmp_path: pathlib.Path) -> N
     seq.block_table.append(0)
     logits = runners["cpu"].compute_logits_for_test([ScheduledChunk(seq, 0, 5)])[0]
     assert logits.shape == (5, packed.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_greedy_rows_read_bfloat16_logits_as_they_are() -> None:
+    """All rows greedy, no penalties, no logprobs: the sampler reads the model-dtype logits
+    without a float32 copy; tokens and logprobs equal those from the float32 widening."""
+    from worker.sampler import SamplingOptions, sample
+
+    torch.manual_seed(6)
+    logits = (torch.randn(5, 49_160) * 4).bfloat16()
+    argmax, lse = cpu_ops.argmax_logsumexp(logits)
+    argmax32, lse32 = cpu_ops.argmax_logsumexp(logits.float())
+    assert torch.equal(argmax, argmax32) and torch.equal(lse, lse32)
+    greedy = [SamplingOptions(temperature=0.0)] * 5
+    fast = sample(logits, greedy, [None] * 5, [[1]] * 5, cpu_kernels=True)
+    ref = sample(logits.float(), greedy, [None] * 5, [[1]] * 5)
+    assert torch.equal(fast.token_ids, ref.token_ids)
+    torch.testing.assert_close(fast.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
+    # a penalty on one row: everything goes through the float32 path, same tokens as before
+    mixed = [*greedy[:4], SamplingOptions(temperature=0.0, repetition_penalty=2.0)]
+    slow = sample(logits, mixed, [None] * 5, [[int(argmax[4])]] * 5, cpu_kernels=True)
+    assert slow.logprobs.dtype == torch.float32 and torch.equal(slow.token_ids[:4], argmax[:4])
