@@ -10,46 +10,21 @@ too (RoPE + KV write, add + RMSNorm, SiLU-and-mul).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 
 from kernels import cpu_ops
 from kernels.paged_attention import write_kv
-from kernels.varlen_metadata import VarlenMetadata, build_varlen_metadata
+from kernels.varlen_metadata import VarlenMetadata, VarlenMetadataBuilder
 
 __all__ = ["CpuAttentionBackend"]
 
 
-class CpuAttentionBackend:
+class CpuAttentionBackend(VarlenMetadataBuilder):
     """The C++ paged attention (CPU tensors only); create after :func:`kernels.cpu_ops.load`."""
 
     name = "cpu"
     fused_layer_ops = True
-
-    def build_metadata(
-        self,
-        query_lens: Sequence[int],
-        context_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        *,
-        block_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        device: torch.device | str,
-    ) -> VarlenMetadata:
-        """See :func:`kernels.varlen_metadata.build_varlen_metadata`."""
-        return build_varlen_metadata(
-            query_lens,
-            context_lens,
-            block_tables,
-            block_size=block_size,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            device=device,
-        )
 
     def write_kv(
         self,

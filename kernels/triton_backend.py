@@ -12,48 +12,22 @@ buffers). On CPU the kernels run only in Triton's interpreter (``TRITON_INTERPRE
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from kernels.triton_decode_attention import triton_decode_attention
 from kernels.triton_kv_write import triton_write_kv
 from kernels.triton_prefill_attention import triton_prefill_attention
-from kernels.varlen_metadata import VarlenMetadata, build_varlen_metadata
+from kernels.varlen_metadata import VarlenMetadata, VarlenMetadataBuilder
 
 __all__ = ["TritonAttentionBackend"]
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(VarlenMetadataBuilder):
     """:class:`kernels.backend.AttentionBackend` on the Triton kernels (CUDA; CPU only in the
     interpreter)."""
 
     name = "triton"
     fused_layer_ops = False
-
-    def build_metadata(
-        self,
-        query_lens: Sequence[int],
-        context_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        *,
-        block_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        device: torch.device | str,
-    ) -> VarlenMetadata:
-        """See :func:`build_varlen_metadata`."""
-        return build_varlen_metadata(
-            query_lens,
-            context_lens,
-            block_tables,
-            block_size=block_size,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            device=device,
-        )
 
     def write_kv(
         self,

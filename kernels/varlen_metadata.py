@@ -19,7 +19,7 @@ import torch
 
 from kernels.paged_attention import check_step
 
-__all__ = ["VarlenMetadata", "build_varlen_metadata", "choose_num_splits"]
+__all__ = ["VarlenMetadata", "VarlenMetadataBuilder", "build_varlen_metadata", "choose_num_splits"]
 
 # FlashDecoding split choice: at most this many splits, each at least this many tokens long.
 MAX_DECODE_SPLITS = 16
@@ -238,3 +238,32 @@ def build_varlen_metadata(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
     )
+
+
+class VarlenMetadataBuilder:
+    """``build_metadata`` for the attention backends whose kernels take :class:`VarlenMetadata`
+    (Triton, the C++ CPU kernels)."""
+
+    def build_metadata(
+        self,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        *,
+        block_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+    ) -> VarlenMetadata:
+        """See :func:`build_varlen_metadata`."""
+        return build_varlen_metadata(
+            query_lens,
+            context_lens,
+            block_tables,
+            block_size=block_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            device=device,
+        )

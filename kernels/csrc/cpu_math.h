@@ -51,28 +51,6 @@ inline c10::Half from_float<c10::Half>(float x) {
   return c10::Half(x);
 }
 
-// exp(x) in float32 to about 2 ulp (Cephes' expf: x = n ln2 + r with a two-constant
-// Cody-Waite reduction, a degree-5 minimax polynomial for e^r, 2^n built in the exponent
-// bits). exp(-inf) and anything below -87.3 is 0; above 88.3 it saturates at e^88.3.
-inline float fast_exp(float x) {
-  const float clamped = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
-  // round to nearest integer without a libm call: add and remove 1.5 * 2^23
-  const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = clamped - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return x < -87.3f ? 0.0f : p * scale;
-}
-
 }  // namespace sluiceway
 
 namespace sluiceway {
@@ -105,7 +83,14 @@ inline v16f load16(const c10::Half* p) {
 
 inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
 
-// fast_exp on 16 lanes, the same operations lane by lane.
+template <typename T>
+inline void store16(T* p, v16f v) {
+  for (int i = 0; i < 16; ++i) p[i] = from_float<T>(v[i]);
+}
+
+// exp(x) in float32 to about 2 ulp, lane by lane (Cephes' expf: x = n ln2 + r with a
+// two-constant Cody-Waite reduction, a degree-5 minimax polynomial for e^r, 2^n built in the
+// exponent bits). exp(-inf) and anything below -87.3 is 0; above 88.3 it saturates at e^88.3.
 inline v16f fast_exp16(v16f x) {
   const v16f lo = splat(-87.3f), hi = splat(88.3f);
   v16f clamped = x < lo ? lo : x;
@@ -123,6 +108,9 @@ inline v16f fast_exp16(v16f x) {
   const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
   return x < lo ? splat(0.0f) : p * reinterpret_cast<v16f>(e);
 }
+
+// One lane of fast_exp16: the same value (for the few scalars: rescale factors, row tails).
+inline float fast_exp(float x) { return fast_exp16(splat(x))[0]; }
 
 // Horizontal max (exact in any order) and sum, as a fixed tree of lane shuffles: halves, then
 // quarters, eighths and pairs (((v0 + v8) + (v4 + v12)) + ((v2 + v10) + (v6 + v14))) + ...

@@ -91,7 +91,12 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
       const T* gate = xp + r * 2 * n;
       const T* up = gate + n;
       T* orow = o + r * n;
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16) {
+        const v16f g = load16(gate + i);
+        store16(orow + i, g / (1.0f + fast_exp16(-g)) * load16(up + i));
+      }
+      for (; i < n; ++i) {
         const float g = to_float(gate[i]);
         orow[i] = from_float<T>(g / (1.0f + fast_exp(-g)) * to_float(up[i]));
       }
