@@ -5,8 +5,8 @@ They are compiled once per machine with the system C++ compiler through
 cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), keyed by the
 sources and this CPU's instruction-set flags; ``make install`` builds them, so a first ``serve``
 only loads the library (well under a second). Why C++ and not ``torch.compile``: Inductor
-compiles the model again at every start (vLLM's CPU build spends 71-90 s there on this
-model), and a fixed per-row reduction order is ours to write here.
+compiles the model again at every start (vLLM's CPU build takes 51-90 s to start on this
+model on 2 cores, most of it there), and a fixed per-row reduction order is ours to write.
 
 After :func:`load` the operators are ``torch.ops.sluiceway.*`` (they write into the tensors
 they are given and return nothing):
@@ -92,9 +92,13 @@ def load() -> None:
         raise _load_error
     from torch.utils import cpp_extension
 
+    name = _extension_name()
+    built = pathlib.Path(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")
+    if not built.exists():
+        log.info("compiling the C++ CPU kernels %s (once per machine, about 10 s)", name)
     try:
         cpp_extension.load(
-            name=_extension_name(),
+            name=name,
             sources=[str(CSRC / s) for s in SOURCES],
             extra_cflags=CFLAGS,
             is_python_module=False,
@@ -202,7 +206,9 @@ def rotary_embedding_write_kv(
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits`` ``[R, V]`` float32 or bfloat16 (rows contiguous) -> ``(argmax [R] int64,
     logsumexp [R] float32)`` in one pass per row, in float32: the first index of each row's largest logit (as
-    ``torch.argmax``) and ``log(sum(exp(row)))`` (max-shifted; ``-inf`` for a row of ``-inf``).
+    ``torch.argmax``) and ``log(sum(exp(row)))`` (max-shifted; ``-inf`` for a row of ``-inf``,
+    ``inf`` for a row holding ``inf``). A NaN is never the argmax (torch's would be): NaN
+    logits are a broken model, and its row's log-sum-exp is NaN.
     """
     rows = logits.shape[0]
     argmax = torch.empty(rows, dtype=torch.int64)

@@ -368,14 +368,15 @@ class LlamaForCausalLM(nn.Module):
         self.packed_weight_bytes = 0  # bytes of the plain weights freed by pack_linear_weights
 
     def pack_linear_weights(self) -> None:
-        """Reorder every linear weight once for oneDNN (:mod:`kernels.onednn_linear`; CPU
-        only): the layers' four (their plain copies freed, counted in
-        ``packed_weight_bytes``) and a packed copy of the logits' weight (the embedding
-        stays for the lookups)."""
+        """Reorder every linear weight once for oneDNN (:mod:`kernels.onednn_linear`; CPU,
+        float32/bfloat16 only): the layers' four (their plain copies freed, counted in
+        ``packed_weight_bytes``) and a float32 packed copy of the logits' weight (the
+        embedding stays for the lookups): the logits are float32 GEMM outputs, not bfloat16
+        roundings of them, where exact ties between the top two logits are common."""
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         self.packed_weight_bytes = sum(layer.pack_linear_weights() for layer in layers)
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
-        self.packed_lm_head = onednn_linear.pack(weight.data)
+        self.packed_lm_head = onednn_linear.pack(weight.data.float())
 
     def init_rope(self) -> None:
         """(Re)build the rotary tables ``rope_cos``/``rope_sin`` ``[max_positions, D / 2]`` float32
@@ -458,8 +459,8 @@ class LlamaForCausalLM(nn.Module):
         it together with the same ``S`` and ``dst``. With ``N == 1`` ``dst`` is ignored.
         """
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
-        if self.packed_lm_head is not None:
-            local = onednn_linear.linear(hidden, self.packed_lm_head, None)
+        if self.packed_lm_head is not None:  # float32 logits from float32 weights
+            local = onednn_linear.linear(hidden.float(), self.packed_lm_head, None)
         else:
             local = F.linear(hidden, weight)
         if not self.tp.enabled:

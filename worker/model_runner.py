@@ -241,7 +241,11 @@ class ModelRunner:
         self.model: LlamaForCausalLM = model
         self.attention_backend = get_attention_backend(attention_backend, self._device)
         self.model.attention_backend = self.attention_backend
-        if self.attention_backend.fused_layer_ops and onednn_linear.available():
+        if (
+            self.attention_backend.fused_layer_ops
+            and self._dtype in (torch.float32, torch.bfloat16)  # oneDNN's fp16 needs AVX512-FP16
+            and onednn_linear.available()
+        ):
             self.model.pack_linear_weights()
         c = self.config
         hkv = self.model.num_kv_heads  # the rank's
@@ -280,7 +284,8 @@ class ModelRunner:
                 block_size=block_size,
             )
         log.info(
-            "model %s: %s on %s, %d KV blocks of %d tokens (%d bytes each), max_model_len %d",
+            "model %s: %s on %s, %d KV blocks of %d tokens (%d bytes each), max_model_len %d, "
+            "attention backend %s%s",
             self._model_id,
             self._dtype,
             self._device,
@@ -288,6 +293,8 @@ class ModelRunner:
             block_size,
             self.bytes_per_block,
             self._max_model_len,
+            self.attention_backend.name,
+            ", linear weights packed for oneDNN" if self.model.packed_lm_head is not None else "",
         )
 
     # -- properties -----------------------------------------------------------------------
@@ -346,10 +353,10 @@ class ModelRunner:
             return int(torch.cuda.memory_allocated(self._device))
         weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         weights += self.model.packed_weight_bytes
-        if self.model.packed_lm_head is not None:  # a packed copy beside the plain weight
+        if self.model.packed_lm_head is not None:  # a float32 copy beside the plain weight
             m = self.model
             head = m.embed_weight if m.lm_head_weight is None else m.lm_head_weight
-            weights += head.numel() * head.element_size()
+            weights += head.numel() * 4
         return int(weights + self.kv_pool.numel() * self.kv_pool.element_size())
 
     # -- sequences and steps ----------------------------------------------------------------

@@ -265,7 +265,8 @@ def sample(
     Args:
         logits: ``[R, V]`` raw model logits, float32 (modified in place by the penalties), or in
             the model's dtype: converted to float32 first unless every row is greedy without
-            penalties or logprobs and ``cpu_kernels`` is set (then read as they are).
+            penalties or logprobs, ``cpu_kernels`` is set and they are bfloat16 (then read as
+            they are).
         options: per-row parameters (``R`` entries).
         generators: per-row generator for seeded rows (None for the others), on ``logits``'
             device.
@@ -290,7 +291,8 @@ def sample(
         if o.temperature < 0 or not 0 < o.top_p <= 1 or o.top_k < 0 or o.repetition_penalty <= 0:
             raise ValueError(f"invalid sampling options {o}")
     top_n = max((o.num_logprobs or 0 for o in options), default=0)
-    if cpu_kernels and not top_n and all(_plain_greedy(o) for o in options):
+    fast_dtype = logits.dtype in (torch.float32, torch.bfloat16)
+    if cpu_kernels and fast_dtype and not top_n and all(_plain_greedy(o) for o in options):
         # argmax and log-sum-exp in one pass, in float32, over the logits as they are (an
         # argmax of bfloat16 values is the argmax of their float32 widening)
         first_max, row_lse = cpu_ops.argmax_logsumexp(logits)

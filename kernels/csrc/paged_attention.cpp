@@ -298,8 +298,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                   query_start_loc.scalar_type() == at::kInt,
               "block_tables, context_lens and query_start_loc must be int32");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.dim() == 2, "block_tables [S, max_blocks]");
-  TORCH_CHECK(query.size(1) % kv_cache.size(2) == 0, "Hq must be a multiple of Hkv");
-  TORCH_CHECK(kv_cache.size(3) % query.size(2) == 0, "kv_cache width must be block_size * D");
+  TORCH_CHECK(context_lens.is_contiguous() && query_start_loc.is_contiguous(),
+              "context_lens and query_start_loc must be contiguous");
+  TORCH_CHECK(kv_cache.size(2) > 0 && query.size(2) > 0 && query.size(1) % kv_cache.size(2) == 0,
+              "Hq must be a positive multiple of Hkv");
+  TORCH_CHECK(kv_cache.size(3) >= query.size(2) && kv_cache.size(3) % query.size(2) == 0,
+              "kv_cache width must be block_size * D");
   switch (query.scalar_type()) {
     case at::kFloat:
       paged_attention_impl<float>(out, query, kv_cache, block_tables, context_lens,

@@ -55,7 +55,7 @@ void argmax_logsumexp_impl(at::Tensor& argmax, at::Tensor& logsumexp, const at::
         }
       }
       am[r] = m_at;
-      if (std::isinf(m) && m < 0) {  // every logit -inf
+      if (std::isinf(m)) {  // every logit -inf, or one of them +inf
         lse[r] = m;
         continue;
       }
@@ -76,8 +76,9 @@ void argmax_logsumexp(at::Tensor& argmax, at::Tensor& logsumexp, const at::Tenso
                   (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
               "logits must be float32 or bfloat16 [R, V] with contiguous rows");
   TORCH_CHECK(argmax.scalar_type() == at::kLong && argmax.numel() == logits.size(0) &&
-                  logsumexp.scalar_type() == at::kFloat && logsumexp.numel() == logits.size(0),
-              "argmax must be int64 [R] and logsumexp float32 [R]");
+                  logsumexp.scalar_type() == at::kFloat && logsumexp.numel() == logits.size(0) &&
+                  argmax.is_contiguous() && logsumexp.is_contiguous(),
+              "argmax must be a contiguous int64 [R] and logsumexp float32 [R]");
   TORCH_CHECK(logits.size(1) > 0, "logits have no columns");
   if (logits.scalar_type() == at::kFloat) {
     argmax_logsumexp_impl<float>(argmax, logsumexp, logits);

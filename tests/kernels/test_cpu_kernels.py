@@ -219,6 +219,12 @@ def test_kernels_reject_bad_arguments() -> None:
         cpu_ops.rotary_embedding_write_kv(
             qkv, torch.tensor([0, 8]), cos, sin, cache, torch.tensor([0, 1]), 4, 2
         )
+    with pytest.raises(RuntimeError, match="positive multiple"):
+        cpu_ops.paged_attention(q, cache[:, :, :0], tables, lens, qsl, 0.25)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_ops.paged_attention(
+            q, cache, tables, torch.tensor([1, 9, 1, 9], dtype=torch.int32)[::2], qsl, 0.25
+        )
     with pytest.raises(RuntimeError, match="slot 12 outside"):
         cpu_ops.rotary_embedding_write_kv(
             qkv, torch.tensor([0, 1]), cos, sin, cache, torch.tensor([0, 12]), 4, 2
@@ -285,8 +291,10 @@ def test_argmax_logsumexp_matches_torch() -> None:
     logits[2] = 0.5  # a tie everywhere: the first index
     logits[3, [10, 40_000]] = 1e4  # a tie of two maxima
     logits[4, -1] = 1e4  # the maximum in the tail
+    logits[5, 3] = float("inf")
     argmax, lse = cpu_ops.argmax_logsumexp(logits)
     assert torch.equal(argmax, logits.argmax(-1))
+    assert lse[5] == float("inf")
     ref = torch.logsumexp(logits.double(), -1)
     assert lse[1] == float("-inf")
     finite = torch.isfinite(ref)
@@ -361,3 +369,26 @@ def test_greedy_rows_read_bfloat16_logits_as_they_are() -> None:
     mixed = [*greedy[:4], SamplingOptions(temperature=0.0, repetition_penalty=2.0)]
     slow = sample(logits, mixed, [None] * 5, [[int(argmax[4])]] * 5, cpu_kernels=True)
     assert slow.logprobs.dtype == torch.float32 and torch.equal(slow.token_ids[:4], argmax[:4])
+
+
+def test_float16_serves_through_the_cpu_backend(tmp_path: pathlib.Path) -> None:
+    """float16 on CPU: the C++ attention and fused ops, no oneDNN packing (its fp16 path needs
+    AVX512-FP16), float32 logits for the sampler; greedy steps run and agree with torch."""
+    from tests.worker.tiny_models import make_tiny_model
+    from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
+
+    model_dir = make_tiny_model(tmp_path / "llama", "llama-untied", seed=3)
+    tokens = {}
+    for name in ("torch", "cpu"):
+        runner = ModelRunner(
+            model_dir, dtype="float16", block_size=16, kv_cache_memory=1 << 20,
+            attention_backend=name,
+        )  # fmt: skip
+        assert runner.model.packed_lm_head is None
+        seq = runner.make_sequence(0, [5, 9, 11, 200, 3], SamplingOptions(temperature=0.0))
+        seq.block_table.append(0)
+        first = runner.execute([ScheduledChunk(seq, 0, 5)])
+        seq.token_ids.append(first[0].token_id)
+        second = runner.execute([ScheduledChunk(seq, 5, 1)])
+        tokens[name] = [first[0].token_id, second[0].token_id]
+    assert tokens["cpu"] == tokens["torch"]
