@@ -127,7 +127,6 @@ def paged_attention(
     context_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a flattened varlen batch over the paged pool (layout and batch rules of
     :mod:`kernels.paged_attention`): prefill chunks and decode tokens alike, each row causal
@@ -141,13 +140,12 @@ def paged_attention(
         context_lens: ``[S]`` int32, tokens in the pool per sequence (cached + this chunk).
         query_start_loc: ``[S + 1]`` int32, row offsets of each sequence's chunk.
         scale: softmax scale.
-        out: ``[T, Hq, D]`` contiguous to write into (allocated when None).
 
     Returns:
-        ``out``. Scores, softmax and sums in float32, one rounding at the end.
+        A new ``[T, Hq, D]`` contiguous tensor. Scores, softmax and sums in float32, one
+        rounding at the end.
     """
-    if out is None:
-        out = torch.empty(query.shape, dtype=query.dtype)
+    out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.sluiceway.paged_attention(
         out, query, kv_cache, block_tables, context_lens, query_start_loc, scale
     )
@@ -155,8 +153,8 @@ def paged_attention(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x`` ``[T, H]`` (rows contiguous) -> ``weight * round(x * rsqrt(mean(x^2) + eps))``,
-    a new ``[T, H]`` tensor (HF LlamaRMSNorm's roundings; the mean in float32)."""
+    """``x`` ``[T, H]`` (rows contiguous) -> ``weight * x * rsqrt(mean(x^2) + eps)``, a new
+    ``[T, H]`` tensor: float32 arithmetic, one rounding to the dtype (as ``F.rms_norm``)."""
     out = torch.empty(x.shape, dtype=x.dtype)
     torch.ops.sluiceway.rms_norm(out, x, weight, eps)
     return out

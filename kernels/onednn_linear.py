@@ -9,13 +9,9 @@ rows). The packed weight is an opaque ``torch._mkldnn`` tensor: only :func:`line
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 __all__ = ["available", "linear", "pack"]
-
-log = logging.getLogger(__name__)
 
 # The batch-size hint of the reorder: it picks the blocking, measured the same from 1 to 2048.
 _BATCH_HINT = 256

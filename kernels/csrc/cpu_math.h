@@ -9,8 +9,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include <ATen/Dispatch.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+
+// Runs the statement list with `scalar_t` bound to the tensor dtype's C++ type, for the
+// dtypes a model runs in (ATen's dispatch: an unsupported dtype is a clear error).
+#define SLUICEWAY_DISPATCH(dtype, name, ...)                                       \
+  AT_DISPATCH_SWITCH(dtype, name,                                                  \
+                     AT_DISPATCH_CASE(at::kFloat, [&] { __VA_ARGS__; })            \
+                     AT_DISPATCH_CASE(at::kBFloat16, [&] { __VA_ARGS__; })         \
+                     AT_DISPATCH_CASE(at::kHalf, [&] { __VA_ARGS__; }))
 
 namespace sluiceway {
 

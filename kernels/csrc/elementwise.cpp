@@ -157,27 +157,6 @@ void rotary_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at
   });
 }
 
-#define SLUICEWAY_DISPATCH(dtype, name, ...)                                   \
-  switch (dtype) {                                                             \
-    case at::kFloat: {                                                         \
-      using scalar_t = float;                                                  \
-      __VA_ARGS__;                                                             \
-      break;                                                                   \
-    }                                                                          \
-    case at::kBFloat16: {                                                      \
-      using scalar_t = c10::BFloat16;                                          \
-      __VA_ARGS__;                                                             \
-      break;                                                                   \
-    }                                                                          \
-    case at::kHalf: {                                                          \
-      using scalar_t = c10::Half;                                              \
-      __VA_ARGS__;                                                             \
-      break;                                                                   \
-    }                                                                          \
-    default:                                                                   \
-      TORCH_CHECK(false, name, ": unsupported dtype ", dtype);                 \
-  }
-
 void check_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, " must be 2-D with contiguous rows");
 }

@@ -304,22 +304,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
               "Hq must be a positive multiple of Hkv");
   TORCH_CHECK(kv_cache.size(3) >= query.size(2) && kv_cache.size(3) % query.size(2) == 0,
               "kv_cache width must be block_size * D");
-  switch (query.scalar_type()) {
-    case at::kFloat:
-      paged_attention_impl<float>(out, query, kv_cache, block_tables, context_lens,
-                                  query_start_loc, scale);
-      break;
-    case at::kBFloat16:
-      paged_attention_impl<c10::BFloat16>(out, query, kv_cache, block_tables, context_lens,
-                                          query_start_loc, scale);
-      break;
-    case at::kHalf:
-      paged_attention_impl<c10::Half>(out, query, kv_cache, block_tables, context_lens,
-                                      query_start_loc, scale);
-      break;
-    default:
-      TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
-  }
+  SLUICEWAY_DISPATCH(query.scalar_type(), "paged_attention",
+                     paged_attention_impl<scalar_t>(out, query, kv_cache, block_tables,
+                                                    context_lens, query_start_loc, scale));
 }
 
 }  // namespace sluiceway
