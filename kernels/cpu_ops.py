@@ -42,7 +42,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "bindings.cpp")
+SOURCES = (
+    "paged_attention.cpp",
+    "elementwise.cpp",
+    "sampling.cpp",
+    "logits_gemm.cpp",
+    "bindings.cpp",
+)
 HEADERS = ("cpu_math.h",)
 CSRC = pathlib.Path(__file__).with_name("csrc")
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
@@ -213,6 +219,36 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.empty(rows, dtype=torch.float32)
     torch.ops.sluiceway.argmax_logsumexp(argmax, lse, logits)
     return argmax, lse
+
+
+def bf16_gemm_fp32_supported() -> bool:
+    """Whether :func:`bf16_gemm_fp32` runs here: the kernels load and were built for a CPU
+    with AVX512-BF16 (``-march=native``)."""
+    return available() and bool(torch.ops.sluiceway.bf16_gemm_fp32_supported())
+
+
+def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` -> the layout :func:`bf16_gemm_fp32` reads: bfloat16
+    ``[ceil(N / 16), ceil(K / 2), 16, 2]`` (per 16 columns, per K pair, the 16 columns' pair),
+    zero-padded (``4 * ceil(N / 16) * 16 * ceil(K / 2)`` bytes)."""
+    n, k = weight.shape
+    n_pad, k_pad = -n % 16, -k % 2
+    w = torch.nn.functional.pad(weight.to(torch.bfloat16), (0, k_pad, 0, n_pad))
+    return w.view((n + n_pad) // 16, 16, (k + k_pad) // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def bf16_gemm_fp32(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` ``[M, K]`` bfloat16 (rows contiguous) @ the ``[N, K]`` weight ``packed`` by
+    :func:`pack_bf16_pairs` -> ``[M, N]`` float32: each output the float32 sum of exact
+    bfloat16 products in K order (AVX512-BF16 ``vdpbf16ps``), never rounded to bfloat16; a
+    row's result does not depend on the other rows.
+
+    Raises:
+        RuntimeError: shapes that do not match, or a CPU without AVX512-BF16.
+    """
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    torch.ops.sluiceway.bf16_gemm_fp32(out, x, packed)
+    return out
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu_ops`: build now (make install does)

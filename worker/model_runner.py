@@ -353,10 +353,7 @@ class ModelRunner:
             return int(torch.cuda.memory_allocated(self._device))
         weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         weights += self.model.packed_weight_bytes
-        if self.model.packed_lm_head is not None:  # a float32 copy beside the plain weight
-            m = self.model
-            head = m.embed_weight if m.lm_head_weight is None else m.lm_head_weight
-            weights += head.numel() * 4
+        weights += self.model.packed_lm_head_bytes  # a copy beside the plain weight
         return int(weights + self.kv_pool.numel() * self.kv_pool.element_size())
 
     # -- sequences and steps ----------------------------------------------------------------
@@ -469,7 +466,9 @@ class ModelRunner:
                 selected = hidden.index_select(0, rows_t)
             timings.prepare_s += t1 - t0
             fused = self.attention_backend.fused_layer_ops  # the sampler converts if needed
-            logits = self.model.compute_logits(selected, dst=0, float32=not fused)
+            logits = self.model.compute_logits(
+                selected, dst=0, float32=not fused, reuse_buffer=True
+            )
             t2 = time.perf_counter()
             timings.forward_s += t2 - t1
             if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples

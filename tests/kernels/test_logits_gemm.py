@@ -1,0 +1,131 @@
+"""The bfloat16 -> float32 logits GEMM (kernels/csrc/logits_gemm.cpp) against the float64
+oracle, its batch invariance (bitwise), and the model's choice between it and oneDNN's float32
+GEMM."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+
+cpu_ops.load()
+needs_bf16 = pytest.mark.skipif(
+    not cpu_ops.bf16_gemm_fp32_supported(), reason="this CPU has no AVX512-BF16"
+)
+
+
+def _oracle(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.double() @ weight.double().T
+
+
+@needs_bf16
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [
+        (1, 64, 576),  # SmolLM2's hidden size, one tile
+        (13, 200, 64),  # 2 row groups of 6 and a tail of 1; N not a multiple of 64 (3 + 8 cols)
+        (6, 16, 130),  # two K blocks and a pair past them
+        (5, 37, 7),  # odd K: the last pair's second half is zero; N tail of 5
+        (250, 100, 40),  # more rows than one row block (240)
+        (3, 1, 2),
+    ],
+)
+def test_matches_float64(m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    out = cpu_ops.bf16_gemm_fp32(x, cpu_ops.pack_bf16_pairs(weight), n)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    ref = _oracle(x, weight)
+    # float32 summation of exact products: error ~ k * eps32 * sum|x w|
+    bound = 4 * k * 2**-24 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+    assert ((out.double() - ref).abs() <= bound).all()
+
+
+@needs_bf16
+def test_no_bfloat16_rounding_of_the_results() -> None:
+    """Two logits 2**-12 apart (the same bfloat16) stay apart in float32."""
+    weight = torch.zeros(2, 4, dtype=torch.bfloat16)
+    weight[0, 0] = 1.0
+    weight[1, 0], weight[1, 1] = 1.0, 2**-12
+    x = torch.tensor([[1.0, 1.0, 0.0, 0.0]]).bfloat16()
+    out = cpu_ops.bf16_gemm_fp32(x, cpu_ops.pack_bf16_pairs(weight), 2)
+    assert out.tolist() == [[1.0, 1.0 + 2**-12]]
+    assert torch.nn.functional.linear(x, weight).tolist() == [[1.0, 1.0]]  # what bf16 gives
+
+
+@needs_bf16
+def test_a_row_is_bitwise_the_same_whatever_else_is_in_the_batch() -> None:
+    g = torch.Generator().manual_seed(5)
+    weight = (torch.randn(1000, 576, generator=g) * 0.05).bfloat16()
+    packed = cpu_ops.pack_bf16_pairs(weight)
+    rows = torch.randn(300, 576, generator=g).bfloat16()
+    alone = cpu_ops.bf16_gemm_fp32(rows[:1], packed, 1000)
+    for m in (2, 5, 6, 7, 64, 241, 300):
+        batch = cpu_ops.bf16_gemm_fp32(rows[:m], packed, 1000)
+        assert torch.equal(batch[:1], alone), m
+    # strided rows (a slice of a wider hidden state) read the same values
+    wide = torch.zeros(4, 600, dtype=torch.bfloat16)
+    wide[:, :576] = rows[:4]
+    strided = cpu_ops.bf16_gemm_fp32(wide[:, :576], packed, 1000)
+    assert torch.equal(strided, cpu_ops.bf16_gemm_fp32(rows[:4], packed, 1000))
+
+
+@needs_bf16
+def test_rejects_bad_arguments() -> None:
+    packed = cpu_ops.pack_bf16_pairs(torch.randn(32, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        cpu_ops.bf16_gemm_fp32(torch.randn(2, 8), packed, 32)
+    with pytest.raises(RuntimeError, match="packed holds 8 K values, x has K = 10"):
+        cpu_ops.bf16_gemm_fp32(torch.randn(2, 10).bfloat16(), packed, 32)
+    with pytest.raises(RuntimeError, match="N <= 16"):
+        cpu_ops.bf16_gemm_fp32(torch.randn(2, 8).bfloat16(), packed, 33)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        cpu_ops.bf16_gemm_fp32(torch.randn(2, 8).bfloat16(), packed.float(), 32)
+
+
+def test_pack_layout() -> None:
+    weight = torch.arange(20 * 3, dtype=torch.float32).view(20, 3).bfloat16()
+    packed = cpu_ops.pack_bf16_pairs(weight)
+    assert packed.shape == (2, 2, 16, 2) and packed.dtype == torch.bfloat16
+    assert packed[1, 0, 3].tolist() == weight[19, 0:2].tolist()
+    assert packed[1, 1, 3].tolist() == [weight[19, 2].item(), 0.0]  # K padded with zero
+    assert packed[1, 0, 4:].abs().sum().item() == 0.0  # N padded with zeros
+
+
+@pytest.mark.parametrize("bf16_kernel", [True, False])
+def test_model_logits_kernel_choice(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, bf16_kernel: bool
+) -> None:
+    """bfloat16 model: the pairs kernel where the CPU has AVX512-BF16, else oneDNN's float32
+    GEMM; both float32 logits within float32 rounding of the float64 oracle, and the reused
+    buffer gives the same values as a fresh tensor."""
+    if bf16_kernel and not cpu_ops.bf16_gemm_fp32_supported():
+        pytest.skip("this CPU has no AVX512-BF16")
+    if not bf16_kernel:
+        monkeypatch.setattr(cpu_ops, "bf16_gemm_fp32_supported", lambda: False)
+    from tests.worker.tiny_models import make_tiny_model
+    from worker.model_runner import ModelRunner
+
+    model_dir = make_tiny_model(tmp_path / "llama", "llama-untied", seed=3)
+    runner = ModelRunner(
+        model_dir, dtype="bfloat16", block_size=16, kv_cache_memory=1 << 20,
+        attention_backend="cpu",
+    )  # fmt: skip
+    model = runner.model
+    assert model._lm_head_bf16_pairs is bf16_kernel
+    assert model.lm_head_weight is not None
+    vocab, hidden_size = model.lm_head_weight.shape
+    assert model.packed_lm_head_bytes == vocab * hidden_size * (2 if bf16_kernel else 4)
+    hidden = torch.randn(9, hidden_size).bfloat16()
+    fresh = model.compute_logits(hidden)
+    reused = model.compute_logits(hidden, reuse_buffer=True)
+    assert fresh.dtype == reused.dtype == torch.float32 and torch.equal(fresh, reused)
+    ref = _oracle(hidden, model.lm_head_weight)
+    torch.testing.assert_close(fresh.double(), ref, atol=1e-4, rtol=1e-5)
+    # fewer rows next time: a view of the same buffer, the values of those rows
+    again = model.compute_logits(hidden[:3], reuse_buffer=True)
+    assert torch.equal(again, fresh[:3])
