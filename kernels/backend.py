@@ -12,6 +12,8 @@ The worker chooses one at start (``--attention-backend auto|torch|cpu|triton``, 
 :func:`get_attention_backend`); ``auto`` is Triton on CUDA when Triton imports, the C++ kernels
 (:mod:`kernels.cpu_backend`) on CPU when they build, else the torch reference. A backend whose
 ``fused_layer_ops`` is true also runs the decoder's elementwise work through its fused ops.
+A backend whose ``batch_invariant`` is true computes each row of ``attention`` in an order
+fixed per row (independent of the other rows, the chunking and the block layout).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class AttentionBackend(Protocol):
 
     name: str
     fused_layer_ops: bool
+    batch_invariant: bool
 
     def build_metadata(
         self,
@@ -76,6 +79,9 @@ class TorchAttentionBackend:
 
     name = "torch"
     fused_layer_ops = False
+    # decode buckets pad to their longest context and prefills run SDPA, whose tiling
+    # follows the shapes: a row's rounding depends on the batch
+    batch_invariant = False
 
     def build_metadata(
         self,

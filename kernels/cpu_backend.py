@@ -25,6 +25,7 @@ class CpuAttentionBackend(VarlenMetadataBuilder):
 
     name = "cpu"
     fused_layer_ops = True
+    batch_invariant = True  # one kernel, a fixed order per row (kernels/csrc/paged_attention.cpp)
 
     def write_kv(
         self,

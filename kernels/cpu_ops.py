@@ -46,7 +46,7 @@ SOURCES = (
     "paged_attention.cpp",
     "elementwise.cpp",
     "sampling.cpp",
-    "logits_gemm.cpp",
+    "bf16_gemm.cpp",
     "bindings.cpp",
 )
 HEADERS = ("cpu_math.h",)
@@ -221,14 +221,14 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return argmax, lse
 
 
-def bf16_gemm_fp32_supported() -> bool:
-    """Whether :func:`bf16_gemm_fp32` runs here: the kernels load and were built for a CPU
-    with AVX512-BF16 (``-march=native``)."""
-    return available() and bool(torch.ops.sluiceway.bf16_gemm_fp32_supported())
+def bf16_gemm_supported() -> bool:
+    """Whether :func:`bf16_linear` runs here: the kernels load and were built for a CPU with
+    AVX512-BF16 (``-march=native``)."""
+    return available() and bool(torch.ops.sluiceway.bf16_gemm_supported())
 
 
 def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[N, K]`` -> the layout :func:`bf16_gemm_fp32` reads: bfloat16
+    """``weight`` ``[N, K]`` -> the layout :func:`bf16_linear` reads: bfloat16
     ``[ceil(N / 16), ceil(K / 2), 16, 2]`` (per 16 columns, per K pair, the 16 columns' pair),
     zero-padded (``4 * ceil(N / 16) * 16 * ceil(K / 2)`` bytes)."""
     n, k = weight.shape
@@ -237,17 +237,27 @@ def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
     return w.view((n + n_pad) // 16, 16, (k + k_pad) // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def bf16_gemm_fp32(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+def bf16_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """``x`` ``[M, K]`` bfloat16 (rows contiguous) @ the ``[N, K]`` weight ``packed`` by
-    :func:`pack_bf16_pairs` -> ``[M, N]`` float32: each output the float32 sum of exact
-    bfloat16 products in K order (AVX512-BF16 ``vdpbf16ps``), never rounded to bfloat16; a
-    row's result does not depend on the other rows.
+    :func:`pack_bf16_pairs` (+ ``bias`` ``[N]``) -> ``[M, N]`` in ``out_dtype`` (bfloat16,
+    rounded once, or float32) or into ``out``: each output the float32 sum of exact bfloat16
+    products in K order (AVX512-BF16 ``vdpbf16ps``), so a row's result does not depend on
+    the other rows (batch invariance).
 
     Raises:
-        RuntimeError: shapes that do not match, or a CPU without AVX512-BF16.
+        RuntimeError: shapes or dtypes that do not match, or a CPU without AVX512-BF16.
     """
-    out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    torch.ops.sluiceway.bf16_gemm_fp32(out, x, packed)
+    if out is None:
+        out = torch.empty(x.shape[0], n, dtype=out_dtype)
+    torch.ops.sluiceway.bf16_gemm(out, x, packed, None if bias is None else bias.float())
     return out
 
 

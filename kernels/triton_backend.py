@@ -28,6 +28,8 @@ class TritonAttentionBackend(VarlenMetadataBuilder):
 
     name = "triton"
     fused_layer_ops = False
+    # decode and prefill are different kernels and the decode split count follows the batch
+    batch_invariant = False
 
     def write_kv(
         self,

@@ -196,20 +196,28 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * self.intermediate) if c.mlp_bias else None
         self.down_weight = _param(c.hidden_size, self.intermediate)
         self.down_bias = _param(c.hidden_size) if c.mlp_bias else None
-        # oneDNN-blocked copies of the four weights, by name, once pack_linear_weights ran
+        # packed copies of the four weights, by name, once pack_linear_weights ran: oneDNN's
+        # blocked layout, or (bf16_pairs) the layout of kernels.cpu_ops.bf16_linear
         self.packed: dict[str, torch.Tensor] = {}
+        self.packed_out_features: dict[str, int] = {}
+        self.bf16_pairs = False
 
-    def pack_linear_weights(self) -> int:
-        """Reorder the four linear weights for oneDNN (:mod:`kernels.onednn_linear`) and free
-        the plain copies (the forward reads only the packed ones). CPU only.
+    def pack_linear_weights(self, bf16_pairs: bool = False) -> int:
+        """Pack the four linear weights once and free the plain copies (the forward reads only
+        the packed ones). CPU only. ``bf16_pairs`` (bfloat16 weights, a CPU with AVX512-BF16):
+        for :func:`kernels.cpu_ops.bf16_linear`, whose rows do not depend on the batch; else
+        reordered for oneDNN (:mod:`kernels.onednn_linear`).
 
         Returns:
-            Bytes the packed weights hold.
+            Bytes the plain weights held.
         """
         packed_bytes = 0
+        self.bf16_pairs = bf16_pairs
         for name in LINEAR_WEIGHTS:
             weight = getattr(self, name)
-            self.packed[name] = onednn_linear.pack(weight.data)
+            pack = cpu_ops.pack_bf16_pairs if bf16_pairs else onednn_linear.pack
+            self.packed[name] = pack(weight.data)
+            self.packed_out_features[name] = weight.shape[0]
             packed_bytes += weight.numel() * weight.element_size()
             weight.data = torch.empty(0, dtype=weight.dtype)
         return packed_bytes
@@ -218,6 +226,8 @@ class DecoderLayer(nn.Module):
         packed = self.packed.get(name)
         if packed is None:
             return F.linear(x, getattr(self, name), bias)
+        if self.bf16_pairs:
+            return cpu_ops.bf16_linear(x, packed, self.packed_out_features[name], bias)
         return onednn_linear.linear(x, packed, bias)
 
     def _row_parallel_linear(
@@ -366,27 +376,29 @@ class LlamaForCausalLM(nn.Module):
         self.attention_backend: AttentionBackend = TorchAttentionBackend()
         self.packed_lm_head: torch.Tensor | None = None  # see pack_linear_weights
         self.packed_lm_head_bytes = 0
-        # bfloat16 with AVX512-BF16: packed_lm_head is pack_bf16_pairs' layout (else oneDNN's)
-        self._lm_head_bf16_pairs = False
+        # bfloat16 with AVX512-BF16: the packed weights are pack_bf16_pairs' (else oneDNN's)
+        self.bf16_pairs = False
         self._logits_buffer = torch.empty(0)  # compute_logits(reuse_buffer=True) writes here
         self.packed_weight_bytes = 0  # bytes of the plain weights freed by pack_linear_weights
 
     def pack_linear_weights(self) -> None:
-        """Reorder every linear weight once for oneDNN (:mod:`kernels.onednn_linear`; CPU,
-        float32/bfloat16 only): the layers' four (their plain copies freed, counted in
-        ``packed_weight_bytes``), and a packed copy of the logits' weight (the embedding stays
-        for the lookups; ``packed_lm_head_bytes``) whose GEMM gives float32 logits, not
-        bfloat16 roundings of them, where exact ties between the top two logits are common:
-        in bfloat16 on a CPU with AVX512-BF16 the weight as it is, in the layout of
-        :func:`kernels.cpu_ops.bf16_gemm_fp32` (bfloat16 products summed in float32, at
-        bfloat16 GEMM speed), else a float32 copy for oneDNN's float32 GEMM."""
+        """Pack every linear weight once (CPU, float32/bfloat16 only): the layers' four (their
+        plain copies freed, counted in ``packed_weight_bytes``) and a copy of the logits'
+        weight (the embedding stays for the lookups; ``packed_lm_head_bytes``) whose GEMM
+        gives float32 logits, not bfloat16 roundings of them, where exact ties between the
+        top two logits are common.
+
+        In bfloat16 on a CPU with AVX512-BF16 all of them go to
+        :func:`kernels.cpu_ops.bf16_linear` (float32 sums in a fixed order per row: the
+        forward is batch invariant; ``bf16_pairs``); else oneDNN's reordered layout
+        (:mod:`kernels.onednn_linear`), the logits from a float32 copy of the weight."""
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
-        self.packed_weight_bytes = sum(layer.pack_linear_weights() for layer in layers)
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
-        self._lm_head_bf16_pairs = (
-            weight.dtype == torch.bfloat16 and cpu_ops.bf16_gemm_fp32_supported()
+        self.bf16_pairs = weight.dtype == torch.bfloat16 and cpu_ops.bf16_gemm_supported()
+        self.packed_weight_bytes = sum(
+            layer.pack_linear_weights(bf16_pairs=self.bf16_pairs) for layer in layers
         )
-        if self._lm_head_bf16_pairs:
+        if self.bf16_pairs:
             self.packed_lm_head = cpu_ops.pack_bf16_pairs(weight.data)
             self.packed_lm_head_bytes = self.packed_lm_head.numel() * 2
         else:
@@ -455,13 +467,14 @@ class LlamaForCausalLM(nn.Module):
     def _bf16_logits(self, hidden: torch.Tensor, vocab_rows: int, reuse: bool) -> torch.Tensor:
         assert self.packed_lm_head is not None
         rows = hidden.shape[0]
-        if not reuse:
-            return cpu_ops.bf16_gemm_fp32(hidden, self.packed_lm_head, vocab_rows)
-        if self._logits_buffer.shape[0] < rows:
-            self._logits_buffer = torch.empty(rows, vocab_rows, dtype=torch.float32)
-        out = self._logits_buffer[:rows]
-        torch.ops.sluiceway.bf16_gemm_fp32(out, hidden, self.packed_lm_head)
-        return out
+        out = None
+        if reuse:
+            if self._logits_buffer.shape[0] < rows:
+                self._logits_buffer = torch.empty(rows, vocab_rows, dtype=torch.float32)
+            out = self._logits_buffer[:rows]
+        return cpu_ops.bf16_linear(
+            hidden, self.packed_lm_head, vocab_rows, out=out, out_dtype=torch.float32
+        )
 
     @overload
     def compute_logits(
@@ -500,7 +513,7 @@ class LlamaForCausalLM(nn.Module):
         it together with the same ``S`` and ``dst``. With ``N == 1`` ``dst`` is ignored.
         """
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
-        if self._lm_head_bf16_pairs:
+        if self.bf16_pairs:
             assert self.packed_lm_head is not None
             local = self._bf16_logits(hidden, weight.shape[0], reuse_buffer)
         elif self.packed_lm_head is not None:  # float32 logits from float32 weights

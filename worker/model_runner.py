@@ -285,7 +285,7 @@ class ModelRunner:
             )
         log.info(
             "model %s: %s on %s, %d KV blocks of %d tokens (%d bytes each), max_model_len %d, "
-            "attention backend %s%s",
+            "attention backend %s%s, %s",
             self._model_id,
             self._dtype,
             self._device,
@@ -294,10 +294,22 @@ class ModelRunner:
             self.bytes_per_block,
             self._max_model_len,
             self.attention_backend.name,
-            ", linear weights packed for oneDNN" if self.model.packed_lm_head is not None else "",
+            (", linear weights packed for oneDNN" if self.model.packed_lm_head is not None else "")
+            if not self.model.bf16_pairs
+            else ", linear weights packed for the bfloat16 GEMM",
+            "batch invariant" if self.batch_invariant else "not batch invariant",
         )
 
     # -- properties -----------------------------------------------------------------------
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether every reduction of this runner's forward has an order fixed per row: the C++
+        CPU attention and fused ops with every linear and the logits on
+        :func:`kernels.cpu_ops.bf16_linear` (bfloat16 on a CPU with AVX512-BF16). Not oneDNN's
+        GEMMs (their reduction follows the shape), not the torch reference, not the Triton
+        kernels with cuBLAS linears (README, Reproducibility)."""
+        return self.attention_backend.batch_invariant and self.model.bf16_pairs
 
     @property
     def model_id(self) -> str:
@@ -405,9 +417,11 @@ class ModelRunner:
         """Run one step: a single flattened forward over all chunks, logits for the chunks that
         reach the end of their sequence, sampling on the device.
 
-        A seeded sequence that samples (temperature > 0) runs in a forward of its own, so its
-        logits, and so its tokens, do not depend on what else is in the batch: batched
-        matmuls round differently by batch shape (visibly in bfloat16).
+        Where the forward is batch invariant (:attr:`batch_invariant`: a row's logits do not
+        depend on the other rows of the step, on how its prompt was chunked or on whether its
+        prefix's K/V came from the prefix cache) every sequence shares the one forward.
+        Elsewhere a seeded sequence that samples (temperature > 0) runs in a forward of its
+        own, so that its tokens at least do not depend on the batch.
 
         With tensor parallelism every rank must call it with the same chunks (same
         sequences, positions, block tables and sampling options), in the same order of steps:
@@ -422,6 +436,8 @@ class ModelRunner:
             ValueError: an inconsistent chunk (see :meth:`_prepare`).
         """
         timings = self.last_timings = StepTimings()
+        if self.batch_invariant:
+            return self._execute_batch(chunks, timings)
         isolated: list[ScheduledChunk] = []
         shared: list[ScheduledChunk] = []
         for c in chunks:

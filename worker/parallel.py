@@ -118,11 +118,27 @@ class TensorParallelGroup:
     # -- collectives ---------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place; returns ``x`` (any shape and dtype the backend
-        reduces: NCCL all, gloo float32/float16/bfloat16 on CPU; gloo also reduces CUDA
-        tensors, through host memory)."""
-        if self.world_size > 1:
+        """Sum ``x`` over the ranks, in place; returns ``x``.
+
+        CPU tensors: every rank's ``x`` is all-gathered and summed in float32 in rank order
+        0, 1, ..., N - 1, rounded once to ``x``'s dtype: each element's sum has one order
+        whatever the tensor's size (gloo's ring splits a tensor into chunks by size, and an
+        element's order of addition follows its chunk: a row's sum would depend on the batch).
+        CUDA tensors: the backend's all-reduce (NCCL, or gloo through host memory), whose order
+        follows the size too.
+        """
+        if self.world_size == 1:
+            return x
+        if x.is_cuda:
             dist.all_reduce(x, op=dist.ReduceOp.SUM)
+            return x
+        send = x.contiguous()
+        parts = [torch.empty_like(send) for _ in range(self.world_size)]
+        dist.all_gather(parts, send)
+        total = parts[0].float()
+        for part in parts[1:]:
+            total += part
+        x.copy_(total)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:

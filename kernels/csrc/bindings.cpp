@@ -1,6 +1,8 @@
 // Registers the CPU kernels as torch operators, torch.ops.sluiceway.<name>; each writes into
 // tensors it is given (no allocation) and returns nothing.
 #include <ATen/core/Tensor.h>
+
+#include <optional>
 #include <torch/library.h>
 
 namespace sluiceway {
@@ -17,8 +19,9 @@ void rotary_embedding_write_kv(at::Tensor& qkv, const at::Tensor& positions,
                                at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                                int64_t num_heads, int64_t num_kv_heads);
 void argmax_logsumexp(at::Tensor& argmax, at::Tensor& logsumexp, const at::Tensor& logits);
-bool bf16_gemm_fp32_supported();
-void bf16_gemm_fp32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed);
+bool bf16_gemm_supported();
+void bf16_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+               const std::optional<at::Tensor>& bias);
 
 }  // namespace sluiceway
 
@@ -33,8 +36,8 @@ TORCH_LIBRARY(sluiceway, m) {
       "rotary_embedding_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor(b!) kv_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
   m.def("argmax_logsumexp(Tensor(a!) argmax, Tensor(b!) logsumexp, Tensor logits) -> ()");
-  m.def("bf16_gemm_fp32_supported() -> bool");
-  m.def("bf16_gemm_fp32(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
+  m.def("bf16_gemm_supported() -> bool");
+  m.def("bf16_gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sluiceway, CPU, m) {
@@ -44,9 +47,9 @@ TORCH_LIBRARY_IMPL(sluiceway, CPU, m) {
   m.impl("silu_and_mul", &sluiceway::silu_and_mul);
   m.impl("rotary_embedding_write_kv", &sluiceway::rotary_embedding_write_kv);
   m.impl("argmax_logsumexp", &sluiceway::argmax_logsumexp);
-  m.impl("bf16_gemm_fp32", &sluiceway::bf16_gemm_fp32);
+  m.impl("bf16_gemm", &sluiceway::bf16_gemm);
 }
 
 TORCH_LIBRARY_IMPL(sluiceway, CompositeExplicitAutograd, m) {
-  m.impl("bf16_gemm_fp32_supported", &sluiceway::bf16_gemm_fp32_supported);
+  m.impl("bf16_gemm_supported", &sluiceway::bf16_gemm_supported);
 }

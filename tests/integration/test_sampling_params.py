@@ -110,7 +110,7 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(stack: Stac
     seeded = Client.request("Write a short poem about rivers.", temperature=0.8, seed=1234,
                             max_tokens=24, ignore_eos=True)  # fmt: skip
     _, alone = text_and_ids(stack, seeded)
-    # A few seeded neighbours (each its own generator and forward), the rest one batch.
+    # A few seeded neighbours (each its own generator), the rest unseeded.
     others = [
         Client.request(f"Tell me fact number {i} about space.", temperature=0.8,
                        seed=i if i % 4 == 0 else None, max_tokens=24 + i, ignore_eos=True)
@@ -127,8 +127,9 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(stack: Stac
 
 
 def test_seeded_request_is_batch_invariant_in_bfloat16_too() -> None:
-    """bfloat16 matmuls round differently by batch shape: the worker gives a seeded sampled
-    sequence a forward of its own, so its tokens cannot depend on the batch."""
+    """In bfloat16 every reduction of the forward has an order fixed per row (README,
+    Reproducibility): a seeded sampled sequence shares the batch's forward and its tokens do
+    not depend on the batch."""
     from tests.integration.conftest import start_stack, stop_stack
 
     stack = start_stack("--dtype", "bfloat16")

@@ -319,9 +319,14 @@ def test_sampler_with_cpu_kernels_picks_the_same_tokens() -> None:
     torch.testing.assert_close(mine.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
 
 
-def test_cpu_runner_packs_linear_weights_for_onednn(tmp_path: pathlib.Path) -> None:
-    """With the C++ kernels the runner reorders every linear weight once (oneDNN) and frees
-    the plain copies; sizes are still counted; bfloat16 logits equal F.linear's bit for bit."""
+def test_cpu_runner_packs_linear_weights_for_onednn(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the C++ kernels but without the bfloat16 GEMM (a CPU without AVX512-BF16) the
+    runner reorders every linear weight once for oneDNN and frees the plain copies; sizes are
+    still counted; bfloat16 results equal F.linear's bit for bit; not batch invariant
+    (tests/kernels/test_bf16_gemm.py covers the other choice)."""
+    monkeypatch.setattr(cpu_ops, "bf16_gemm_supported", lambda: False)
     from tests.worker.tiny_models import make_tiny_model
     from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
 
@@ -337,6 +342,7 @@ def test_cpu_runner_packs_linear_weights_for_onednn(tmp_path: pathlib.Path) -> N
     assert all(sorted(layer.packed) == sorted(LINEAR_WEIGHTS) for layer in packed.layers)
     assert all(layer.qkv_weight.numel() == 0 for layer in packed.layers)
     assert packed.packed_lm_head is not None and runners["torch"].model.packed_lm_head is None
+    assert not runners["cpu"].batch_invariant and not runners["torch"].batch_invariant
     assert runners["cpu"].parameter_bytes == runners["torch"].parameter_bytes
     x = torch.randn(7, packed.config.hidden_size).bfloat16()
     plain = runners["torch"].model.layers[0]

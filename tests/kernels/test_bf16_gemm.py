@@ -1,6 +1,6 @@
-"""The bfloat16 -> float32 logits GEMM (kernels/csrc/logits_gemm.cpp) against the float64
-oracle, its batch invariance (bitwise), and the model's choice between it and oneDNN's float32
-GEMM."""
+"""The bfloat16 GEMM of the linear layers and the logits (kernels/csrc/bf16_gemm.cpp) against
+the float64 oracle, in float32 and bfloat16 out, with and without bias; its batch invariance
+(bitwise); the model's choice between it and oneDNN."""
 
 from __future__ import annotations
 
@@ -13,12 +13,16 @@ from kernels import cpu_ops
 
 cpu_ops.load()
 needs_bf16 = pytest.mark.skipif(
-    not cpu_ops.bf16_gemm_fp32_supported(), reason="this CPU has no AVX512-BF16"
+    not cpu_ops.bf16_gemm_supported(), reason="this CPU has no AVX512-BF16"
 )
 
 
 def _oracle(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.double() @ weight.double().T
+
+
+def f32(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return cpu_ops.bf16_linear(x, packed, n, out_dtype=torch.float32)
 
 
 @needs_bf16
@@ -37,12 +41,19 @@ def test_matches_float64(m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     weight = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(m, k, generator=g).bfloat16()
-    out = cpu_ops.bf16_gemm_fp32(x, cpu_ops.pack_bf16_pairs(weight), n)
+    out = f32(x, cpu_ops.pack_bf16_pairs(weight), n)
     assert out.shape == (m, n) and out.dtype == torch.float32
     ref = _oracle(x, weight)
     # float32 summation of exact products: error ~ k * eps32 * sum|x w|
     bound = 4 * k * 2**-24 * (x.double().abs() @ weight.double().abs().T) + 1e-30
     assert ((out.double() - ref).abs() <= bound).all()
+    # bfloat16 out, with a bias: the float32 result + bias, rounded once (to nearest even)
+    bias = torch.randn(n, generator=g).bfloat16()
+    rounded = cpu_ops.bf16_linear(x, cpu_ops.pack_bf16_pairs(weight), n, bias)
+    assert rounded.dtype == torch.bfloat16
+    wide = cpu_ops.bf16_linear(x, cpu_ops.pack_bf16_pairs(weight), n, bias, out_dtype=torch.float32)
+    assert torch.equal(rounded, wide.bfloat16())
+    assert torch.equal(wide, out + bias.float())
 
 
 @needs_bf16
@@ -52,7 +63,7 @@ def test_no_bfloat16_rounding_of_the_results() -> None:
     weight[0, 0] = 1.0
     weight[1, 0], weight[1, 1] = 1.0, 2**-12
     x = torch.tensor([[1.0, 1.0, 0.0, 0.0]]).bfloat16()
-    out = cpu_ops.bf16_gemm_fp32(x, cpu_ops.pack_bf16_pairs(weight), 2)
+    out = f32(x, cpu_ops.pack_bf16_pairs(weight), 2)
     assert out.tolist() == [[1.0, 1.0 + 2**-12]]
     assert torch.nn.functional.linear(x, weight).tolist() == [[1.0, 1.0]]  # what bf16 gives
 
@@ -63,28 +74,32 @@ def test_a_row_is_bitwise_the_same_whatever_else_is_in_the_batch() -> None:
     weight = (torch.randn(1000, 576, generator=g) * 0.05).bfloat16()
     packed = cpu_ops.pack_bf16_pairs(weight)
     rows = torch.randn(300, 576, generator=g).bfloat16()
-    alone = cpu_ops.bf16_gemm_fp32(rows[:1], packed, 1000)
+    alone = f32(rows[:1], packed, 1000)
     for m in (2, 5, 6, 7, 64, 241, 300):
-        batch = cpu_ops.bf16_gemm_fp32(rows[:m], packed, 1000)
+        batch = f32(rows[:m], packed, 1000)
         assert torch.equal(batch[:1], alone), m
     # strided rows (a slice of a wider hidden state) read the same values
     wide = torch.zeros(4, 600, dtype=torch.bfloat16)
     wide[:, :576] = rows[:4]
-    strided = cpu_ops.bf16_gemm_fp32(wide[:, :576], packed, 1000)
-    assert torch.equal(strided, cpu_ops.bf16_gemm_fp32(rows[:4], packed, 1000))
+    strided = f32(wide[:, :576], packed, 1000)
+    assert torch.equal(strided, f32(rows[:4], packed, 1000))
 
 
 @needs_bf16
 def test_rejects_bad_arguments() -> None:
     packed = cpu_ops.pack_bf16_pairs(torch.randn(32, 8).bfloat16())
     with pytest.raises(RuntimeError, match="x must be bfloat16"):
-        cpu_ops.bf16_gemm_fp32(torch.randn(2, 8), packed, 32)
+        f32(torch.randn(2, 8), packed, 32)
     with pytest.raises(RuntimeError, match="packed holds 8 K values, x has K = 10"):
-        cpu_ops.bf16_gemm_fp32(torch.randn(2, 10).bfloat16(), packed, 32)
+        f32(torch.randn(2, 10).bfloat16(), packed, 32)
     with pytest.raises(RuntimeError, match="N <= 16"):
-        cpu_ops.bf16_gemm_fp32(torch.randn(2, 8).bfloat16(), packed, 33)
+        f32(torch.randn(2, 8).bfloat16(), packed, 33)
     with pytest.raises(RuntimeError, match="packed must be"):
-        cpu_ops.bf16_gemm_fp32(torch.randn(2, 8).bfloat16(), packed.float(), 32)
+        f32(torch.randn(2, 8).bfloat16(), packed.float(), 32)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        cpu_ops.bf16_linear(torch.randn(2, 8).bfloat16(), packed, 32, torch.zeros(31))
+    with pytest.raises(RuntimeError, match="out must be"):
+        cpu_ops.bf16_linear(torch.randn(2, 8).bfloat16(), packed, 32, out=torch.empty(2, 32).half())
 
 
 def test_pack_layout() -> None:
@@ -100,13 +115,14 @@ def test_pack_layout() -> None:
 def test_model_logits_kernel_choice(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, bf16_kernel: bool
 ) -> None:
-    """bfloat16 model: the pairs kernel where the CPU has AVX512-BF16, else oneDNN's float32
-    GEMM; both float32 logits within float32 rounding of the float64 oracle, and the reused
-    buffer gives the same values as a fresh tensor."""
-    if bf16_kernel and not cpu_ops.bf16_gemm_fp32_supported():
+    """bfloat16 model: the pairs kernel for every linear where the CPU has AVX512-BF16 (and
+    the runner says it is batch invariant), else oneDNN, float32 logits from a float32 copy;
+    both float32 logits within float32 rounding of the float64 oracle, and the reused buffer
+    gives the same values as a fresh tensor."""
+    if bf16_kernel and not cpu_ops.bf16_gemm_supported():
         pytest.skip("this CPU has no AVX512-BF16")
     if not bf16_kernel:
-        monkeypatch.setattr(cpu_ops, "bf16_gemm_fp32_supported", lambda: False)
+        monkeypatch.setattr(cpu_ops, "bf16_gemm_supported", lambda: False)
     from tests.worker.tiny_models import make_tiny_model
     from worker.model_runner import ModelRunner
 
@@ -116,7 +132,8 @@ def test_model_logits_kernel_choice(
         attention_backend="cpu",
     )  # fmt: skip
     model = runner.model
-    assert model._lm_head_bf16_pairs is bf16_kernel
+    assert model.bf16_pairs is bf16_kernel and runner.batch_invariant is bf16_kernel
+    assert all(layer.bf16_pairs is bf16_kernel for layer in model.layers)
     assert model.lm_head_weight is not None
     vocab, hidden_size = model.lm_head_weight.shape
     assert model.packed_lm_head_bytes == vocab * hidden_size * (2 if bf16_kernel else 4)

@@ -1,0 +1,167 @@
+"""Batch invariance of the forward in bfloat16, the default dtype, on the default CPU path (the
+C++ kernels, oneDNN linears, the bfloat16 -> float32 logits GEMM), with SmolLM2's real
+weights: a prompt's logits at every position are bitwise the same computed alone, beside
+decodes and other prefills in one step, in other chunkings, and over a prefix whose K/V another
+sequence computed (a prefix-cache hit). No tolerance: equal bits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+from sluiceway.model_files import resolve_model
+from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
+
+pytestmark = pytest.mark.skipif(
+    not cpu_ops.bf16_gemm_supported(),
+    reason="batch invariance needs the C++ kernels on a CPU with AVX512-BF16",
+)
+
+BLOCK = 16
+GREEDY = SamplingOptions(temperature=0.0)
+
+
+class Blocks:
+    """Shuffled block ids, so no block table is contiguous."""
+
+    def __init__(self, n: int) -> None:
+        self.free = list(range(n))
+        random.Random(0).shuffle(self.free)
+
+    def grow(self, seq: SequenceData, tokens: int) -> None:
+        while len(seq.block_table) * BLOCK < tokens:
+            seq.block_table.append(self.free.pop())
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    r = ModelRunner(
+        resolve_model(None), dtype="bfloat16", block_size=BLOCK, kv_cache_memory=96 << 20
+    )
+    assert r.attention_backend.name == "cpu"
+    return r
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return torch.randint(100, 40_000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _prefill(runner: ModelRunner, blocks: Blocks, seq_id: int, ids: list[int]) -> SequenceData:
+    """A sequence whose prompt's K/V are in the pool (one chunk of its own)."""
+    seq = runner.make_sequence(seq_id, ids, GREEDY)
+    blocks.grow(seq, len(ids))
+    runner.compute_logits_for_test([ScheduledChunk(seq, 0, len(ids))])
+    return seq
+
+
+def test_logits_are_bitwise_the_same_alone_batched_chunked_and_cached(
+    runner: ModelRunner,
+) -> None:
+    blocks = Blocks(runner.num_kv_blocks)
+    prompt = _ids(1, 45)
+
+    alone_seq = runner.make_sequence(0, prompt, GREEDY)
+    blocks.grow(alone_seq, len(prompt))
+    alone = runner.compute_logits_for_test([ScheduledChunk(alone_seq, 0, len(prompt))])[0]
+
+    # 1. beside 4 decodes (contexts 20..300) and 2 prefills (one of 600 rows) in one step
+    decodes = [_prefill(runner, blocks, 10 + i, _ids(10 + i, n)) for i, n in
+               enumerate((20, 77, 160, 300))]  # fmt: skip
+    for d in decodes:
+        d.token_ids.append(_ids(99, 1)[0])
+        blocks.grow(d, len(d.token_ids))
+    others = [runner.make_sequence(20 + i, _ids(20 + i, n), GREEDY) for i, n in
+              enumerate((9, 600))]  # fmt: skip
+    for o in others:
+        blocks.grow(o, len(o.token_ids))
+    seq = runner.make_sequence(1, prompt, GREEDY)
+    blocks.grow(seq, len(prompt))
+    step = [ScheduledChunk(d, len(d.token_ids) - 1, 1) for d in decodes]
+    step += [ScheduledChunk(others[0], 0, 9), ScheduledChunk(seq, 0, 45)]
+    step += [ScheduledChunk(others[1], 0, 600)]
+    batched = runner.compute_logits_for_test(step)[5]
+    assert torch.equal(batched, alone)
+
+    # 1b. its first decode: alone, then beside the 4 decodes and a 600-row prefill
+    next_token = int(alone[-1].argmax())
+    decoded = {}
+    for s, company in ((alone_seq, []), (seq, [others[1]])):
+        s.token_ids.append(next_token)
+        blocks.grow(s, len(s.token_ids))
+        rows = [ScheduledChunk(s, 45, 1)]
+        if company:
+            for d in decodes:
+                d.token_ids.append(_ids(98, 1)[0])
+                blocks.grow(d, len(d.token_ids))
+            rows += [ScheduledChunk(d, len(d.token_ids) - 1, 1) for d in decodes]
+            rows += [ScheduledChunk(others[1], 0, 600)]
+        decoded[len(company)] = runner.compute_logits_for_test(rows)[0]
+    assert torch.equal(decoded[0], decoded[1])
+
+    # 2. chunked 16 + 13 + 16 over three steps, each beside other rows
+    seq = runner.make_sequence(2, prompt, GREEDY)
+    blocks.grow(seq, len(prompt))
+    parts = []
+    for start, n in ((0, 16), (16, 13), (29, 16)):
+        extra = runner.make_sequence(30 + start, _ids(30 + start, 7 + start), GREEDY)
+        blocks.grow(extra, len(extra.token_ids))
+        out = runner.compute_logits_for_test(
+            [ScheduledChunk(extra, 0, len(extra.token_ids)), ScheduledChunk(seq, start, n)]
+        )
+        parts.append(out[1])
+    assert torch.equal(torch.cat(parts), alone)
+
+    # 3. a prefix-cache hit: another sequence computed the first 32 tokens (2 full blocks);
+    #    this one reuses those blocks and computes the other 13
+    other = runner.make_sequence(3, prompt[:32] + _ids(3, 20), GREEDY)
+    blocks.grow(other, len(other.token_ids))
+    runner.compute_logits_for_test([ScheduledChunk(other, 0, len(other.token_ids))])
+    cached = runner.make_sequence(4, prompt, GREEDY)
+    cached.block_table.extend(other.block_table[:2])
+    blocks.grow(cached, len(prompt))
+    tail = runner.compute_logits_for_test([ScheduledChunk(cached, 32, 13)])[0]
+    assert torch.equal(tail, alone[32:])
+
+
+def test_sampled_tokens_do_not_depend_on_the_batch(runner: ModelRunner) -> None:
+    """The step path (logits buffer, C++ greedy sampling, seeded generators): greedy and
+    seeded sequences get the same tokens and logprobs alone and in one batch with others."""
+    blocks = Blocks(runner.num_kv_blocks)
+    options = [
+        SamplingOptions(temperature=0.0),
+        SamplingOptions(temperature=1.0, seed=7, top_p=0.95),
+        SamplingOptions(temperature=0.8, seed=1234, top_k=50),
+    ]
+    prompts = [_ids(50 + i, n) for i, n in enumerate((12, 40, 90))]
+
+    def run(batch_with_noise: bool) -> list[list[tuple[int, float]]]:
+        seqs = [runner.make_sequence(60 + i, p, o) for i, (p, o) in
+                enumerate(zip(prompts, options, strict=True))]  # fmt: skip
+        noise = [runner.make_sequence(70 + i, _ids(70 + i, 5 + 30 * i), SamplingOptions(
+            temperature=0.9)) for i in range(5)] if batch_with_noise else []  # fmt: skip
+        got: list[list[tuple[int, float]]] = [[] for _ in seqs]
+        computed = {id(s): 0 for s in seqs + noise}
+        for _ in range(6):
+            if batch_with_noise:
+                chunks = [ScheduledChunk(s, computed[id(s)], len(s.token_ids) - computed[id(s)])
+                          for s in seqs + noise]  # fmt: skip
+                steps = [chunks]
+            else:  # each sequence in a step of its own
+                steps = [[ScheduledChunk(s, computed[id(s)], len(s.token_ids) - computed[id(s)])]
+                         for s in seqs]  # fmt: skip
+            for chunks in steps:
+                for c in chunks:
+                    blocks.grow(c.seq, len(c.seq.token_ids))
+                for c, token in zip(chunks, runner.execute(chunks), strict=True):
+                    computed[id(c.seq)] = len(c.seq.token_ids)
+                    c.seq.token_ids.append(token.token_id)
+                    if c.seq in seqs:
+                        got[seqs.index(c.seq)].append((token.token_id, token.logprob))
+        for s in seqs + noise:
+            blocks.free.extend(s.block_table)
+        return got
+
+    assert run(batch_with_noise=True) == run(batch_with_noise=False)
