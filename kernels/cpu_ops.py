@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import pathlib
+import time
 
 import torch
 
@@ -99,7 +100,9 @@ def load() -> None:
     from torch.utils import cpp_extension
 
     name = _extension_name()
-    built = pathlib.Path(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")
+    build_dir = pathlib.Path(cpp_extension._get_build_directory(name, verbose=False))
+    built = build_dir / f"{name}.so"
+    _remove_stale_lock(build_dir / "lock")
     if not built.exists():
         log.info("compiling the C++ CPU kernels %s (once per machine, about 10 s)", name)
     try:
@@ -114,6 +117,23 @@ def load() -> None:
         _load_error = CpuKernelsUnavailable(f"the C++ CPU kernels could not be built: {e}")
         raise _load_error from e
     _loaded = True
+
+
+# A build takes about 10 s; torch's build lock older than this was left by a process killed
+# while building (torch waits for it forever: every later start would hang).
+STALE_LOCK_S = 300.0
+
+
+def _remove_stale_lock(lock: pathlib.Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing the build lock %s left %.0f s ago by a build that died", lock, age)
+        lock.unlink(missing_ok=True)
+    else:
+        log.info("waiting for another process that builds the C++ CPU kernels (%s)", lock)
 
 
 def available() -> bool:

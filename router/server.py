@@ -51,6 +51,22 @@ FINISHED_REASONS = {
 }
 
 
+class RequestFailed(Exception):
+    """A generation that ends with a status instead of (more) responses.
+
+    Attributes:
+        code: the gRPC status (the HTTP front maps it: router/openai_api.py).
+        details: what went wrong, for the client ("field: message" for INVALID_ARGUMENT).
+        field: the request field at fault (INVALID_ARGUMENT from validation), else None.
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str, field: str | None = None) -> None:
+        super().__init__(code, details)
+        self.code = code
+        self.details = details
+        self.field = field
+
+
 def eos_token_ids(tokenizer, model_dir: Path) -> list[int]:  # type: ignore[no-untyped-def]
     """EOS ids from generation_config.json (a list or an int), else the tokenizer's EOS."""
     from transformers import GenerationConfig
@@ -141,8 +157,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         limits = self.limits
         recorder = RequestRecorder(limits.model_id if limits is not None else "", arrival)
         try:
-            async for response in self._generate(request, context, request_id, rlog, recorder):
+            async for response in self.generate(request, request_id, rlog, recorder):
                 yield response
+        except RequestFailed as e:
+            await context.abort(e.code, e.details)
         # The client left, or its deadline passed: the task is cancelled, or (cancelled while
         # the handler in router/handlers.py waited at a yield) this generator is closed.
         except (asyncio.CancelledError, GeneratorExit):
@@ -154,26 +172,36 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             rlog.info("request_cancelled", code=code.name, completion_tokens=recorder.num_generated)
             raise
 
-    async def _generate(
+    async def generate(
         self,
         request: inference_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext,
         request_id: str,
         rlog: structlog.typing.FilteringBoundLogger,
         recorder: RequestRecorder,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """The one path of a generation, for every front (gRPC here, HTTP in
+        router/openai_api.py): validation, tokenization, the scheduler stream, detokenization
+        and stop strings, the retry on another replica, metrics and logs.
+
+        Raises:
+            RequestFailed: the request ends with a status instead of (more) responses
+                (INVALID_ARGUMENT with the field named, UNAVAILABLE, RESOURCE_EXHAUSTED, ...);
+                already counted and logged.
+
+        Closing the generator (a client gone) cancels the scheduler stream, which frees the
+        request's KV blocks.
+        """
         limits = self.limits
 
-        async def fail(code: grpc.StatusCode, details: str) -> None:
+        def fail(code: grpc.StatusCode, details: str, field: str | None = None) -> RequestFailed:
             recorder.on_failure(code.name)
             rlog.warning("request_failed", code=code.name, error=details)
-            await context.abort(code, details)
+            return RequestFailed(code, details, field)
 
         if self.draining:
-            await fail(grpc.StatusCode.UNAVAILABLE, "router is draining; retry another router")
+            raise fail(grpc.StatusCode.UNAVAILABLE, "router is draining; retry another router")
         if limits is None:
-            await fail(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready yet")
-            return
+            raise fail(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready yet")
         try:
             validate_request_id(request.request_id)
             # a thread: tokenizing a megabyte prompt takes seconds; other streams go on
@@ -187,8 +215,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 eos_token_ids=[] if request.sampling.ignore_eos else self.eos_token_ids,
             )
         except InvalidRequest as e:
-            await fail(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            return
+            raise fail(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
         detok = IncrementalDetokenizer(
             self.tokenizer,
             prompt_ids,
@@ -199,8 +226,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         )
         replica = self.pool.pick(prompt_ids)
         if replica is None:
-            await fail(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready")
-            return
+            raise fail(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready")
         add_request = scheduler_pb2.AddRequestRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -283,13 +309,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                             )
                             replica = retry
                             continue
-                    await fail(e.code(), details)
-                    return
+                    raise fail(e.code(), details) from None
                 finally:
                     call.cancel()  # a client gone, a stop string or an error: abort upstream
                     self.pool.end(current)
-                await fail(grpc.StatusCode.UNAVAILABLE, "scheduler ended the stream early")
-                return
+                raise fail(grpc.StatusCode.UNAVAILABLE, "scheduler ended the stream early")
         finally:
             self.num_in_flight -= 1
 
@@ -439,8 +463,12 @@ async def serve(
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    http_port: int | None = None,
+    http_host: str = "127.0.0.1",
 ) -> None:
-    """Serves the public API on `address` until SIGINT/SIGTERM, then drains.
+    """Serves the public API on `address` until SIGINT/SIGTERM, then drains; the
+    OpenAI-compatible HTTP API (router/openai_api.py) on `http_host:http_port` too unless
+    the port is None (0: a free port; OSError if it is taken).
 
     `scheduler_addresses`: one scheduler address, several comma-separated in a
     string, or a list; requests are spread over them (router/balancer.py).
@@ -462,7 +490,17 @@ async def serve(
     tokenizer = load_tokenizer(model_dir)
     service = InferenceService(tokenizer, model_dir, scheduler_addresses)
     router = await start_router(service, address, max_message_bytes=max_message_bytes)
-    log.info("router_listening", address=router.address, schedulers=service.pool.addresses)
+    http = None
+    if http_port is not None:
+        from router.openai_api import start_http_server
+
+        http = await start_http_server(service, http_host, http_port)
+    log.info(
+        "router_listening",
+        address=router.address,
+        http=http.url if http is not None else None,
+        schedulers=service.pool.addresses,
+    )
     stop = asyncio.Event()
     on_shutdown_signal(stop.set)
     await stop.wait()
@@ -474,4 +512,6 @@ async def serve(
     while service.num_in_flight and loop.time() < deadline:
         await asyncio.sleep(0.05)
     log.info("router_stopping", unfinished=service.num_in_flight)
+    if http is not None:
+        await http.stop()
     await router.stop(grace=1.0)

@@ -16,6 +16,7 @@ from sluiceway.argtypes import (
 from sluiceway.sizes import parse_size
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000  # vLLM's
 DEFAULT_SCHEDULER = "127.0.0.1:50052"
 
 
@@ -149,6 +150,17 @@ def _add_max_message_size(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_http(p: argparse.ArgumentParser, first: str) -> None:
+    p.add_argument(
+        "--http-port",
+        type=metrics_port_number,
+        default=DEFAULT_HTTP_PORT,
+        help=f"the OpenAI-compatible HTTP API of {first} (/v1/chat/completions, "
+        "/v1/completions, /v1/models, ...; 0 = a free port, -1 = off)",
+    )
+    p.add_argument("--http-host", default=None, help="the HTTP API's address (default: --host)")
+
+
 def _add_drain(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drain-timeout",
@@ -186,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         "worker the one after (more routers, replicas or workers: the next ports, in that "
         "order; 0 = free ports, -1 = off)",
     )
+    _add_http(serve, "the first router (more routers: the next ports)")
     _add_drain(serve)
     _add_max_message_size(serve)
     _add_model(serve)
@@ -231,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model(router)
     _add_metrics(router, "router")
+    _add_http(router, "this router")
     _add_drain(router)
     _add_max_message_size(router)
     _add_common(router)
@@ -356,6 +370,8 @@ def _run_router(args: argparse.Namespace) -> int:
             metrics_port=_metrics_port(args),
             metrics_host=args.metrics_host,
             max_message_bytes=args.max_message_size,
+            http_port=None if args.http_port < 0 else int(args.http_port),
+            http_host=args.http_host or args.host,
         )
     )
 

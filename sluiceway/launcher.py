@@ -156,10 +156,16 @@ def serve_command(args: argparse.Namespace) -> int:
         router_ports = [args.port + i for i in range(args.num_routers)]
     else:  # picked here, not by the routers: the launcher dials each one's health service
         router_ports = free_ports(args.num_routers, args.host, exclude=())
-    for port in router_ports:
-        taken = _taken_port(args.host, port)
+    http_host = args.http_host or args.host
+    http_ports: list[int] = []
+    if args.http_port > 0:
+        http_ports = [args.http_port + i for i in range(args.num_routers)]
+    elif args.http_port == 0:
+        http_ports = free_ports(args.num_routers, http_host, exclude=router_ports)
+    for host, port in [(args.host, p) for p in router_ports] + [(http_host, p) for p in http_ports]:
+        taken = _taken_port(host, port)
         if taken:
-            print(f"sluiceway: cannot listen on {args.host}:{port}: {taken}", file=sys.stderr)
+            print(f"sluiceway: cannot listen on {host}:{port}: {taken}", file=sys.stderr)
             return 2
     remove_stale_run_dirs()
     tmp = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
@@ -171,7 +177,9 @@ def serve_command(args: argparse.Namespace) -> int:
     ]
     common = ["--log-format", args.log_format, "--log-level", args.log_level]
     metrics_ports = _metrics_ports(
-        args.metrics_port, args.num_routers + num_replicas + num_workers, exclude=router_ports
+        args.metrics_port,
+        args.num_routers + num_replicas + num_workers,
+        exclude=router_ports + http_ports,
     )
     children: list[Child] = []
     stopping = False
@@ -212,7 +220,9 @@ def serve_command(args: argparse.Namespace) -> int:
             for g, role, i in instances:
                 init_method = None
                 if tp > 1:  # not a port another child of this stack was given
-                    (rendezvous,) = free_ports(1, exclude=[*router_ports, *metrics_ports])
+                    (rendezvous,) = free_ports(
+                        1, exclude=[*router_ports, *http_ports, *metrics_ports]
+                    )
                     init_method = f"tcp://127.0.0.1:{rendezvous}"
                 for rank in range(tp):
                     name = _name(
@@ -257,6 +267,7 @@ def serve_command(args: argparse.Namespace) -> int:
                 "--metrics-port", str(metrics_ports[k]), "--metrics-host", args.host,
                 "--drain-timeout", str(args.drain_timeout),
                 "--max-message-size", str(args.max_message_size),
+                "--http-port", str(http_ports[k] if http_ports else -1), "--http-host", http_host,
                 *common,
             ]  # fmt: skip
             name = _name("router", ("", k, args.num_routers))
@@ -271,6 +282,9 @@ def serve_command(args: argparse.Namespace) -> int:
             f"ready in {time.monotonic() - t0:.1f} s",
             flush=True,
         )
+        if http_ports:
+            urls = ", ".join(f"http://{http_host}:{port}/v1" for port in http_ports)
+            print(f"sluiceway: OpenAI-compatible API: {urls}", flush=True)
         if args.metrics_port >= 0:
             urls = ", ".join(
                 f"{c.name} http://{args.host}:{port}/metrics"

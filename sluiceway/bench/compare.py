@@ -148,6 +148,7 @@ def run_sluiceway(
     port = free_port()
     target = f"127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "sluiceway.cli", "serve", "--port", str(port), "--metrics-port", "0",
+           "--http-port", "-1",
            "--log-format", "console", *config.serve_args, *extra_serve_args]  # fmt: skip
     print(f"[{config.label}] {shlex.join(cmd[2:])}", flush=True)
     with tempfile.TemporaryFile("w+") as log:

@@ -43,7 +43,7 @@ def start_stack(*extra: str) -> Stack:
     cmd = [
         sys.executable, "-m", "sluiceway.cli", "serve", "--port", str(port),
         "--dtype", "float32", "--kv-cache-memory", "1GiB", "--log-format", "console",
-        "--metrics-port", "0",
+        "--metrics-port", "0", "--http-port", "0",
         *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(
@@ -140,6 +140,16 @@ def metrics_urls(log: list[str], timeout_s: float = 10.0) -> dict[str, str]:
         assert time.monotonic() < deadline, "no metrics line:\n" + "".join(log[-20:])
         time.sleep(0.05)
     return dict(re.findall(r"([\w-]+) (http://\S+/metrics)", lines[0]))
+
+
+def http_base_url(stack: Stack, timeout_s: float = 10.0) -> str:
+    """The first router's OpenAI-compatible base URL (``http://host:port/v1``) from `sluiceway
+    serve`'s "OpenAI-compatible API:" line (printed after the "serving" line)."""
+    deadline = time.monotonic() + timeout_s
+    while not (lines := [line for line in list(stack.log) if "OpenAI-compatible API:" in line]):
+        assert time.monotonic() < deadline, "no HTTP API line:\n" + "".join(stack.log[-20:])
+        time.sleep(0.05)
+    return lines[0].split("OpenAI-compatible API:", 1)[1].split(",")[0].strip()
 
 
 def metric_sum(url: str, name: str) -> float:

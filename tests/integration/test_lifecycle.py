@@ -64,7 +64,7 @@ def test_a_second_serve_on_a_taken_port_fails_and_the_first_keeps_serving() -> N
         port = first.target.rsplit(":", 1)[1]
         second = subprocess.run(
             [sys.executable, "-m", "sluiceway.cli", "serve", "--port", port,
-             "--metrics-port", "0"],
+             "--metrics-port", "0", "--http-port", "-1"],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert second.returncode == 2

@@ -70,7 +70,7 @@ def test_three_ranks_give_the_tokens_of_one_worker_and_survive_a_killed_rank(
 def test_a_size_that_does_not_divide_the_kv_heads_is_refused_at_start() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "sluiceway.cli", "serve", "--port", str(free_port()),
-         "--metrics-port", "-1", "--tensor-parallel-size", "2"],
+         "--metrics-port", "-1", "--http-port", "-1", "--tensor-parallel-size", "2"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 1

@@ -398,3 +398,21 @@ def test_float16_serves_through_the_cpu_backend(tmp_path: pathlib.Path) -> None:
         second = runner.execute([ScheduledChunk(seq, 5, 1)])
         tokens[name] = [first[0].token_id, second[0].token_id]
     assert tokens["cpu"] == tokens["torch"]
+
+
+def test_a_stale_build_lock_is_removed(tmp_path: pathlib.Path) -> None:
+    """torch waits forever on the build lock of a build killed midway (a worker stopped
+    during its first start): one older than STALE_LOCK_S is removed, a fresh one is left."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - cpu_ops.STALE_LOCK_S - 10
+    os.utime(lock, (old, old))
+    cpu_ops._remove_stale_lock(lock)
+    assert not lock.exists()
+    lock.touch()
+    cpu_ops._remove_stale_lock(lock)
+    assert lock.exists()
+    cpu_ops._remove_stale_lock(tmp_path / "absent")

@@ -1,0 +1,654 @@
+"""The OpenAI-compatible HTTP API of the router (what vLLM, SGLang and TGI serve).
+
+FastAPI on the router's own event loop (uvicorn), beside the gRPC server, over the same
+:meth:`router.server.InferenceService.generate` path: the same validation, tokenization, chat
+template, detokenization, stop strings, retries, metrics and logs. A request body becomes a
+``sluiceway.v1.GenerateRequest`` (OpenAI's parameter names, vLLM's extra-body names for the
+rest) and the responses come back in OpenAI's shapes.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (non-streamed, or streamed
+as server-sent events: ``data: {chunk}`` lines, ``data: [DONE]`` last,
+``stream_options.include_usage`` for a final usage chunk), ``GET /v1/models``, ``GET /health``,
+``GET /version``, ``POST /tokenize``, ``POST /detokenize``.
+
+Errors: OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``, with HTTP
+400 for what the gRPC API refuses as INVALID_ARGUMENT (``param`` names the field in this API's
+words), 404 for an unknown model, 429 / 503 where gRPC says RESOURCE_EXHAUSTED / UNAVAILABLE.
+A client that disconnects aborts its request (the scheduler stream is cancelled: its KV blocks
+come back).
+
+``n`` > 1: the n samples are n generations of the same prompt sent together (a seeded
+request's sample ``i`` uses ``seed + i``); the prompt's full KV blocks are shared through the
+prefix cache, its last partial block is computed once per sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import structlog
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.errors import InvalidRequest
+from router.metrics import RequestRecorder
+from router.server import InferenceService, RequestFailed
+from sluiceway.v1 import inference_pb2
+
+__all__ = ["HttpServer", "build_app", "start_http_server"]
+
+log = structlog.get_logger("router")
+
+FINISH = {
+    inference_pb2.FINISH_REASON_STOP: "stop",
+    inference_pb2.FINISH_REASON_LENGTH: "length",
+}
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "BadRequestError"),
+    grpc.StatusCode.NOT_FOUND: (404, "NotFoundError"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "RateLimitError"),
+    grpc.StatusCode.UNAVAILABLE: (503, "ServiceUnavailableError"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "TimeoutError"),
+}
+MAX_N = 16  # samples per prompt
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def _error_response(status: int, message: str, param: str | None) -> JSONResponse:
+    kind = next((k for s, k in HTTP_STATUS.values() if s == status), "InternalServerError")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+# -- request bodies ---------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """The parameters both endpoints share: OpenAI's names, then vLLM's extra-body names."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extra parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    request_id: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- mapping ----------------------------------------------------------------------------------
+
+# gRPC field names (router/validation.py) -> this API's, where they differ
+_PARAM_NAMES = {
+    "sampling.max_tokens": "max_tokens",
+    "input": "prompt",
+    "request_id": "request_id",
+}
+
+
+def _param(field: str | None, chat: bool) -> str | None:
+    """The body field that ``field`` (a gRPC request field) came from."""
+    if field is None:
+        return None
+    if field == "sampling.logprobs":
+        return "top_logprobs" if chat else "logprobs"
+    if field == "input" and chat:
+        return "messages"
+    if field.startswith("messages.messages"):
+        return "messages" + field[len("messages.messages") :]
+    if field.startswith("prompt_token_ids"):
+        return "prompt"
+    if field in _PARAM_NAMES:
+        return _PARAM_NAMES[field]
+    return field.removeprefix("sampling.")
+
+
+def _sampling_params(
+    body: _Sampling, max_tokens: int | None, logprobs: int | None
+) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                 "top_k", "min_p", "repetition_penalty", "min_tokens"):  # fmt: skip
+        value = getattr(body, name)
+        if value is not None:
+            params[name] = value
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise ApiError(400, f"max_tokens: must be >= 1, got {max_tokens}", "max_tokens")
+        params["max_tokens"] = max_tokens
+    if body.stop is not None:
+        params["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    if body.stop_token_ids:
+        params["stop_token_ids"] = body.stop_token_ids
+    if logprobs is not None:
+        params["logprobs"] = logprobs
+    params["ignore_eos"] = body.ignore_eos
+    params["skip_special_tokens"] = body.skip_special_tokens
+    params["include_stop_str_in_output"] = body.include_stop_str_in_output
+    return params
+
+
+def _message_text(message: ChatMessage, index: int) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    parts = []
+    for j, part in enumerate(message.content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            where = f"messages[{index}].content[{j}]"
+            raise ApiError(400, f"{where}: only text content parts are supported", where)
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _integer(value: int, param: str) -> int:
+    if value < 0 or value >= 1 << 32:
+        raise ApiError(400, f"{param}: token ids must be in [0, 2^32), got {value}", param)
+    return value
+
+
+# -- the app ----------------------------------------------------------------------------------
+
+
+def build_app(service: InferenceService) -> FastAPI:
+    """The FastAPI application over ``service`` (see the module docstring); the model's
+    name is the schedulers' (``--served-model-name``)."""
+    app = FastAPI(title="sluiceway", docs_url=None, redoc_url=None, openapi_url=None)
+    tokenizer = service.tokenizer
+
+    def model_id() -> str:
+        limits = service.limits
+        if limits is None:
+            raise ApiError(503, "no scheduler is ready yet")
+        return limits.model_id
+
+    def check_model(name: str | None) -> str:
+        served = model_id()
+        if name is not None and name != served:
+            raise ApiError(404, f"the model `{name}` does not exist (this server serves "
+                           f"`{served}`)", "model")  # fmt: skip
+        return served
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, e: ApiError) -> JSONResponse:
+        return _error_response(e.status, e.message, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        return _error_response(400, f"{param}: {first.get('msg', 'invalid body')}", param)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if service.limits is None or service.draining:
+            return _error_response(503, "not ready", None)
+        return JSONResponse({})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from importlib.metadata import version as package_version
+
+        return {"version": package_version("sluiceway")}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        served = model_id()
+        limits = service.limits
+        assert limits is not None
+        return {
+            "object": "list",
+            "data": [{"id": served, "object": "model", "created": int(time.time()),
+                      "owned_by": "sluiceway", "root": limits.model_id,
+                      "max_model_len": limits.max_model_len}],
+        }  # fmt: skip
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        request = inference_pb2.TokenizeRequest()
+        if body.messages is not None:
+            request.messages.messages.extend(
+                inference_pb2.ChatMessage(role=m.role, content=_message_text(m, i))
+                for i, m in enumerate(body.messages)
+            )
+        elif body.prompt is not None:
+            request.prompt = body.prompt
+        else:
+            raise ApiError(400, "prompt: set one of prompt, messages", "prompt")
+        try:
+            ids = await asyncio.to_thread(service._prompt_token_ids, request)
+        except InvalidRequest as e:
+            raise ApiError(400, str(e), _param(e.field, body.messages is not None)) from None
+        limits = service.limits
+        return {"count": len(ids), "max_model_len": limits.max_model_len if limits else None,
+                "tokens": ids}  # fmt: skip
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        check_model(body.model)
+        ids = [_integer(t, f"tokens[{i}]") for i, t in enumerate(body.tokens)]
+        return {"prompt": tokenizer.decode(ids)}
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(
+        body: ChatCompletionRequest, raw: Request
+    ) -> JSONResponse | StreamingResponse:
+        served = check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if logprobs == 0:
+            logprobs = None  # the chosen token's logprob comes with every token anyway
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        limits = service.limits
+        sampling = _sampling_params(
+            body, max_tokens if max_tokens is not None else
+            (limits.max_model_len if limits else None), logprobs,
+        )  # fmt: skip
+        base = inference_pb2.GenerateRequest(sampling=inference_pb2.SamplingParams(**sampling))
+        base.messages.messages.extend(
+            inference_pb2.ChatMessage(role=m.role, content=_message_text(m, i))
+            for i, m in enumerate(body.messages)
+        )
+        run = _Run(service, body, served, chat=True, logprobs=body.logprobs)
+        return await run.respond([base], raw)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(
+        body: CompletionRequest, raw: Request
+    ) -> JSONResponse | StreamingResponse:
+        served = check_model(body.model)
+        if body.echo:
+            raise ApiError(400, "echo: not supported", "echo")
+        sampling = _sampling_params(
+            body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs or None
+        )
+        prompts: list[inference_pb2.GenerateRequest] = []
+        p = body.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+            items: list[Any] = [p]
+        else:
+            items = list(p)
+        if not items:
+            raise ApiError(400, "prompt: must not be empty", "prompt")
+        for i, item in enumerate(items):
+            req = inference_pb2.GenerateRequest(sampling=inference_pb2.SamplingParams(**sampling))
+            if isinstance(item, str):
+                req.prompt = item
+            else:
+                where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+                req.prompt_token_ids.ids.extend(_integer(t, where) for t in item)
+            prompts.append(req)
+        run = _Run(service, body, served, chat=False, logprobs=body.logprobs is not None)
+        return await run.respond(prompts, raw)
+
+    return app
+
+
+class _Run:
+    """One HTTP generation request: its ``len(prompts) * n`` choices, each a
+    :meth:`InferenceService.generate` stream, merged into OpenAI's shapes."""
+
+    def __init__(
+        self,
+        service: InferenceService,
+        body: ChatCompletionRequest | CompletionRequest,
+        model: str,
+        *,
+        chat: bool,
+        logprobs: bool,
+    ) -> None:
+        self.service = service
+        self.body = body
+        self.model = model
+        self.chat = chat
+        self.logprobs = logprobs
+        self.id = ("chatcmpl-" if chat else "cmpl-") + (body.request_id or uuid.uuid4().hex)
+        self.created = int(time.time())
+
+    def _choices(
+        self, prompts: list[inference_pb2.GenerateRequest]
+    ) -> Iterator[tuple[int, inference_pb2.GenerateRequest]]:
+        n = self.body.n
+        for p, base in enumerate(prompts):
+            for i in range(n):
+                req = inference_pb2.GenerateRequest()
+                req.CopyFrom(base)
+                index = p * n + i
+                req.request_id = f"{self.id}-{index}"
+                if i and req.sampling.HasField("seed"):
+                    req.sampling.seed = (req.sampling.seed + i) % (1 << 64)
+                yield index, req
+
+    async def _stream(
+        self, index: int, request: inference_pb2.GenerateRequest
+    ) -> AsyncIterator[tuple[int, inference_pb2.GenerateResponse]]:
+        service = self.service
+        limits = service.limits
+        recorder = RequestRecorder(limits.model_id if limits is not None else "", time.monotonic())
+        rlog = log.bind(request_id=request.request_id, protocol="http")
+        async for response in service.generate(request, request.request_id, rlog, recorder):
+            yield index, response
+
+    async def _merged(
+        self, prompts: list[inference_pb2.GenerateRequest]
+    ) -> AsyncIterator[tuple[int, inference_pb2.GenerateResponse]]:
+        """Every choice's responses as they come (one task per choice); a failure of one
+        ends them all."""
+        queue: asyncio.Queue[tuple[int, inference_pb2.GenerateResponse] | BaseException | None]
+        queue = asyncio.Queue()
+
+        async def pump(index: int, request: inference_pb2.GenerateRequest) -> None:
+            try:
+                async for item in self._stream(index, request):
+                    await queue.put(item)
+                await queue.put(None)
+            except Exception as e:  # handed to the consumer, which raises it
+                await queue.put(e)
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in self._choices(prompts)]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()  # a client gone or a failure: cancel the others' scheduler streams
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _logprobs(self, response: inference_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        tok = self.service.tokenizer
+        out = []
+        for lp in response.logprobs:
+            text = tok.decode([lp.token_id])
+            entry: dict[str, Any] = {"token": text, "logprob": lp.logprob,
+                                     "bytes": list(text.encode())}  # fmt: skip
+            entry["top_logprobs"] = [
+                {"token": (t := tok.decode([x.token_id])), "logprob": x.logprob,
+                 "bytes": list(t.encode())}
+                for x in lp.top_logprobs
+            ]  # fmt: skip
+            out.append(entry)
+        return out
+
+    def _completion_logprobs(self, entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+        offsets, pos = [], offset
+        for e in entries:
+            offsets.append(pos)
+            pos += len(e["token"])
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries],
+            "text_offset": offsets,
+        }  # fmt: skip
+
+    def _usage(self, prompt_tokens: dict[int, int], completion: dict[int, int]) -> dict[str, int]:
+        n = self.body.n
+        prompt = sum(v for k, v in prompt_tokens.items() if k % n == 0)
+        done = sum(completion.values())
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    async def respond(
+        self, prompts: list[inference_pb2.GenerateRequest], raw: Request
+    ) -> JSONResponse | StreamingResponse:
+        if self.body.stream:
+            stream = self._sse(prompts)
+            try:  # the first event: a request refused at once gets its HTTP status
+                first = await anext(stream)
+            except RequestFailed as e:
+                raise self._api_error(e) from None
+            return StreamingResponse(_prepend(first, stream), media_type="text/event-stream")
+        task = asyncio.create_task(self._whole(prompts))
+        watcher = asyncio.create_task(_disconnected(raw))
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:  # the client left: cancel the generation (its blocks come back)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RequestFailed):
+                await task
+            return _error_response(499, "client disconnected", None)
+        watcher.cancel()
+        try:
+            return JSONResponse(task.result())
+        except RequestFailed as e:
+            raise self._api_error(e) from None
+
+    def _api_error(self, e: RequestFailed) -> ApiError:
+        status, _ = HTTP_STATUS.get(e.code, (500, ""))
+        message = e.details
+        param = _param(e.field, self.chat)
+        if e.field is not None and param is not None and message.startswith(e.field + ":"):
+            message = param + message[len(e.field) :]
+        return ApiError(status, message, param)
+
+    async def _whole(self, prompts: list[inference_pb2.GenerateRequest]) -> dict[str, Any]:
+        texts: dict[int, list[str]] = {}
+        lps: dict[int, list[dict[str, Any]]] = {}
+        finish: dict[int, str] = {}
+        prompt_tokens: dict[int, int] = {}
+        completion: dict[int, int] = {}
+        async for index, r in self._merged(prompts):
+            texts.setdefault(index, []).append(r.text)
+            if self.logprobs:
+                lps.setdefault(index, []).extend(self._logprobs(r))
+            if r.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
+                finish[index] = FINISH.get(r.finish_reason, "stop")
+                prompt_tokens[index] = r.usage.prompt_tokens
+                completion[index] = r.usage.completion_tokens
+        choices = []
+        for index in sorted(texts):
+            text = "".join(texts[index])
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish.get(index)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                choice["logprobs"] = {"content": lps.get(index, [])} if self.logprobs else None
+            else:
+                choice["text"] = text
+                choice["logprobs"] = (
+                    self._completion_logprobs(lps.get(index, []), 0) if self.logprobs else None
+                )
+            choices.append(choice)
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self._usage(prompt_tokens, completion),
+        }
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def _sse(self, prompts: list[inference_pb2.GenerateRequest]) -> AsyncIterator[str]:
+        prompt_tokens: dict[int, int] = {}
+        completion: dict[int, int] = {}
+        offsets: dict[int, int] = {}
+        started: set[int] = set()
+        async for index, r in self._merged(prompts):
+            finished = r.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                delta: dict[str, Any] = {"content": r.text}
+                if index not in started:
+                    delta = {"role": "assistant", **delta}
+                choice["delta"] = delta
+                choice["logprobs"] = (
+                    {"content": self._logprobs(r)} if self.logprobs and r.logprobs else None
+                )
+            else:
+                choice["text"] = r.text
+                entries = self._logprobs(r) if self.logprobs else []
+                choice["logprobs"] = (
+                    self._completion_logprobs(entries, offsets.get(index, 0))
+                    if self.logprobs
+                    else None
+                )
+                offsets[index] = offsets.get(index, 0) + len(r.text)
+            started.add(index)
+            choice["finish_reason"] = FINISH.get(r.finish_reason, "stop") if finished else None
+            if finished:
+                prompt_tokens[index] = r.usage.prompt_tokens
+                completion[index] = r.usage.completion_tokens
+            yield self._chunk([choice])
+        opts = self.body.stream_options
+        if opts is not None and opts.include_usage:
+            yield self._chunk([], self._usage(prompt_tokens, completion))
+        yield "data: [DONE]\n\n"
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``first``, then ``rest``; a failure after the first event ends the stream with an
+    error event (the HTTP status is already sent)."""
+    yield first
+    try:
+        async for item in rest:
+            yield item
+    except RequestFailed as e:
+        status, kind = HTTP_STATUS.get(e.code, (500, "InternalServerError"))
+        error = {"message": e.details, "type": kind, "param": None, "code": status}
+        yield f"data: {json.dumps({'error': error})}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+async def _disconnected(request: Request, poll_s: float = 0.2) -> None:
+    """Returns once the client of a non-streamed request has gone."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(poll_s)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the router handles SIGINT/SIGTERM (drain)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """The HTTP API serving in the background on the running event loop."""
+
+    def __init__(self, server: _Server, task: asyncio.Task[None], url: str) -> None:
+        self._server = server
+        self._task = task
+        self.url = url
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+async def start_http_server(service: InferenceService, host: str, port: int) -> HttpServer:
+    """Serve :func:`build_app` on ``host:port`` (0: a free port) on this loop.
+
+    Raises:
+        OSError: the port is taken (or any other bind error).
+    """
+    config = uvicorn.Config(
+        build_app(service), host=host, port=port, log_level="warning",
+        access_log=False, lifespan="off", timeout_graceful_shutdown=1,
+    )  # fmt: skip
+    server = _Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():  # uvicorn logs a bind error and exits (SystemExit)
+            with contextlib.suppress(SystemExit):
+                task.result()
+            raise OSError(f"cannot listen on {host}:{port} (HTTP)")
+        await asyncio.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return HttpServer(server, task, f"http://{host}:{bound}")

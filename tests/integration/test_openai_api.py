@@ -1,0 +1,164 @@
+"""The OpenAI-compatible HTTP API through the official `openai` SDK (and plain HTTP for the
+vLLM extras), against the live stack: the same tokens as the gRPC API, streamed and not, chat
+and completions, n samples, logprobs, errors naming the field, a disconnect freeing blocks."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from sluiceway.client import Client
+from tests.integration.conftest import Stack, http_base_url, wait_for_free_blocks
+
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def api(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=http_base_url(stack), api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def base(stack: Stack) -> str:
+    return http_base_url(stack).removesuffix("/v1")
+
+
+def test_models_health_version(api: openai.OpenAI, base: str) -> None:
+    models = api.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{base}/health").status_code == 200
+    assert httpx.get(f"{base}/version").json()["version"] == "0.1.0"
+
+
+def test_chat_gives_the_grpc_tokens_streamed_or_not(api: openai.OpenAI, stack: Stack) -> None:
+    with stack.client() as client:
+        text, ids, last = client.generate(
+            Client.request(messages=[("user", CHAT[0]["content"])], temperature=0, max_tokens=12)
+        )
+    whole = api.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=12)
+    (choice,) = whole.choices
+    assert choice.message.role == "assistant" and choice.message.content == text
+    assert choice.finish_reason == ("length" if len(ids) == 12 else "stop")
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (
+        last.usage.prompt_tokens, len(ids))  # fmt: skip
+    assert whole.id.startswith("chatcmpl-") and whole.object == "chat.completion"
+
+    chunks = list(api.chat.completions.create(
+        model=MODEL, messages=CHAT, temperature=0, max_tokens=12, stream=True,
+        stream_options={"include_usage": True},
+    ))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == len(ids)
+
+
+def test_completions_with_logprobs_match_grpc(api: openai.OpenAI, stack: Stack) -> None:
+    prompt = "The capital of France is"
+    with stack.client() as client:
+        rs = list(client.generate_stream(
+            Client.request(prompt, temperature=0, max_tokens=5, logprobs=2), timeout=60))  # fmt: skip
+    grpc_lps = [lp for r in rs for lp in r.logprobs]
+    out = api.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=5,
+                                 logprobs=2)  # fmt: skip
+    (choice,) = out.choices
+    assert choice.text == "".join(r.text for r in rs)
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+    assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in grpc_lps])
+    assert choice.logprobs.top_logprobs is not None
+    assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    streamed = api.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=5,
+                                      stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+
+
+def test_chat_logprobs(api: openai.OpenAI) -> None:
+    out = api.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=4,
+                                      logprobs=True, top_logprobs=3)  # fmt: skip
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == out.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # greedy: the top one
+        assert entry.top_logprobs[0].token == entry.token
+
+
+def test_n_samples_are_reproducible_with_a_seed(api: openai.OpenAI) -> None:
+    def run() -> list[str]:
+        out = api.chat.completions.create(model=MODEL, messages=CHAT, temperature=1.0, n=3,
+                                          seed=5, max_tokens=16)  # fmt: skip
+        assert [c.index for c in out.choices] == [0, 1, 2]
+        assert out.usage is not None and out.usage.completion_tokens >= 3
+        return [c.message.content or "" for c in out.choices]
+
+    first = run()
+    assert run() == first
+    assert len(set(first)) > 1  # three different seeds
+    streamed = api.chat.completions.create(model=MODEL, messages=CHAT, temperature=1.0, n=3,
+                                           seed=5, max_tokens=16, stream=True)  # fmt: skip
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == first
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
+        ({"extra_body": {"repetition_penalty": 0.0}}, "repetition_penalty"),
+    ],
+)
+def test_errors_name_the_field(api: openai.OpenAI, kwargs: dict, param: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(model=MODEL, messages=CHAT, **kwargs)
+    assert info.value.status_code == 400
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == param, error
+    assert param in error["message"]
+
+
+def test_unknown_model_and_bad_bodies(api: openai.OpenAI, base: str) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        api.chat.completions.create(model="gpt-4o", messages=CHAT)
+    assert info.value.status_code == 404
+    r = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "n": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_tokenize_detokenize(base: str, stack: Stack) -> None:
+    r = httpx.post(f"{base}/tokenize", json={"prompt": "Hello world"}).json()
+    from sluiceway.v1 import inference_pb2
+
+    with stack.client() as client:
+        ids = list(
+            client.stub.Tokenize(inference_pb2.TokenizeRequest(prompt="Hello world")).token_ids
+        )
+    assert r["tokens"] == ids and r["count"] == len(ids)
+    assert httpx.post(f"{base}/detokenize", json={"tokens": ids}).json()["prompt"] == "Hello world"
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(
+    api: openai.OpenAI, stack: Stack
+) -> None:
+    stream = api.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=4000,
+                                    temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    for got, _chunk in enumerate(stream, 1):
+        if got == 3:
+            break
+    stream.close()
+    with stack.client() as client:
+        info = wait_for_free_blocks(client, timeout_s=10)
+    assert info.num_free_kv_blocks == info.num_kv_blocks
