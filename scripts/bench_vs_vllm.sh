@@ -35,10 +35,11 @@
 # <system>-<workload>.log (client output), meta.json (machine, versions, start-up times),
 # summary.md.
 #
-# Environment: NUM_PROMPTS (200), WORKLOADS ("W1 W2 W3"), SYSTEMS ("vllm sluiceway"),
+# Environment: NUM_PROMPTS (200), WORKLOADS ("W1 W2 W3"), SYSTEMS ("vllm sluiceway"; also
+# sluiceway-http: `vllm bench serve`, vLLM's own client, against sluiceway's OpenAI API),
 # DTYPE (bfloat16), OUT_DIR (docs/bench/vs-vllm), VLLM_VENV
 # (~/.cache/sluiceway-bench/vllm-venv), BENCH_DATA_DIR (~/.cache/sluiceway-bench: the ShareGPT
-# JSON), VLLM_PORT (18000), SLUICEWAY_PORT (18051), MAX_NUM_SEQS (256),
+# JSON), VLLM_PORT (18000), SLUICEWAY_PORT (18051), SLUICEWAY_HTTP_PORT (18080), MAX_NUM_SEQS (256),
 # MAX_NUM_BATCHED_TOKENS (2048), KV_CACHE_GIB (4), SLUICEWAY_SERVE_ARGS (more `serve` flags, e.g.
 # "--num-threads 1"), START_TIMEOUT_S (900), W3_SEED (1), PROJECT_PYTHON
 # (.venv/bin/python), BASE_PYTHON (python3: makes the vLLM venv).
@@ -72,6 +73,7 @@ SYSTEMS=${SYSTEMS:-vllm sluiceway}
 DTYPE=${DTYPE:-bfloat16}
 VLLM_PORT=${VLLM_PORT:-18000}
 SLUICEWAY_PORT=${SLUICEWAY_PORT:-18051}
+SLUICEWAY_HTTP_PORT=${SLUICEWAY_HTTP_PORT:-18080}
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}
 SLUICEWAY_SERVE_ARGS=${SLUICEWAY_SERVE_ARGS:-}
 MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-2048}
@@ -89,7 +91,7 @@ for w in $WORKLOADS; do
     case $w in W1|W2|W3) ;; *) echo "bench_vs_vllm: unknown workload $w (W1 W2 W3)" >&2; exit 2 ;; esac
 done
 for s in $SYSTEMS; do
-    case $s in vllm|sluiceway) ;; *) echo "bench_vs_vllm: unknown system $s (vllm sluiceway)" >&2; exit 2 ;; esac
+    case $s in vllm|sluiceway|sluiceway-http) ;; *) echo "bench_vs_vllm: unknown system $s (vllm sluiceway sluiceway-http)" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
@@ -232,7 +234,7 @@ start_server() {  # start_server NAME READY_CHECK CMD...: launch in its own proc
 }
 
 vllm_ready() { curl -sf -o /dev/null "http://127.0.0.1:$VLLM_PORT/health" && curl -sf -o /dev/null "http://127.0.0.1:$VLLM_PORT/v1/models"; }
-sluiceway_ready() { grep -q "^sluiceway: serving .* ready in" "$OUT_DIR/sluiceway-server.log"; }
+sluiceway_ready() { grep -q "^sluiceway: OpenAI-compatible API" "$OUT_DIR/$SLUICEWAY_NAME-server.log"; }
 
 port_free() {
     ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
@@ -253,11 +255,13 @@ run_system() {
                 --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" \
                 --kv-cache-memory-bytes "${KV_CACHE_GIB}G" || return 1
             ;;
-        sluiceway)
+        sluiceway|sluiceway-http)
             port_free "$SLUICEWAY_PORT" || { log "port $SLUICEWAY_PORT is taken (SLUICEWAY_PORT)"; return 1; }
-            start_server sluiceway sluiceway_ready "$REPO/.venv/bin/sluiceway" serve --model "$MODEL_DIR" \
+            port_free "$SLUICEWAY_HTTP_PORT" || { log "port $SLUICEWAY_HTTP_PORT is taken (SLUICEWAY_HTTP_PORT)"; return 1; }
+            SLUICEWAY_NAME=$sys
+            start_server "$sys" sluiceway_ready "$REPO/.venv/bin/sluiceway" serve --model "$MODEL_DIR" \
                 --served-model-name "$SERVED_NAME" --host 127.0.0.1 --port "$SLUICEWAY_PORT" \
-                --metrics-port -1 --log-format console \
+                --http-port "$SLUICEWAY_HTTP_PORT" --metrics-port -1 --log-format console \
                 --dtype "$DTYPE" --max-num-seqs "$MAX_NUM_SEQS" \
                 --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" \
                 --kv-cache-memory "${KV_CACHE_GIB}GiB" $SLUICEWAY_SERVE_ARGS || return 1
@@ -271,8 +275,10 @@ run_system() {
         log "$sys $w: $flags"
         # shellcheck disable=SC2086
         case $sys in
-            vllm)
-                "$VLLM_VENV/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$VLLM_PORT" \
+            vllm|sluiceway-http)  # vLLM's own client, against vLLM or sluiceway's HTTP API
+                local port=$VLLM_PORT
+                [[ $sys == sluiceway-http ]] && port=$SLUICEWAY_HTTP_PORT
+                "$VLLM_VENV/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$port" \
                     --endpoint /v1/completions --model "$SERVED_NAME" --tokenizer "$MODEL_DIR" \
                     --temperature 0 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
                     $flags --save-result --result-dir "$OUT_DIR" --result-filename "$sys-$w.json" \
@@ -298,7 +304,7 @@ run_system() {
 
 # -- main -----------------------------------------------------------------------------------
 T_ALL=$SECONDS
-if [[ " $SYSTEMS " == *" vllm "* ]]; then setup_vllm_venv; fi
+if [[ " $SYSTEMS " == *" vllm "* || " $SYSTEMS " == *" sluiceway-http "* ]]; then setup_vllm_venv; fi
 
 log "model folder: sluiceway's conversion of the embedded GGUF"
 MODEL_DIR=$("$PROJECT_PYTHON" scripts/bench_vs_vllm.py model-dir)

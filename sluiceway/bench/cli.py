@@ -13,7 +13,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     serve = bench_sub.add_parser("serve", help="serving benchmark against a running server")
-    serve.add_argument("--target", default="127.0.0.1:50051")
+    serve.add_argument("--target", default="127.0.0.1:50051", help="gRPC API (--backend sluiceway)")
+    serve.add_argument(
+        "--backend",
+        choices=("sluiceway", "openai"),
+        default="sluiceway",
+        help="sluiceway: the gRPC API at --target; openai: streamed /v1/completions at "
+        "--base-url (vLLM's --backend openai: any OpenAI-compatible server)",
+    )
+    serve.add_argument(
+        "--base-url", default="http://127.0.0.1:8000", help="the HTTP API (--backend openai)"
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the request's model (--backend openai; default: the server's first)",
+    )
     add_workload_args(serve)
 
     compare = bench_sub.add_parser(

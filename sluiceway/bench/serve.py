@@ -173,12 +173,38 @@ def json_safe(value: object) -> object:
     return value
 
 
+def _serve_openai(
+    args: argparse.Namespace, requests: list[SampledRequest], intervals: list[float]
+) -> int:
+    from sluiceway.bench.openai_client import run_openai_workload
+
+    try:
+        results, figures = asyncio.run(
+            run_openai_workload(
+                args.base_url, args.served_model_name, requests, intervals,
+                args.max_concurrency, args.ignore_eos,
+            )
+        )  # fmt: skip
+    except RuntimeError as e:
+        print(f"sluiceway bench serve: {args.base_url}: {e}", file=sys.stderr)
+        return 1
+    errors = sorted({r.error for r in results if not r.ok})
+    print_figures(figures, errors)
+    if args.save_result:
+        with open(args.save_result, "w") as f:
+            json.dump(json_safe({"args": vars(args), **figures, "errors": errors}), f, indent=2,
+                      default=str)  # fmt: skip
+    return 1 if figures["failed_requests"] else 0
+
+
 def serve_command(args: argparse.Namespace) -> int:
     """`bench serve`: runs the workload, prints the figures, saves JSON / PNG when asked.
 
     Returns 1 (with the reason on stderr) when the server cannot be reached."""
     requests = load_requests(args)
     intervals = request_intervals(len(requests), args.request_rate, args.burstiness, args.seed)
+    if args.backend == "openai":
+        return _serve_openai(args, requests, intervals)
     try:
         run = asyncio.run(
             run_workload(args.target, requests, intervals, args.max_concurrency, args.ignore_eos)

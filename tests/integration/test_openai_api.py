@@ -162,3 +162,26 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(
     with stack.client() as client:
         info = wait_for_free_blocks(client, timeout_s=10)
     assert info.num_free_kv_blocks == info.num_kv_blocks
+
+
+def test_bench_serve_through_the_http_api(stack: Stack, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`bench serve --backend openai`: the same workload through /v1/completions (what it
+    sends to vLLM too): every request done, the exact token counts."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [
+            sys.executable, "-m", "sluiceway.cli", "bench", "serve", "--backend", "openai",
+            "--base-url", http_base_url(stack).removesuffix("/v1"),
+            "--dataset-name", "random", "--num-prompts", "6", "--random-input-len", "32",
+            "--random-output-len", "8", "--ignore-eos", "--save-result", str(out),
+        ],
+        check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["successful_requests"] == 6 and result["failed_requests"] == 0
+    assert result["total_output_tokens"] == 48 and result["total_input_tokens"] == 6 * 32
+    assert result["median_ttft_ms"] > 0 and result["median_itl_ms"] > 0

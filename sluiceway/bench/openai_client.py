@@ -1,0 +1,136 @@
+"""`sluiceway bench serve --backend openai`: the serving benchmark through an OpenAI-compatible
+HTTP API (sluiceway's router, `vllm serve`, SGLang, TGI...), so that one client measures
+several servers side by side.
+
+Each request is a streamed ``POST {base_url}/v1/completions`` (greedy, ``max_tokens`` the
+sampled output length, vLLM's ``ignore_eos`` extra field, ``stream_options.include_usage``), as
+`vllm bench serve --backend openai` sends it: the first chunk with text is the first token,
+the gaps between text chunks are the inter-token latencies, and the final usage chunk gives
+the output token count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+
+from sluiceway.bench.metrics import RequestResult, summarize
+from sluiceway.sharegpt import SampledRequest
+
+__all__ = ["run_openai_workload", "served_model"]
+
+
+async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
+    """The first model id of ``GET {base_url}/v1/models``.
+
+    Raises:
+        RuntimeError: the server cannot be reached or lists no model.
+    """
+    try:
+        r = await client.get(f"{base_url}/v1/models")
+        r.raise_for_status()
+        return str(r.json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise RuntimeError(f"no model at {base_url}/v1/models: {e}") from e
+
+
+async def _one(
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    request: SampledRequest,
+    ignore_eos: bool,
+) -> RequestResult:
+    body: dict[str, object] = {
+        "model": model,
+        "prompt": request.prompt_token_ids or request.prompt,
+        "temperature": 0.0,
+        "max_tokens": request.output_len,
+        "ignore_eos": ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result = RequestResult(ok=False, prompt_len=request.prompt_len)
+    t0 = last = time.perf_counter()
+    chunks = 0
+    try:
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                result.error = f"HTTP {r.status_code}: {text[:200]}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result.error = str(event["error"].get("message"))
+                    return result
+                if event.get("usage"):
+                    result.output_len = int(event["usage"]["completion_tokens"])
+                if not any(c.get("text") for c in event.get("choices", [])):
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    result.ttft = now - t0
+                else:
+                    result.itl.append(now - last)
+                last = now
+                chunks += 1
+        if result.output_len == 0:
+            result.output_len = chunks  # a server without usage chunks: one token a chunk
+        result.e2e = time.perf_counter() - t0
+        result.ok = True
+    except httpx.HTTPError as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run_openai_workload(
+    base_url: str,
+    model: str | None,
+    requests: list[SampledRequest],
+    intervals: list[float],
+    max_concurrency: int | None,
+    ignore_eos: bool,
+    desc: str = "requests",
+) -> tuple[list[RequestResult], dict[str, float]]:
+    """Like :func:`sluiceway.bench.serve.run_workload` through the HTTP API at ``base_url``
+    (``http://host:port``, no ``/v1``), with ``model`` (None: the server's first). The
+    server-side figures (KV utilization, step times) are the gRPC API's: not here.
+
+    Raises:
+        RuntimeError: no model listed, or the warm-up request failed.
+    """
+    from tqdm import tqdm
+
+    base_url = base_url.rstrip("/").removesuffix("/v1")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        model = model or await served_model(client, base_url)
+        if requests:  # vLLM's initial test run
+            warmup = await _one(client, base_url, model, requests[0], ignore_eos)
+            if not warmup.ok:
+                raise RuntimeError(f"warm-up request failed: {warmup.error}")
+        sem = asyncio.Semaphore(max_concurrency or len(requests) or 1)
+        progress = tqdm(total=len(requests), desc=desc, unit="req")
+
+        async def limited(r: SampledRequest) -> RequestResult:
+            async with sem:
+                result = await _one(client, base_url, model, r, ignore_eos)
+            progress.update(1)
+            return result
+
+        t0 = time.perf_counter()
+        tasks = []
+        for r, wait_s in zip(requests, intervals, strict=True):
+            if wait_s:
+                await asyncio.sleep(wait_s)
+            tasks.append(asyncio.create_task(limited(r)))
+        results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - t0
+        progress.close()
+    return results, summarize(results, duration)
