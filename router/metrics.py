@@ -13,13 +13,14 @@ from sluiceway.metrics import (
 
 REQUEST_SUCCESS = Counter(
     f"{PREFIX}request_success",
-    "Requests that finished normally, by finish reason (stop, length).",
-    ["model_name", "finished_reason"],
+    "Requests that finished normally, by finish reason (stop, length) and API (grpc, http).",
+    ["model_name", "finished_reason", "protocol"],
 )
 REQUEST_FAILURE = Counter(
     f"{PREFIX}request_failure",
-    "Requests that ended with a gRPC error, by status code (CANCELLED: the client left).",
-    ["model_name", "code"],
+    "Requests that ended with an error, by gRPC status code (CANCELLED: the client left; the "
+    "HTTP API's errors by the code it maps from) and API (grpc, http).",
+    ["model_name", "code", "protocol"],
 )
 PROMPT_TOKENS = Counter(
     f"{PREFIX}prompt_tokens", "Prompt tokens of successful requests.", ["model_name"]
@@ -78,8 +79,9 @@ class RequestRecorder:
     events; TPOT = (E2E - TTFT) / (tokens - 1), as vLLM defines them.
     """
 
-    def __init__(self, model_name: str, arrival: float) -> None:
+    def __init__(self, model_name: str, arrival: float, protocol: str = "grpc") -> None:
         self.model_name = model_name
+        self.protocol = protocol  # the `protocol` label: grpc or http
         self.arrival = arrival
         self.first_token: float | None = None
         self.last_token = arrival
@@ -108,7 +110,7 @@ class RequestRecorder:
         REQUEST_QUEUE_TIME.labels(self.model_name).observe(seconds)
 
     def on_success(self, finished_reason: str, prompt_tokens: int) -> None:
-        REQUEST_SUCCESS.labels(self.model_name, finished_reason).inc()
+        REQUEST_SUCCESS.labels(self.model_name, finished_reason, self.protocol).inc()
         PROMPT_TOKENS.labels(self.model_name).inc(prompt_tokens)
         GENERATION_TOKENS.labels(self.model_name).inc(self.num_generated)
         E2E_REQUEST_LATENCY.labels(self.model_name).observe(self.e2e)
@@ -118,4 +120,4 @@ class RequestRecorder:
             )
 
     def on_failure(self, code: str) -> None:
-        REQUEST_FAILURE.labels(self.model_name, code).inc()
+        REQUEST_FAILURE.labels(self.model_name, code, self.protocol).inc()

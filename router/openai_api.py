@@ -402,7 +402,8 @@ class _Run:
     ) -> AsyncIterator[tuple[int, inference_pb2.GenerateResponse]]:
         service = self.service
         limits = service.limits
-        recorder = RequestRecorder(limits.model_id if limits is not None else "", time.monotonic())
+        model = limits.model_id if limits is not None else ""
+        recorder = RequestRecorder(model, time.monotonic(), protocol="http")
         rlog = log.bind(request_id=request.request_id, protocol="http")
         async for response in service.generate(request, request.request_id, rlog, recorder):
             yield index, response

@@ -145,7 +145,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         code = grpc.StatusCode.INVALID_ARGUMENT.name
         if method == "Generate":
             limits = self.limits
-            REQUEST_FAILURE.labels(limits.model_id if limits is not None else "", code).inc()
+            model = limits.model_id if limits is not None else ""
+            REQUEST_FAILURE.labels(model, code, "grpc").inc()
         log.warning("request_failed", method=method, code=code, error=request.details)
 
     async def Generate(

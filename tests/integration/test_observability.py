@@ -74,8 +74,9 @@ class Standalone:
 
     def start_router(self, port: int, *args: str) -> Process:
         return self.start(
-            "router", "--port", str(port), "--scheduler", self.scheduler_address, *args
-        )
+            "router", "--port", str(port), "--scheduler", self.scheduler_address,
+            "--http-port", "0", *args,
+        )  # fmt: skip
 
     def stop(self) -> None:
         for p in self.processes.values():

@@ -185,3 +185,23 @@ def test_bench_serve_through_the_http_api(stack: Stack, tmp_path) -> None:  # ty
     assert result["successful_requests"] == 6 and result["failed_requests"] == 0
     assert result["total_output_tokens"] == 48 and result["total_input_tokens"] == 6 * 32
     assert result["median_ttft_ms"] > 0 and result["median_itl_ms"] > 0
+
+
+def test_http_requests_are_counted_by_protocol(api: openai.OpenAI, stack: Stack) -> None:
+    from tests.integration.conftest import metrics_urls
+
+    url = metrics_urls(stack.log)["router"]
+
+    def count(protocol: str) -> float:
+        text = httpx.get(url).text
+        return sum(
+            float(row.rsplit(" ", 1)[1]) for row in text.splitlines()
+            if row.startswith("sluiceway:request_success_total{")
+            and f'protocol="{protocol}"' in row
+        )  # fmt: skip
+
+    http, grpc_before = count("http"), count("grpc")
+    api.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+    with stack.client() as client:
+        client.generate(Client.request("Hi", temperature=0, max_tokens=2))
+    assert count("http") == http + 1 and count("grpc") == grpc_before + 1
