@@ -22,11 +22,13 @@ The Python wrappers below give their shapes and dtypes.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import pathlib
-import time
+from collections.abc import Iterator
 
 import torch
 
@@ -102,38 +104,41 @@ def load() -> None:
     name = _extension_name()
     build_dir = pathlib.Path(cpp_extension._get_build_directory(name, verbose=False))
     built = build_dir / f"{name}.so"
-    _remove_stale_lock(build_dir / "lock")
     if not built.exists():
         log.info("compiling the C++ CPU kernels %s (once per machine, about 10 s)", name)
     try:
-        cpp_extension.load(
-            name=name,
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=CFLAGS,
-            is_python_module=False,
-            verbose=os.environ.get("SLUICEWAY_VERBOSE_BUILD") == "1",
-        )
+        with _build_lock(build_dir):
+            cpp_extension.load(
+                name=name,
+                sources=[str(CSRC / s) for s in SOURCES],
+                extra_cflags=CFLAGS,
+                is_python_module=False,
+                verbose=os.environ.get("SLUICEWAY_VERBOSE_BUILD") == "1",
+            )
     except (OSError, RuntimeError, ImportError) as e:  # compiler missing, build or link error
         _load_error = CpuKernelsUnavailable(f"the C++ CPU kernels could not be built: {e}")
         raise _load_error from e
     _loaded = True
 
 
-# A build takes about 10 s; torch's build lock older than this was left by a process killed
-# while building (torch waits for it forever: every later start would hang).
-STALE_LOCK_S = 300.0
-
-
-def _remove_stale_lock(lock: pathlib.Path) -> None:
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing the build lock %s left %.0f s ago by a build that died", lock, age)
-        lock.unlink(missing_ok=True)
-    else:
-        log.info("waiting for another process that builds the C++ CPU kernels (%s)", lock)
+@contextlib.contextmanager
+def _build_lock(build_dir: pathlib.Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``build_dir/sluiceway.flock`` (the OS releases it when
+    its holder dies) while torch builds or loads, and remove torch's own build lock first:
+    every builder holds this one, so a torch lock found then was left by a build that was
+    killed midway, and torch would wait on it forever (each later start would hang)."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "sluiceway.flock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that builds the C++ CPU kernels")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build of the C++ CPU kernels that died", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def available() -> bool:

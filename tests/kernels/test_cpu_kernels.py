@@ -400,19 +400,18 @@ def test_float16_serves_through_the_cpu_backend(tmp_path: pathlib.Path) -> None:
     assert tokens["cpu"] == tokens["torch"]
 
 
-def test_a_stale_build_lock_is_removed(tmp_path: pathlib.Path) -> None:
-    """torch waits forever on the build lock of a build killed midway (a worker stopped
-    during its first start): one older than STALE_LOCK_S is removed, a fresh one is left."""
-    import os
-    import time
+def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path: pathlib.Path) -> None:
+    """torch waits forever on the build lock of a build killed midway (a worker stopped during
+    its first start): under our flock (released by the OS when its holder dies) any torch
+    lock is such a leftover, and goes."""
+    import fcntl
 
-    lock = tmp_path / "lock"
-    lock.touch()
-    old = time.time() - cpu_ops.STALE_LOCK_S - 10
-    os.utime(lock, (old, old))
-    cpu_ops._remove_stale_lock(lock)
-    assert not lock.exists()
-    lock.touch()
-    cpu_ops._remove_stale_lock(lock)
-    assert lock.exists()
-    cpu_ops._remove_stale_lock(tmp_path / "absent")
+    build_dir = tmp_path / "build"
+    build_dir.mkdir()
+    (build_dir / "lock").touch()
+    with cpu_ops._build_lock(build_dir):
+        assert not (build_dir / "lock").exists()
+        with open(build_dir / "sluiceway.flock") as f, pytest.raises(BlockingIOError):
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while torch builds
+    with open(build_dir / "sluiceway.flock") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # and released after
