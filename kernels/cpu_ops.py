@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (``kernels/csrc``): paged attention and the fused elementwise ops.
+"""The C++ CPU kernels (``kernels/csrc``): paged attention, the fused elementwise ops, the
+bfloat16 GEMM of the linear layers and the logits, and greedy sampling's reductions.
 
 They are compiled once per machine with the system C++ compiler through
 :func:`torch.utils.cpp_extension.load` (``-O3 -march=native``: the vector width of this CPU) and
@@ -15,7 +16,8 @@ they are given and return nothing):
 - ``rms_norm(out, x, weight, eps)``, ``fused_add_rms_norm(x, residual, weight, eps)``
 - ``silu_and_mul(out, x)``
 - ``rotary_embedding_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, Hq, Hkv)``
-- ``argmax_logsumexp(argmax, logsumexp, logits)``
+- ``argmax_logsumexp(argmax, shifted_logsumexp, logits)`` (log-sum-exp minus the max)
+- ``bf16_gemm(out, x, packed, bias)``, ``bf16_gemm_supported()``
 
 The Python wrappers below give their shapes and dtypes.
 """
@@ -34,9 +36,13 @@ import torch
 
 __all__ = [
     "CpuKernelsUnavailable",
+    "argmax_log_normalizer",
     "argmax_logsumexp",
+    "bf16_gemm_supported",
+    "bf16_linear",
     "fused_add_rms_norm",
     "load",
+    "pack_bf16_pairs",
     "paged_attention",
     "rms_norm",
     "rotary_embedding_write_kv",
@@ -232,18 +238,31 @@ def rotary_embedding_write_kv(
     )
 
 
-def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def argmax_log_normalizer(
+    logits: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``logits`` ``[R, V]`` float32 or bfloat16 (rows contiguous) -> ``(argmax [R] int64,
-    logsumexp [R] float32)`` in one pass per row, in float32: the first index of each row's largest logit (as
-    ``torch.argmax``) and ``log(sum(exp(row)))`` (max-shifted; ``-inf`` for a row of ``-inf``,
-    ``inf`` for a row holding ``inf``). A NaN is never the argmax (torch's would be): NaN
-    logits are a broken model, and its row's log-sum-exp is NaN.
+    max [R] float32, shifted [R] float32)`` in one pass per row, in float32: the first index of
+    each row's largest logit (as ``torch.argmax``), that logit, and
+    ``log(sum(exp(row - max)))``; a token's logprob is ``(logit - max) - shifted`` (0 - shifted
+    for the argmax, exact to float32). A row of ``-inf`` or holding ``inf`` has shifted 0. A
+    NaN is never the argmax (torch's would be): NaN logits are a broken model, and its row's
+    shifted value is NaN.
     """
     rows = logits.shape[0]
     argmax = torch.empty(rows, dtype=torch.int64)
-    lse = torch.empty(rows, dtype=torch.float32)
-    torch.ops.sluiceway.argmax_logsumexp(argmax, lse, logits)
-    return argmax, lse
+    shifted = torch.empty(rows, dtype=torch.float32)
+    torch.ops.sluiceway.argmax_logsumexp(argmax, shifted, logits)
+    row_max = logits.gather(1, argmax[:, None]).squeeze(1).float()
+    return argmax, row_max, shifted
+
+
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(argmax [R] int64, logsumexp [R] float32)`` of ``logits`` ``[R, V]``: see
+    :func:`argmax_log_normalizer` (``logsumexp = max + shifted``: ``-inf`` for a row of
+    ``-inf``, ``inf`` for a row holding ``inf``)."""
+    argmax, row_max, shifted = argmax_log_normalizer(logits)
+    return argmax, row_max + shifted
 
 
 def bf16_gemm_supported() -> bool:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernels import onednn_linear
+from kernels import cpu_ops, onednn_linear
 from kernels.backend import get_attention_backend
 from kernels.paged_attention import kv_pool_shape
 from worker.loader import load_config, load_model, read_json
@@ -244,7 +244,10 @@ class ModelRunner:
         if (
             self.attention_backend.fused_layer_ops
             and self._dtype in (torch.float32, torch.bfloat16)  # oneDNN's fp16 needs AVX512-FP16
-            and onednn_linear.available()
+            and (
+                onednn_linear.available()
+                or (self._dtype == torch.bfloat16 and cpu_ops.bf16_gemm_supported())
+            )
         ):
             self.model.pack_linear_weights()
         c = self.config

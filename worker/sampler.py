@@ -161,7 +161,8 @@ def truncated_candidates(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int = CANDIDATES
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k then top-p without sorting the vocabulary: the same kept set as HF's warpers,
-    found among the ``max(candidates, max(top_k))`` most likely tokens.
+    found among the row's ``top_k`` (with top-k) or ``candidates`` (without) most likely
+    tokens, so a row's result does not depend on the other rows.
 
     Args:
         logits: ``[R, V]`` float32 (already divided by the temperature).
@@ -177,11 +178,13 @@ def truncated_candidates(
     """
     vocab = logits.shape[-1]
     k0 = min(vocab, max(candidates, int(top_k.max())))
+    # a row without top-k looks at the first `candidates` only, however many the batch
+    # fetched for the others: its kept set and its draw do not depend on the other rows
     # log_softmax is one fused pass (logsumexp is several); candidates come sorted descending
     logp, ids = torch.topk(torch.log_softmax(logits, dim=-1), k0, dim=-1)
     probs = logp.exp_()
     has_k = top_k > 0
-    kk = torch.where(has_k, top_k.clamp(max=k0), k0)
+    kk = torch.where(has_k, top_k.clamp(max=k0), min(candidates, vocab))
     in_k = torch.arange(k0, device=logits.device)[None, :] < kk[:, None]
     probs.masked_fill_(~in_k, 0.0)
     # top-k renormalizes over the k kept tokens (softmax of the masked logits)
@@ -295,9 +298,8 @@ def sample(
     if cpu_kernels and fast_dtype and not top_n and all(_plain_greedy(o) for o in options):
         # argmax and log-sum-exp in one pass, in float32, over the logits as they are (an
         # argmax of bfloat16 values is the argmax of their float32 widening)
-        first_max, row_lse = cpu_ops.argmax_logsumexp(logits)
-        chosen = logits.gather(1, first_max[:, None]).squeeze(1).float()
-        return SampleResult(first_max, chosen - row_lse)
+        first_max, _, shifted = cpu_ops.argmax_log_normalizer(logits)
+        return SampleResult(first_max, -shifted)
     logits = logits.float()
 
     pen_rows = [i for i, o in enumerate(options) if o.repetition_penalty != 1.0]
@@ -333,10 +335,13 @@ def sample(
 
     greedy = [i for i, o in enumerate(options) if o.temperature == 0]
     sampled = [i for i, o in enumerate(options) if o.temperature != 0]
-    lse: torch.Tensor | None = None
+    # the chosen tokens' logprobs come from one formula whatever else the batch asks (top
+    # logprobs for some rows, say): (logit - max) - log(sum(exp(row - max)))
+    normalizer: tuple[torch.Tensor, torch.Tensor] | None = None
     argmax: torch.Tensor | None
-    if cpu_kernels and not top_n:
-        argmax, lse = cpu_ops.argmax_logsumexp(logits)
+    if cpu_kernels:
+        argmax, row_max, shifted = cpu_ops.argmax_log_normalizer(logits)
+        normalizer = (row_max, shifted)
     else:
         argmax = logits.argmax(dim=-1) if len(greedy) == rows else None
     if argmax is not None and len(greedy) == rows:
@@ -372,10 +377,17 @@ def sample(
         else:
             tokens[s_idx] = draw
 
-    if not top_n:  # the chosen token's only: no [R, V] log_softmax written out
-        chosen = logits.gather(1, tokens[:, None]).squeeze(1)
-        return SampleResult(tokens, chosen - (torch.logsumexp(logits, -1) if lse is None else lse))
+    chosen = logits.gather(1, tokens[:, None]).squeeze(1)
+    if normalizer is not None:
+        row_max, shifted = normalizer
+        chosen_lp = (chosen - row_max) - shifted
+    elif not top_n:  # the chosen token's only: no [R, V] log_softmax written out
+        chosen_lp = chosen - torch.logsumexp(logits, -1)
+    if not top_n:
+        return SampleResult(tokens, chosen_lp)
     log_probs = torch.log_softmax(logits, dim=-1)
-    result = SampleResult(tokens, log_probs.gather(1, tokens[:, None]).squeeze(1))
+    if normalizer is None:
+        chosen_lp = log_probs.gather(1, tokens[:, None]).squeeze(1)
+    result = SampleResult(tokens, chosen_lp)
     result.top_logprobs, result.top_ids = torch.topk(log_probs, top_n, dim=-1)
     return result

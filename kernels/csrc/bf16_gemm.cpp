@@ -14,6 +14,7 @@
 //
 // Weight layout (pack_bf16_pairs in kernels/cpu_ops.py): [ceil(N/16)][ceil(K/2)][16][2] bf16,
 // i.e. per 16-column block, per K pair, 16 columns of (W[n][2p], W[n][2p+1]), zero-padded.
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -173,6 +174,8 @@ bool bf16_gemm_supported() {
 
 void bf16_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && out.device().is_cpu(),
+              "bf16_gemm runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "x must be bfloat16 [M, K] with contiguous rows");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
@@ -182,13 +185,21 @@ void bf16_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(kp == (k + 1) / 2, "packed holds ", 2 * kp, " K values, x has K = ", k);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.stride(1) == 1 &&
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) &&
-                  out.size(1) <= 16 * packed.size(0),
+                  (out.size(1) + 15) / 16 == packed.size(0),
               "out must be float32 or bfloat16 [M, N] with contiguous rows, "
-              "N <= 16 * packed.size(0)");
+              "ceil(N / 16) == packed.size(0)");
+  at::assert_no_overlap(out, x);
   const int64_t n = out.size(1);
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
                 "bias must be a contiguous float32 [N]");
+  if (k == 0) {  // an empty sum: the bias, or zeros
+    if (bias.has_value())
+      out.copy_(bias->unsqueeze(0).expand({m, n}));
+    else
+      out.zero_();
+    return;
+  }
 #if SLUICEWAY_HAVE_AVX512BF16
   if (m == 0 || n == 0) return;
   const Output o{out.data_ptr(), out.scalar_type() == at::kBFloat16, out.stride(0),

@@ -1,7 +1,8 @@
 // Greedy sampling's two reductions over the vocabulary, in one pass per row: the argmax (the
-// first index of the largest logit, as torch.argmax) and the log-sum-exp (for the chosen
-// token's logprob, logit - logsumexp). Rows in parallel; 16 lanes and a fixed combining order
-// per row.
+// first index of the largest logit, as torch.argmax) and the log-sum-exp minus the row's max,
+// log(sum(exp(x - max))), so that a chosen token's logprob is (logit - max) - that, without
+// the rounding of max + log(...) (a near-certain token's logprob would be quantized to the ulp
+// of max). Rows in parallel; 16 lanes and a fixed combining order per row.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -55,8 +56,8 @@ void argmax_logsumexp_impl(at::Tensor& argmax, at::Tensor& logsumexp, const at::
         }
       }
       am[r] = m_at;
-      if (std::isinf(m)) {  // every logit -inf, or one of them +inf
-        lse[r] = m;
+      if (std::isinf(m)) {  // every logit -inf, or one of them +inf: log-sum-exp = m
+        lse[r] = 0.0f;
         continue;
       }
       v16f sum = splat(0.0f);
@@ -64,7 +65,7 @@ void argmax_logsumexp_impl(at::Tensor& argmax, at::Tensor& logsumexp, const at::
       for (; k + 16 <= v; k += 16) sum += fast_exp16(load16(x + k) - m);
       float total = reduce_sum(sum);
       for (; k < v; ++k) total += fast_exp(to_float(x[k]) - m);
-      lse[r] = m + std::log(total);
+      lse[r] = std::log(total);  // the max added by the caller: no rounding of m + log
     }
   });
 }

@@ -75,7 +75,8 @@ def probes(
 def noise(
     sharegpt_requests: list[inference_pb2.GenerateRequest],
 ) -> list[inference_pb2.GenerateRequest]:
-    """24 ShareGPT requests of mixed lengths (up to 400 prompt tokens), some sampled."""
+    """24 ShareGPT requests of mixed lengths (up to 400 prompt tokens), some sampled, some
+    with top_k over the sampler's candidate count or top_p, some asking top logprobs."""
     out = []
     for i, r in enumerate(sharegpt_requests[:24]):
         n = inference_pb2.GenerateRequest()
@@ -83,6 +84,12 @@ def noise(
         n.sampling.max_tokens = 8 + 2 * i
         if i % 3 == 0:
             n.sampling.temperature = 0.9
+        if i % 5 == 1:
+            n.sampling.temperature, n.sampling.top_k = 1.0, 1000
+        if i % 7 == 2:
+            n.sampling.temperature, n.sampling.top_p = 1.0, 0.9
+        if i % 4 == 3:
+            n.sampling.logprobs = 5
         out.append(n)
     return out
 

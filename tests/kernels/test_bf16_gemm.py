@@ -92,8 +92,14 @@ def test_rejects_bad_arguments() -> None:
         f32(torch.randn(2, 8), packed, 32)
     with pytest.raises(RuntimeError, match="packed holds 8 K values, x has K = 10"):
         f32(torch.randn(2, 10).bfloat16(), packed, 32)
-    with pytest.raises(RuntimeError, match="N <= 16"):
+    with pytest.raises(RuntimeError, match="ceil"):
         f32(torch.randn(2, 8).bfloat16(), packed, 33)
+    with pytest.raises(RuntimeError, match="ceil"):
+        f32(torch.randn(2, 8).bfloat16(), packed, 16)  # a weight of 32 rows, N 16
+    x = torch.randn(2, 32).bfloat16()
+    square = cpu_ops.pack_bf16_pairs(torch.randn(32, 32).bfloat16())
+    with pytest.raises(RuntimeError, match="single memory location"):
+        cpu_ops.bf16_linear(x, square, 32, out=x)  # out aliasing x
     with pytest.raises(RuntimeError, match="packed must be"):
         f32(torch.randn(2, 8).bfloat16(), packed.float(), 32)
     with pytest.raises(RuntimeError, match="bias must be"):
@@ -146,3 +152,14 @@ def test_model_logits_kernel_choice(
     # fewer rows next time: a view of the same buffer, the values of those rows
     again = model.compute_logits(hidden[:3], reuse_buffer=True)
     assert torch.equal(again, fresh[:3])
+
+
+@needs_bf16
+def test_k_zero_gives_the_bias() -> None:
+    """An empty reduction (K 0; it crashed with SIGFPE): zeros, or the bias."""
+    packed = cpu_ops.pack_bf16_pairs(torch.zeros(20, 0, dtype=torch.bfloat16))
+    x = torch.zeros(3, 0, dtype=torch.bfloat16)
+    assert torch.equal(cpu_ops.bf16_linear(x, packed, 20, out_dtype=torch.float32),
+                       torch.zeros(3, 20))  # fmt: skip
+    bias = torch.arange(20.0)
+    assert torch.equal(cpu_ops.bf16_linear(x, packed, 20, bias), bias.bfloat16().expand(3, 20))

@@ -165,3 +165,39 @@ def test_sampled_tokens_do_not_depend_on_the_batch(runner: ModelRunner) -> None:
         return got
 
     assert run(batch_with_noise=True) == run(batch_with_noise=False)
+
+
+def test_a_rows_sample_and_logprob_do_not_depend_on_the_other_rows() -> None:
+    """The sampler on its own: a seeded top-p row whose nucleus is wider than the candidate
+    count draws the same tokens beside a row with top_k 1000 (the batch's candidate count
+    used to decide its path), and a greedy row's chosen logprob is bitwise the same beside a
+    row that asks for top logprobs (one formula for every row)."""
+    from worker.sampler import sample
+
+    vocab = 49_152
+    g = torch.Generator().manual_seed(0)
+    peaked = torch.randn(1, vocab, generator=g) - 10
+    peaked[0, torch.randperm(vocab, generator=g)[:300]] += 10 + torch.rand(300, generator=g)
+    other = torch.randn(1, vocab, generator=g) * 3
+    probe = SamplingOptions(temperature=1.0, top_p=0.95, seed=7)
+
+    def draws(logits: torch.Tensor, options: list[SamplingOptions]) -> list[tuple[int, float]]:
+        gens: list[torch.Generator | None] = [None] * len(options)
+        gens[0] = torch.Generator().manual_seed(7)
+        out = []
+        for _ in range(20):
+            r = sample(logits.clone(), options, gens, [[1]] * len(options), cpu_kernels=True)
+            out.append((int(r.token_ids[0]), float(r.logprobs[0])))
+        return out
+
+    alone = draws(peaked, [probe])
+    assert draws(torch.cat([peaked, other]), [probe, SamplingOptions(top_k=1000)]) == alone
+    greedy = SamplingOptions(temperature=0.0)
+    asks = SamplingOptions(temperature=0.0, num_logprobs=5)
+    for options in ([greedy], [greedy, asks], [greedy, SamplingOptions(temperature=0.9)]):
+        rows = torch.cat([other, peaked][: len(options)])
+        got = sample(rows.clone(), options, [None] * len(options), [[1]] * len(options),
+                     cpu_kernels=True)  # fmt: skip
+        first = sample(other.clone(), [greedy], [None], [[1]], cpu_kernels=True)
+        assert torch.equal(got.token_ids[:1], first.token_ids)
+        assert torch.equal(got.logprobs[:1], first.logprobs), options
