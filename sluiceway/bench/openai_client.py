@@ -11,13 +11,13 @@ the output token count.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
 import httpx
 
 from sluiceway.bench.metrics import RequestResult, summarize
+from sluiceway.bench.workload import send_workload
 from sluiceway.sharegpt import SampledRequest
 
 __all__ = ["run_openai_workload", "served_model"]
@@ -105,8 +105,6 @@ async def run_openai_workload(
     Raises:
         RuntimeError: no model listed, or the warm-up request failed.
     """
-    from tqdm import tqdm
-
     base_url = base_url.rstrip("/").removesuffix("/v1")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
@@ -115,22 +113,8 @@ async def run_openai_workload(
             warmup = await _one(client, base_url, model, requests[0], ignore_eos)
             if not warmup.ok:
                 raise RuntimeError(f"warm-up request failed: {warmup.error}")
-        sem = asyncio.Semaphore(max_concurrency or len(requests) or 1)
-        progress = tqdm(total=len(requests), desc=desc, unit="req")
-
-        async def limited(r: SampledRequest) -> RequestResult:
-            async with sem:
-                result = await _one(client, base_url, model, r, ignore_eos)
-            progress.update(1)
-            return result
-
-        t0 = time.perf_counter()
-        tasks = []
-        for r, wait_s in zip(requests, intervals, strict=True):
-            if wait_s:
-                await asyncio.sleep(wait_s)
-            tasks.append(asyncio.create_task(limited(r)))
-        results = list(await asyncio.gather(*tasks))
-        duration = time.perf_counter() - t0
-        progress.close()
+        results, duration = await send_workload(
+            lambda r: _one(client, base_url, model, r, ignore_eos),
+            requests, intervals, max_concurrency, desc,
+        )  # fmt: skip
     return results, summarize(results, duration)

@@ -26,7 +26,7 @@ from sluiceway.bench.metrics import (
     step_breakdown,
     summarize,
 )
-from sluiceway.bench.workload import load_requests, request_intervals
+from sluiceway.bench.workload import load_requests, request_intervals, send_workload
 from sluiceway.grpc_server import channel_options
 from sluiceway.sharegpt import SampledRequest
 from sluiceway.v1 import inference_pb2, inference_pb2_grpc
@@ -94,33 +94,16 @@ async def run_workload(
     grpc.aio.AioRpcError if `GetModelInfo` does; a failed `Generate` during
     the run is counted, not raised.
     """
-    from tqdm import tqdm
-
-    sem = asyncio.Semaphore(max_concurrency or len(requests) or 1)
     async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         if requests:  # as vLLM's initial test run: first-call costs stay out of the figures
             warmup = await _one(stub, requests[0], ignore_eos)
             if not warmup.ok:
                 raise RuntimeError(f"warm-up request failed: {warmup.error}")
-        progress = tqdm(total=len(requests), desc=desc, unit="req")
-
-        async def limited(r: SampledRequest) -> RequestResult:
-            async with sem:
-                result = await _one(stub, r, ignore_eos)
-            progress.update(1)
-            return result
-
         before = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
-        t0 = time.perf_counter()
-        tasks = []
-        for r, wait_s in zip(requests, intervals, strict=True):
-            if wait_s:
-                await asyncio.sleep(wait_s)
-            tasks.append(asyncio.create_task(limited(r)))
-        results = list(await asyncio.gather(*tasks))
-        duration = time.perf_counter() - t0
-        progress.close()
+        results, duration = await send_workload(
+            lambda r: _one(stub, r, ignore_eos), requests, intervals, max_concurrency, desc
+        )
         after = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
         settled = after
         deadline = time.monotonic() + FREE_BLOCKS_WAIT_S

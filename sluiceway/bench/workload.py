@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sluiceway.argtypes import positive_float, positive_int
 from sluiceway.sharegpt import SampledRequest
+
+if TYPE_CHECKING:
+    from sluiceway.bench.metrics import RequestResult
 
 
 def request_intervals(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
@@ -25,6 +32,39 @@ def request_intervals(n: int, request_rate: float, burstiness: float, seed: int)
     rng = np.random.default_rng(seed)
     theta = 1.0 / (request_rate * burstiness)
     return [float(x) for x in rng.gamma(shape=burstiness, scale=theta, size=n)]
+
+
+async def send_workload(
+    send: Callable[[SampledRequest], Awaitable[RequestResult]],
+    requests: list[SampledRequest],
+    intervals: list[float],
+    max_concurrency: int | None,
+    desc: str = "requests",
+) -> tuple[list[RequestResult], float]:
+    """Sends request i after waiting ``intervals[i]`` seconds, at most ``max_concurrency`` in
+    flight (None: no limit), each through ``send``, with a progress bar; returns the results
+    in request order and the run's duration in seconds (first send to last result)."""
+    from tqdm import tqdm
+
+    sem = asyncio.Semaphore(max_concurrency or len(requests) or 1)
+    progress = tqdm(total=len(requests), desc=desc, unit="req")
+
+    async def limited(r: SampledRequest) -> RequestResult:
+        async with sem:
+            result = await send(r)
+        progress.update(1)
+        return result
+
+    t0 = time.perf_counter()
+    tasks = []
+    for r, wait_s in zip(requests, intervals, strict=True):
+        if wait_s:
+            await asyncio.sleep(wait_s)
+        tasks.append(asyncio.create_task(limited(r)))
+    results = list(await asyncio.gather(*tasks))
+    duration = time.perf_counter() - t0
+    progress.close()
+    return results, duration
 
 
 def random_requests(

@@ -130,7 +130,7 @@ async def _generate_ok(channel: grpc.aio.Channel) -> None:
 
 
 def _failures(code: str = "INVALID_ARGUMENT") -> float:
-    labels = {"model_name": MODEL, "code": code}
+    labels = {"model_name": MODEL, "code": code, "protocol": "grpc"}
     return REGISTRY.get_sample_value("sluiceway:request_failure_total", labels) or 0.0
 
 

@@ -33,7 +33,13 @@ def test_recorder_ttft_itl_tpot_e2e() -> None:
     assert sample("sluiceway:prompt_tokens_total", model_name=model) == 11
     assert sample("sluiceway:generation_tokens_total", model_name=model) == 3
     assert (
-        sample("sluiceway:request_success_total", model_name=model, finished_reason="length") == 1
+        sample(
+            "sluiceway:request_success_total",
+            model_name=model,
+            finished_reason="length",
+            protocol="grpc",
+        )
+        == 1
     )
     # TTFT of 0.5 s falls in the 0.5 bucket (le is inclusive), not the 0.25 one
     assert sample("sluiceway:time_to_first_token_seconds_bucket", model_name=model, le="0.25") == 0
@@ -48,4 +54,12 @@ def test_recorder_single_token_has_no_tpot_and_failures_count_by_code() -> None:
     assert sample("sluiceway:time_per_output_token_seconds_count", model_name=model) == 0
     assert sample("sluiceway:e2e_request_latency_seconds_sum", model_name=model) == 0.25
     RequestRecorder(model, arrival=0.0).on_failure("INVALID_ARGUMENT")
-    assert sample("sluiceway:request_failure_total", model_name=model, code="INVALID_ARGUMENT") == 1
+    assert (
+        sample(
+            "sluiceway:request_failure_total",
+            model_name=model,
+            code="INVALID_ARGUMENT",
+            protocol="grpc",
+        )
+        == 1
+    )
