@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -177,25 +178,53 @@ def _param(field: str | None, chat: bool) -> str | None:
     return field.removeprefix("sampling.")
 
 
+_U32 = (0, (1 << 32) - 1)
+_RANGES = {  # the proto field's integer type
+    "max_tokens": _U32,
+    "min_tokens": _U32,
+    "logprobs": _U32,
+    "top_k": (-(1 << 31), (1 << 31) - 1),
+    "seed": (0, (1 << 64) - 1),
+}
+
+
+def _in_range(value: int, name: str, param: str) -> int:
+    lo, hi = _RANGES[name]
+    if not lo <= value <= hi:
+        raise ApiError(400, f"{param}: must be in [{lo}, {hi}], got {value}", param)
+    return value
+
+
 def _sampling_params(
-    body: _Sampling, max_tokens: int | None, logprobs: int | None
+    body: _Sampling,
+    max_tokens: int | None,
+    logprobs: int | None,
+    *,
+    max_tokens_param: str = "max_tokens",
+    logprobs_param: str = "logprobs",
 ) -> dict[str, Any]:
+    """The ``SamplingParams`` fields of ``body``; integers outside their proto type's range
+    are refused here (HTTP 400 naming the field), the rest by the shared validation."""
     params: dict[str, Any] = {}
     for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                  "top_k", "min_p", "repetition_penalty", "min_tokens"):  # fmt: skip
         value = getattr(body, name)
         if value is not None:
-            params[name] = value
+            params[name] = _in_range(value, name, name) if name in _RANGES else value
     if max_tokens is not None:
         if max_tokens < 1:
-            raise ApiError(400, f"max_tokens: must be >= 1, got {max_tokens}", "max_tokens")
-        params["max_tokens"] = max_tokens
+            raise ApiError(
+                400, f"{max_tokens_param}: must be >= 1, got {max_tokens}", max_tokens_param
+            )
+        params["max_tokens"] = _in_range(max_tokens, "max_tokens", max_tokens_param)
     if body.stop is not None:
         params["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     if body.stop_token_ids:
-        params["stop_token_ids"] = body.stop_token_ids
+        params["stop_token_ids"] = [
+            _integer(t, f"stop_token_ids[{i}]") for i, t in enumerate(body.stop_token_ids)
+        ]
     if logprobs is not None:
-        params["logprobs"] = logprobs
+        params["logprobs"] = _in_range(logprobs, "logprobs", logprobs_param)
     params["ignore_eos"] = body.ignore_eos
     params["skip_special_tokens"] = body.skip_special_tokens
     params["include_stop_str_in_output"] = body.include_stop_str_in_output
@@ -214,6 +243,22 @@ def _message_text(message: ChatMessage, index: int) -> str:
             raise ApiError(400, f"{where}: only text content parts are supported", where)
         parts.append(part["text"])
     return "".join(parts)
+
+
+# pydantic's names for the member of a union that failed ("str", "list[int]"), not fields
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
+
+
+def _body_param(loc: Any) -> str | None:
+    """The body field a pydantic error location names, in this API's words:
+    ``("body", "messages", 0, "role")`` -> ``messages[0].role``; union member tags dropped."""
+    out = ""
+    for part in list(loc)[1:]:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _TYPE_TAG.match(str(part)):
+            out += f".{part}" if out else str(part)
+    return out or None
 
 
 def _integer(value: int, param: str) -> int:
@@ -251,9 +296,10 @@ def build_app(service: InferenceService) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def on_invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        return _error_response(400, f"{param}: {first.get('msg', 'invalid body')}", param)
+        if first.get("type") == "json_invalid":
+            return _error_response(400, f"body: invalid JSON: {first.get('ctx', {})}", None)
+        param = _body_param(first.get("loc", ()))
+        return _error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid body')}", param)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -304,6 +350,11 @@ def build_app(service: InferenceService) -> FastAPI:
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         check_model(body.model)
         ids = [_integer(t, f"tokens[{i}]") for i, t in enumerate(body.tokens)]
+        limits = service.limits
+        vocab = limits.vocab_size if limits is not None else None
+        for i, t in enumerate(ids):
+            if vocab is not None and t >= vocab:
+                raise ApiError(400, f"tokens[{i}]: must be < {vocab}, got {t}", f"tokens[{i}]")
         return {"prompt": tokenizer.decode(ids)}
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -321,6 +372,8 @@ def build_app(service: InferenceService) -> FastAPI:
         sampling = _sampling_params(
             body, max_tokens if max_tokens is not None else
             (limits.max_model_len if limits else None), logprobs,
+            max_tokens_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+            logprobs_param="top_logprobs",
         )  # fmt: skip
         base = inference_pb2.GenerateRequest(sampling=inference_pb2.SamplingParams(**sampling))
         base.messages.messages.extend(

@@ -205,3 +205,45 @@ def test_http_requests_are_counted_by_protocol(api: openai.OpenAI, stack: Stack)
     with stack.client() as client:
         client.generate(Client.request("Hi", temperature=0, max_tokens=2))
     assert count("http") == http + 1 and count("grpc") == grpc_before + 1
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/completions", {"max_tokens": 99999999999999999999}, "max_tokens"),
+        ("/v1/completions", {"seed": -1}, "seed"),
+        ("/v1/completions", {"top_k": 99999999999999}, "top_k"),
+        ("/v1/completions", {"min_tokens": -1}, "min_tokens"),
+        ("/v1/completions", {"stop_token_ids": [-1]}, "stop_token_ids[0]"),
+        ("/v1/completions", {"logprobs": -1}, "logprobs"),
+        ("/v1/chat/completions", {"max_completion_tokens": 5000000000}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 99999999999}, "top_logprobs"),
+        ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ],
+)
+def test_out_of_range_and_mistyped_fields_are_400_naming_them(
+    base: str,
+    path: str,
+    extra: dict,
+    param: str,  # type: ignore[type-arg]
+) -> None:
+    """Integers outside their proto type (found by a reviewer: they were HTTP 500) and
+    pydantic's type errors name the body field, not a union member."""
+    body = (
+        {"prompt": "hi"}
+        if "chat" not in path
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    r = httpx.post(f"{base}{path}", json={**body, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_malformed_json_and_unknown_token_ids(base: str) -> None:
+    r = httpx.post(f"{base}/v1/completions", content=b'{"prompt": [}',
+                   headers={"Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] is None
+    assert r.json()["error"]["message"].startswith("body: invalid JSON")
+    r = httpx.post(f"{base}/detokenize", json={"tokens": [999999]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[0]"
