@@ -37,7 +37,6 @@ import torch
 __all__ = [
     "CpuKernelsUnavailable",
     "argmax_log_normalizer",
-    "argmax_logsumexp",
     "bf16_gemm_supported",
     "bf16_linear",
     "fused_add_rms_norm",
@@ -255,14 +254,6 @@ def argmax_log_normalizer(
     torch.ops.sluiceway.argmax_logsumexp(argmax, shifted, logits)
     row_max = logits.gather(1, argmax[:, None]).squeeze(1).float()
     return argmax, row_max, shifted
-
-
-def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(argmax [R] int64, logsumexp [R] float32)`` of ``logits`` ``[R, V]``: see
-    :func:`argmax_log_normalizer` (``logsumexp = max + shifted``: ``-inf`` for a row of
-    ``-inf``, ``inf`` for a row holding ``inf``)."""
-    argmax, row_max, shifted = argmax_log_normalizer(logits)
-    return argmax, row_max + shifted
 
 
 def bf16_gemm_supported() -> bool:

@@ -244,26 +244,4 @@ class VarlenMetadataBuilder:
     """``build_metadata`` for the attention backends whose kernels take :class:`VarlenMetadata`
     (Triton, the C++ CPU kernels)."""
 
-    def build_metadata(
-        self,
-        query_lens: Sequence[int],
-        context_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        *,
-        block_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        device: torch.device | str,
-    ) -> VarlenMetadata:
-        """See :func:`build_varlen_metadata`."""
-        return build_varlen_metadata(
-            query_lens,
-            context_lens,
-            block_tables,
-            block_size=block_size,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            device=device,
-        )
+    build_metadata = staticmethod(build_varlen_metadata)

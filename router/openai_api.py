@@ -185,10 +185,13 @@ _RANGES = {  # the proto field's integer type
     "logprobs": _U32,
     "top_k": (-(1 << 31), (1 << 31) - 1),
     "seed": (0, (1 << 64) - 1),
+    "token_id": _U32,
 }
 
 
 def _in_range(value: int, name: str, param: str) -> int:
+    """``value`` if it fits the proto type of field ``name`` (a key of ``_RANGES``), else a
+    400 naming ``param``."""
     lo, hi = _RANGES[name]
     if not lo <= value <= hi:
         raise ApiError(400, f"{param}: must be in [{lo}, {hi}], got {value}", param)
@@ -262,9 +265,8 @@ def _body_param(loc: Any) -> str | None:
 
 
 def _integer(value: int, param: str) -> int:
-    if value < 0 or value >= 1 << 32:
-        raise ApiError(400, f"{param}: token ids must be in [0, 2^32), got {value}", param)
-    return value
+    """A token id that fits the proto's uint32 (the vocabulary is checked later)."""
+    return _in_range(value, "token_id", param)
 
 
 # -- the app ----------------------------------------------------------------------------------
@@ -495,18 +497,16 @@ class _Run:
 
     def _logprobs(self, response: inference_pb2.GenerateResponse) -> list[dict[str, Any]]:
         tok = self.service.tokenizer
-        out = []
-        for lp in response.logprobs:
-            text = tok.decode([lp.token_id])
-            entry: dict[str, Any] = {"token": text, "logprob": lp.logprob,
-                                     "bytes": list(text.encode())}  # fmt: skip
-            entry["top_logprobs"] = [
-                {"token": (t := tok.decode([x.token_id])), "logprob": x.logprob,
-                 "bytes": list(t.encode())}
-                for x in lp.top_logprobs
-            ]  # fmt: skip
-            out.append(entry)
-        return out
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = tok.decode([token_id])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return [
+            {**entry(lp.token_id, lp.logprob),
+             "top_logprobs": [entry(x.token_id, x.logprob) for x in lp.top_logprobs]}
+            for lp in response.logprobs
+        ]  # fmt: skip
 
     def _completion_logprobs(self, entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
         offsets, pos = [], offset

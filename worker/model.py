@@ -213,9 +213,9 @@ class DecoderLayer(nn.Module):
         """
         packed_bytes = 0
         self.bf16_pairs = bf16_pairs
+        pack = cpu_ops.pack_bf16_pairs if bf16_pairs else onednn_linear.pack
         for name in LINEAR_WEIGHTS:
             weight = getattr(self, name)
-            pack = cpu_ops.pack_bf16_pairs if bf16_pairs else onednn_linear.pack
             self.packed[name] = pack(weight.data)
             self.packed_out_features[name] = weight.shape[0]
             packed_bytes += weight.numel() * weight.element_size()
@@ -514,7 +514,6 @@ class LlamaForCausalLM(nn.Module):
         """
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
         if self.bf16_pairs:
-            assert self.packed_lm_head is not None
             local = self._bf16_logits(hidden, weight.shape[0], reuse_buffer)
         elif self.packed_lm_head is not None:  # float32 logits from float32 weights
             local = onednn_linear.linear(hidden.float(), self.packed_lm_head, None)

@@ -297,11 +297,17 @@ class ModelRunner:
             self.bytes_per_block,
             self._max_model_len,
             self.attention_backend.name,
-            (", linear weights packed for oneDNN" if self.model.packed_lm_head is not None else "")
-            if not self.model.bf16_pairs
-            else ", linear weights packed for the bfloat16 GEMM",
+            self._packing_note(),
             "batch invariant" if self.batch_invariant else "not batch invariant",
         )
+
+    def _packing_note(self) -> str:
+        """The start line's word on the linear weights' packing."""
+        if self.model.bf16_pairs:
+            return ", linear weights packed for the bfloat16 GEMM"
+        if self.model.packed_lm_head is not None:
+            return ", linear weights packed for oneDNN"
+        return ""
 
     # -- properties -----------------------------------------------------------------------
 

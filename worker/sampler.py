@@ -279,7 +279,7 @@ def sample(
             output); None = all prompt (no output yet).
         cpu_kernels: CPU logits and the C++ kernels loaded (:mod:`kernels.cpu_ops`): the
             argmax and the log-sum-exp of every row in one pass
-            (:func:`kernels.cpu_ops.argmax_logsumexp`), same tokens as ``torch.argmax``.
+            (:func:`kernels.cpu_ops.argmax_log_normalizer`), same tokens as ``torch.argmax``.
 
     Returns:
         A :class:`SampleResult` on ``logits``' device.
@@ -377,17 +377,15 @@ def sample(
         else:
             tokens[s_idx] = draw
 
-    chosen = logits.gather(1, tokens[:, None]).squeeze(1)
+    log_probs = torch.log_softmax(logits, dim=-1) if top_n else None
     if normalizer is not None:
         row_max, shifted = normalizer
-        chosen_lp = (chosen - row_max) - shifted
-    elif not top_n:  # the chosen token's only: no [R, V] log_softmax written out
-        chosen_lp = chosen - torch.logsumexp(logits, -1)
-    if not top_n:
-        return SampleResult(tokens, chosen_lp)
-    log_probs = torch.log_softmax(logits, dim=-1)
-    if normalizer is None:
+        chosen_lp = (logits.gather(1, tokens[:, None]).squeeze(1) - row_max) - shifted
+    elif log_probs is not None:
         chosen_lp = log_probs.gather(1, tokens[:, None]).squeeze(1)
+    else:  # the chosen token's only: no [R, V] log_softmax written out
+        chosen_lp = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
     result = SampleResult(tokens, chosen_lp)
-    result.top_logprobs, result.top_ids = torch.topk(log_probs, top_n, dim=-1)
+    if log_probs is not None:
+        result.top_logprobs, result.top_ids = torch.topk(log_probs, top_n, dim=-1)
     return result
