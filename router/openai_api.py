@@ -17,9 +17,9 @@ words), 404 for an unknown model, 429 / 503 where gRPC says RESOURCE_EXHAUSTED /
 A client that disconnects aborts its request (the scheduler stream is cancelled: its KV blocks
 come back).
 
-``n`` > 1: the n samples are n generations of the same prompt sent together (a seeded
-request's sample ``i`` uses ``seed + i``); the prompt's full KV blocks are shared through the
-prefix cache, its last partial block is computed once per sample.
+``n`` > 1: ``sampling.n`` of the gRPC API, the same path (parallel sampling: the samples share
+the prompt's KV blocks; a seeded request's sample ``i`` uses ``seed + i``); choice
+``p * n + i`` is sample ``i`` of prompt ``p``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -39,11 +39,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from router.errors import InvalidRequest
-from router.metrics import RequestRecorder
 from router.server import InferenceService, RequestFailed
+from router.streams import merge_streams
 from sluiceway.v1 import inference_pb2
 
 __all__ = ["HttpServer", "build_app", "start_http_server"]
@@ -61,7 +61,6 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "ServiceUnavailableError"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "TimeoutError"),
 }
-MAX_N = 16  # samples per prompt
 
 
 class ApiError(Exception):
@@ -93,7 +92,7 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
@@ -185,6 +184,7 @@ _RANGES = {  # the proto field's integer type
     "logprobs": _U32,
     "top_k": (-(1 << 31), (1 << 31) - 1),
     "seed": (0, (1 << 64) - 1),
+    "n": _U32,
     "token_id": _U32,
 }
 
@@ -210,7 +210,7 @@ def _sampling_params(
     are refused here (HTTP 400 naming the field), the rest by the shared validation."""
     params: dict[str, Any] = {}
     for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
-                 "top_k", "min_p", "repetition_penalty", "min_tokens"):  # fmt: skip
+                 "top_k", "min_p", "repetition_penalty", "min_tokens", "n"):  # fmt: skip
         value = getattr(body, name)
         if value is not None:
             params[name] = _in_range(value, name, name) if name in _RANGES else value
@@ -437,63 +437,30 @@ class _Run:
         self.logprobs = logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + (body.request_id or uuid.uuid4().hex)
         self.created = int(time.time())
-
-    def _choices(
-        self, prompts: list[inference_pb2.GenerateRequest]
-    ) -> Iterator[tuple[int, inference_pb2.GenerateRequest]]:
-        n = self.body.n
-        for p, base in enumerate(prompts):
-            for i in range(n):
-                req = inference_pb2.GenerateRequest()
-                req.CopyFrom(base)
-                index = p * n + i
-                req.request_id = f"{self.id}-{index}"
-                if i and req.sampling.HasField("seed"):
-                    req.sampling.seed = (req.sampling.seed + i) % (1 << 64)
-                yield index, req
+        self.arrival = time.monotonic()
 
     async def _stream(
-        self, index: int, request: inference_pb2.GenerateRequest
-    ) -> AsyncIterator[tuple[int, inference_pb2.GenerateResponse]]:
-        service = self.service
-        limits = service.limits
-        model = limits.model_id if limits is not None else ""
-        recorder = RequestRecorder(model, time.monotonic(), protocol="http")
-        rlog = log.bind(request_id=request.request_id, protocol="http")
-        async for response in service.generate(request, request.request_id, rlog, recorder):
-            yield index, response
+        self, p: int, request: inference_pb2.GenerateRequest
+    ) -> AsyncGenerator[tuple[int, inference_pb2.GenerateResponse], None]:
+        """Prompt ``p``'s responses, each with its choice index (``p * n`` + its sample)."""
+        n = self.body.n
+        async with contextlib.aclosing(
+            self.service.generate(
+                request, request.request_id, arrival=self.arrival, protocol="http"
+            )
+        ) as responses:
+            async for response in responses:
+                yield p * n + response.index, response
 
-    async def _merged(
+    def _merged(
         self, prompts: list[inference_pb2.GenerateRequest]
-    ) -> AsyncIterator[tuple[int, inference_pb2.GenerateResponse]]:
-        """Every choice's responses as they come (one task per choice); a failure of one
-        ends them all."""
-        queue: asyncio.Queue[tuple[int, inference_pb2.GenerateResponse] | BaseException | None]
-        queue = asyncio.Queue()
-
-        async def pump(index: int, request: inference_pb2.GenerateRequest) -> None:
-            try:
-                async for item in self._stream(index, request):
-                    await queue.put(item)
-                await queue.put(None)
-            except Exception as e:  # handed to the consumer, which raises it
-                await queue.put(e)
-
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in self._choices(prompts)]
-        try:
-            left = len(tasks)
-            while left:
-                item = await queue.get()
-                if item is None:
-                    left -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for t in tasks:
-                t.cancel()  # a client gone or a failure: cancel the others' scheduler streams
-            await asyncio.gather(*tasks, return_exceptions=True)
+    ) -> AsyncGenerator[tuple[int, inference_pb2.GenerateResponse], None]:
+        """Every choice's responses as they come; a failure of one ends them all."""
+        for p, request in enumerate(prompts):
+            request.request_id = self.id if len(prompts) == 1 else f"{self.id}-{p}"
+        if len(prompts) == 1:
+            return self._stream(0, prompts[0])
+        return merge_streams([self._stream(p, r) for p, r in enumerate(prompts)])
 
     def _logprobs(self, response: inference_pb2.GenerateResponse) -> list[dict[str, Any]]:
         tok = self.service.tokenizer
@@ -565,14 +532,15 @@ class _Run:
         finish: dict[int, str] = {}
         prompt_tokens: dict[int, int] = {}
         completion: dict[int, int] = {}
-        async for index, r in self._merged(prompts):
-            texts.setdefault(index, []).append(r.text)
-            if self.logprobs:
-                lps.setdefault(index, []).extend(self._logprobs(r))
-            if r.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
-                finish[index] = FINISH.get(r.finish_reason, "stop")
-                prompt_tokens[index] = r.usage.prompt_tokens
-                completion[index] = r.usage.completion_tokens
+        async with contextlib.aclosing(self._merged(prompts)) as merged:
+            async for index, r in merged:
+                texts.setdefault(index, []).append(r.text)
+                if self.logprobs:
+                    lps.setdefault(index, []).extend(self._logprobs(r))
+                if r.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
+                    finish[index] = FINISH.get(r.finish_reason, "stop")
+                    prompt_tokens[index] = r.usage.prompt_tokens
+                    completion[index] = r.usage.completion_tokens
         choices = []
         for index in sorted(texts):
             text = "".join(texts[index])
@@ -612,32 +580,33 @@ class _Run:
         completion: dict[int, int] = {}
         offsets: dict[int, int] = {}
         started: set[int] = set()
-        async for index, r in self._merged(prompts):
-            finished = r.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED
-            choice: dict[str, Any] = {"index": index}
-            if self.chat:
-                delta: dict[str, Any] = {"content": r.text}
-                if index not in started:
-                    delta = {"role": "assistant", **delta}
-                choice["delta"] = delta
-                choice["logprobs"] = (
-                    {"content": self._logprobs(r)} if self.logprobs and r.logprobs else None
-                )
-            else:
-                choice["text"] = r.text
-                entries = self._logprobs(r) if self.logprobs else []
-                choice["logprobs"] = (
-                    self._completion_logprobs(entries, offsets.get(index, 0))
-                    if self.logprobs
-                    else None
-                )
-                offsets[index] = offsets.get(index, 0) + len(r.text)
-            started.add(index)
-            choice["finish_reason"] = FINISH.get(r.finish_reason, "stop") if finished else None
-            if finished:
-                prompt_tokens[index] = r.usage.prompt_tokens
-                completion[index] = r.usage.completion_tokens
-            yield self._chunk([choice])
+        async with contextlib.aclosing(self._merged(prompts)) as merged:
+            async for index, r in merged:
+                finished = r.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED
+                choice: dict[str, Any] = {"index": index}
+                if self.chat:
+                    delta: dict[str, Any] = {"content": r.text}
+                    if index not in started:
+                        delta = {"role": "assistant", **delta}
+                    choice["delta"] = delta
+                    choice["logprobs"] = (
+                        {"content": self._logprobs(r)} if self.logprobs and r.logprobs else None
+                    )
+                else:
+                    choice["text"] = r.text
+                    entries = self._logprobs(r) if self.logprobs else []
+                    choice["logprobs"] = (
+                        self._completion_logprobs(entries, offsets.get(index, 0))
+                        if self.logprobs
+                        else None
+                    )
+                    offsets[index] = offsets.get(index, 0) + len(r.text)
+                started.add(index)
+                choice["finish_reason"] = FINISH.get(r.finish_reason, "stop") if finished else None
+                if finished:
+                    prompt_tokens[index] = r.usage.prompt_tokens
+                    completion[index] = r.usage.completion_tokens
+                yield self._chunk([choice])
         opts = self.body.stream_options
         if opts is not None and opts.include_usage:
             yield self._chunk([], self._usage(prompt_tokens, completion))

@@ -9,9 +9,10 @@ spreads its requests over them (router/balancer.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +26,14 @@ from router.detokenizer import IncrementalDetokenizer
 from router.errors import InvalidRequest
 from router.handlers import MalformedRequest, add_inference_servicer
 from router.metrics import REQUEST_FAILURE, RequestRecorder
+from router.streams import merge_streams
 from router.tokenizer import encode_chat, encode_prompt, load_tokenizer
-from router.validation import resolve_request, validate_prompt_token_ids, validate_request_id
+from router.validation import (
+    ResolvedSampling,
+    resolve_request,
+    validate_prompt_token_ids,
+    validate_request_id,
+)
 from sluiceway.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     REQUEST_ID_METADATA,
@@ -154,45 +161,55 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         arrival = time.monotonic()
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        rlog = log.bind(request_id=request_id)
-        limits = self.limits
-        recorder = RequestRecorder(limits.model_id if limits is not None else "", arrival)
+
+        # The client left, or its deadline passed: the task is cancelled, or (cancelled while
+        # the handler in router/handlers.py waited at a yield) the generator is closed.
+        def cancel_code() -> grpc.StatusCode:
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= DEADLINE_SLACK_S:
+                return grpc.StatusCode.DEADLINE_EXCEEDED
+            return grpc.StatusCode.CANCELLED
+
         try:
-            async for response in self.generate(request, request_id, rlog, recorder):
-                yield response
+            async with contextlib.aclosing(
+                self.generate(request, request_id, arrival=arrival, cancel_code=cancel_code)
+            ) as responses:
+                async for response in responses:
+                    yield response
         except RequestFailed as e:
             await context.abort(e.code, e.details)
-        # The client left, or its deadline passed: the task is cancelled, or (cancelled while
-        # the handler in router/handlers.py waited at a yield) this generator is closed.
-        except (asyncio.CancelledError, GeneratorExit):
-            remaining = context.time_remaining()
-            code = grpc.StatusCode.CANCELLED
-            if remaining is not None and remaining <= DEADLINE_SLACK_S:
-                code = grpc.StatusCode.DEADLINE_EXCEEDED
-            recorder.on_failure(code.name)
-            rlog.info("request_cancelled", code=code.name, completion_tokens=recorder.num_generated)
-            raise
 
     async def generate(
         self,
         request: inference_pb2.GenerateRequest,
         request_id: str,
-        rlog: structlog.typing.FilteringBoundLogger,
-        recorder: RequestRecorder,
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        *,
+        arrival: float,
+        protocol: str = "grpc",
+        cancel_code: Callable[[], grpc.StatusCode] = lambda: grpc.StatusCode.CANCELLED,
+    ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         """The one path of a generation, for every front (gRPC here, HTTP in
-        router/openai_api.py): validation, tokenization, the scheduler stream, detokenization
+        router/openai_api.py): validation, tokenization, the scheduler streams, detokenization
         and stop strings, the retry on another replica, metrics and logs.
+
+        A request with ``sampling.n`` > 1 is n samples, each a scheduler stream of its own on
+        one replica (they share the prompt's KV blocks there, scheduler/scheduler.py), their
+        responses merged as they come and told apart by ``index``; each counts as a request in
+        the metrics (as vLLM counts them). `arrival` is ``time.monotonic()`` at the request's
+        arrival; `protocol` the metrics' label; `cancel_code` names the status a cancelled
+        stream ends with (counted and logged).
 
         Raises:
             RequestFailed: the request ends with a status instead of (more) responses
                 (INVALID_ARGUMENT with the field named, UNAVAILABLE, RESOURCE_EXHAUSTED, ...);
-                already counted and logged.
+                already counted and logged. A failure of one sample ends them all.
 
-        Closing the generator (a client gone) cancels the scheduler stream, which frees the
+        Closing the generator (a client gone) cancels the scheduler streams, which frees the
         request's KV blocks.
         """
         limits = self.limits
+        rlog = log.bind(request_id=request_id, protocol=protocol)
+        recorder = RequestRecorder(limits.model_id if limits else "", arrival, protocol)
 
         def fail(code: grpc.StatusCode, details: str, field: str | None = None) -> RequestFailed:
             recorder.on_failure(code.name)
@@ -217,104 +234,34 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             )
         except InvalidRequest as e:
             raise fail(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
-        detok = IncrementalDetokenizer(
-            self.tokenizer,
-            prompt_ids,
-            resolved.stop,
-            skip_special_tokens=resolved.skip_special_tokens,
-            include_stop_str_in_output=resolved.include_stop_str_in_output,
-            min_tokens=resolved.min_tokens,
-        )
+        except asyncio.CancelledError:
+            recorder.on_failure(cancel_code().name)
+            raise
         replica = self.pool.pick(prompt_ids)
         if replica is None:
             raise fail(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready")
-        add_request = scheduler_pb2.AddRequestRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            sampling=resolved.sampling,
-            max_tokens=resolved.max_tokens,
-            stop_token_ids=resolved.stop_token_ids,
-            min_tokens=resolved.min_tokens,
-        )
-        tried: list[SchedulerReplica] = []
+        n = resolved.n
+        samples = [
+            _Sample(
+                self,
+                index=i,
+                request_id=request_id,
+                prompt_ids=prompt_ids,
+                resolved=resolved,
+                rlog=rlog if n == 1 else rlog.bind(index=i),
+                recorder=recorder
+                if i == 0
+                else RequestRecorder(recorder.model_name, arrival, protocol),
+                cancel_code=cancel_code,
+            ).responses(replica)
+            for i in range(n)
+        ]
         self.num_in_flight += 1
         try:
-            while True:
-                current = replica
-                tried.append(current)
-                sent = False  # a response of this request reached the client
-                self.pool.begin(current)
-                call = current.stub.AddRequest(
-                    add_request, metadata=((REQUEST_ID_METADATA, request_id.encode()),)
-                )
-                try:
-                    async for event in call:
-                        recorder.on_tokens(len(event.token_ids), time.monotonic())
-                        if event.HasField("queue_seconds"):
-                            recorder.on_queue_time(event.queue_seconds)
-                        t0 = time.perf_counter()
-                        new_ids = list(event.token_ids)
-                        if (
-                            event.finish_reason == inference_pb2.FINISH_REASON_STOP
-                            and not resolved.include_stop_str_in_output
-                        ):
-                            new_ids = new_ids[:-1]  # a stop token id (EOS): its text is not output
-                        text = detok.add_tokens(new_ids)
-                        self.detokenize_seconds_total += time.perf_counter() - t0
-                        self.detokenized_tokens_total += len(event.token_ids)
-                        finish = (
-                            inference_pb2.FINISH_REASON_STOP
-                            if detok.stopped
-                            else event.finish_reason
-                        )
-                        response = inference_pb2.GenerateResponse(
-                            request_id=request_id,
-                            token_ids=event.token_ids,
-                            finish_reason=finish,
-                            logprobs=event.logprobs,
-                        )
-                        if finish != UNSPECIFIED:
-                            if not detok.stopped:
-                                text += detok.flush()
-                            response.usage.prompt_tokens = len(prompt_ids)
-                            response.usage.completion_tokens = recorder.num_generated
-                        response.text = text
-                        sent = True
-                        yield response
-                        if finish != UNSPECIFIED:
-                            reason = FINISHED_REASONS.get(finish, "abort")
-                            recorder.on_success(reason, len(prompt_ids))
-                            rlog.info(
-                                "request_finished",
-                                prompt_tokens=len(prompt_ids),
-                                completion_tokens=recorder.num_generated,
-                                ttft_s=round(recorder.ttft, 6),
-                                e2e_s=round(recorder.e2e, 6),
-                                finish_reason=reason,
-                                scheduler=current.address,
-                            )
-                            return
-                except grpc.aio.AioRpcError as e:
-                    details = e.details() or "scheduler error"
-                    if e.code() == grpc.StatusCode.UNAVAILABLE:
-                        self.pool.mark_unavailable(current, details)
-                        retry = (
-                            None if sent or len(tried) > 1 else self.pool.pick(prompt_ids, tried)
-                        )
-                        if retry is not None:  # nothing sent yet: no output can be duplicated
-                            rlog.warning(
-                                "request_retried",
-                                scheduler=current.address,
-                                retry_scheduler=retry.address,
-                                error=details,
-                            )
-                            replica = retry
-                            continue
-                    raise fail(e.code(), details) from None
-                finally:
-                    call.cancel()  # a client gone, a stop string or an error: abort upstream
-                    self.pool.end(current)
-                raise fail(grpc.StatusCode.UNAVAILABLE, "scheduler ended the stream early")
+            merged = samples[0] if n == 1 else merge_streams(samples)
+            async with contextlib.aclosing(merged) as responses:
+                async for response in responses:
+                    yield response
         finally:
             self.num_in_flight -= 1
 
@@ -379,6 +326,169 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         reply.step_times.detokenize_seconds_total = self.detokenize_seconds_total
         reply.step_times.detokenized_tokens_total = self.detokenized_tokens_total
         return reply
+
+
+class _Sample:
+    """One of a request's ``n`` samples: its scheduler stream, detokenizer, metrics and logs.
+
+    Sample ``i`` of a seeded request uses ``seed + i`` (mod 2**64, vLLM's convention); with
+    ``n`` > 1 its scheduler request id is ``<request_id>-<i>`` and its ``parent_request_id``
+    the request's id, so that the scheduler shares the prompt's blocks between the samples.
+    """
+
+    def __init__(
+        self,
+        service: InferenceService,
+        *,
+        index: int,
+        request_id: str,
+        prompt_ids: list[int],
+        resolved: ResolvedSampling,
+        rlog: structlog.typing.FilteringBoundLogger,
+        recorder: RequestRecorder,
+        cancel_code: Callable[[], grpc.StatusCode],
+    ) -> None:
+        self.service = service
+        self.index = index
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.resolved = resolved
+        self.rlog = rlog
+        self.recorder = recorder
+        self.cancel_code = cancel_code
+        self.finished = False
+
+    def _add_request(self) -> scheduler_pb2.AddRequestRequest:
+        resolved = self.resolved
+        add_request = scheduler_pb2.AddRequestRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_ids,
+            sampling=resolved.sampling,
+            max_tokens=resolved.max_tokens,
+            stop_token_ids=resolved.stop_token_ids,
+            min_tokens=resolved.min_tokens,
+        )
+        if resolved.n > 1:
+            add_request.request_id = f"{self.request_id}-{self.index}"
+            add_request.parent_request_id = self.request_id
+            if self.index and add_request.sampling.HasField("seed"):
+                add_request.sampling.seed = (add_request.sampling.seed + self.index) % (1 << 64)
+        return add_request
+
+    def _fail(self, code: grpc.StatusCode, details: str, field: str | None = None) -> RequestFailed:
+        self.finished = True
+        self.recorder.on_failure(code.name)
+        self.rlog.warning("request_failed", code=code.name, error=details)
+        return RequestFailed(code, details, field)
+
+    async def responses(
+        self, replica: SchedulerReplica
+    ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
+        """This sample's responses from `replica` (another one if it is unavailable before
+        anything was sent). Raises RequestFailed."""
+        try:
+            async for response in self._responses(replica):
+                yield response
+        except (asyncio.CancelledError, GeneratorExit):
+            if not self.finished:
+                code = self.cancel_code()
+                self.recorder.on_failure(code.name)
+                self.rlog.info(
+                    "request_cancelled",
+                    code=code.name,
+                    completion_tokens=self.recorder.num_generated,
+                )
+            raise
+
+    async def _responses(
+        self, replica: SchedulerReplica
+    ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
+        service, pool, recorder, rlog = self.service, self.service.pool, self.recorder, self.rlog
+        resolved, prompt_ids = self.resolved, self.prompt_ids
+        detok = IncrementalDetokenizer(
+            service.tokenizer,
+            prompt_ids,
+            resolved.stop,
+            skip_special_tokens=resolved.skip_special_tokens,
+            include_stop_str_in_output=resolved.include_stop_str_in_output,
+            min_tokens=resolved.min_tokens,
+        )
+        add_request = self._add_request()
+        tried: list[SchedulerReplica] = []
+        while True:
+            current = replica
+            tried.append(current)
+            sent = False  # a response of this sample reached the client
+            pool.begin(current)
+            call = current.stub.AddRequest(
+                add_request, metadata=((REQUEST_ID_METADATA, add_request.request_id.encode()),)
+            )
+            try:
+                async for event in call:
+                    recorder.on_tokens(len(event.token_ids), time.monotonic())
+                    if event.HasField("queue_seconds"):
+                        recorder.on_queue_time(event.queue_seconds)
+                    t0 = time.perf_counter()
+                    new_ids = list(event.token_ids)
+                    if (
+                        event.finish_reason == inference_pb2.FINISH_REASON_STOP
+                        and not resolved.include_stop_str_in_output
+                    ):
+                        new_ids = new_ids[:-1]  # a stop token id (EOS): its text is not output
+                    text = detok.add_tokens(new_ids)
+                    service.detokenize_seconds_total += time.perf_counter() - t0
+                    service.detokenized_tokens_total += len(event.token_ids)
+                    finish = (
+                        inference_pb2.FINISH_REASON_STOP if detok.stopped else event.finish_reason
+                    )
+                    response = inference_pb2.GenerateResponse(
+                        request_id=self.request_id,
+                        token_ids=event.token_ids,
+                        finish_reason=finish,
+                        logprobs=event.logprobs,
+                        index=self.index,
+                    )
+                    if finish != UNSPECIFIED:
+                        if not detok.stopped:
+                            text += detok.flush()
+                        response.usage.prompt_tokens = len(prompt_ids)
+                        response.usage.completion_tokens = recorder.num_generated
+                        self.finished = True
+                    response.text = text
+                    sent = True
+                    yield response
+                    if finish != UNSPECIFIED:
+                        reason = FINISHED_REASONS.get(finish, "abort")
+                        recorder.on_success(reason, len(prompt_ids))
+                        rlog.info(
+                            "request_finished",
+                            prompt_tokens=len(prompt_ids),
+                            completion_tokens=recorder.num_generated,
+                            ttft_s=round(recorder.ttft, 6),
+                            e2e_s=round(recorder.e2e, 6),
+                            finish_reason=reason,
+                            scheduler=current.address,
+                        )
+                        return
+            except grpc.aio.AioRpcError as e:
+                details = e.details() or "scheduler error"
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    pool.mark_unavailable(current, details)
+                    retry = None if sent or len(tried) > 1 else pool.pick(prompt_ids, tried)
+                    if retry is not None:  # nothing sent yet: no output can be duplicated
+                        rlog.warning(
+                            "request_retried",
+                            scheduler=current.address,
+                            retry_scheduler=retry.address,
+                            error=details,
+                        )
+                        replica = retry
+                        continue
+                raise self._fail(e.code(), details) from None
+            finally:
+                call.cancel()  # a client gone, a stop string or an error: abort upstream
+                pool.end(current)
+            raise self._fail(grpc.StatusCode.UNAVAILABLE, "scheduler ended the stream early")
 
 
 async def watch_scheduler(

@@ -18,6 +18,7 @@ from sluiceway.v1 import inference_pb2
 __all__ = [
     "DEFAULT_MAX_TOKENS",
     "GREEDY_TEMPERATURE_EPS",
+    "MAX_N",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_BYTES",
     "ResolvedSampling",
@@ -35,6 +36,8 @@ MAX_STOP_STRING_BYTES = 256
 MAX_REQUEST_ID_CHARS = 256
 #: Top log-probabilities a request may ask for per token at most (vLLM's default cap).
 MAX_LOGPROBS = 20
+#: Samples of one prompt at most (`n`, parallel sampling).
+MAX_N = 16
 #: Presence and frequency penalties lie in [-PENALTY_LIMIT, PENALTY_LIMIT] (vLLM's range).
 PENALTY_LIMIT = 2.0
 #: A temperature below this is greedy sampling (vLLM's `_SAMPLING_EPS`).
@@ -62,6 +65,7 @@ class ResolvedSampling:
         include_stop_str_in_output: keep a matched stop string in the text.
         skip_special_tokens: leave special tokens out of the text.
         logprobs: top log-probabilities per token, or None (not asked).
+        n: samples of the prompt (parallel sampling), 1..MAX_N.
     """
 
     sampling: scheduler_pb2.SequenceSamplingParams
@@ -72,6 +76,7 @@ class ResolvedSampling:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    n: int = 1
 
 
 def _dedup(items: Iterable[int]) -> list[int]:
@@ -103,7 +108,7 @@ def resolve_request(
     too; repetition_penalty 1.0; min_p 0 (off; 0 for greedy); presence and
     frequency penalties 0; max_tokens 16, capped at max_model_len -
     prompt_len; min_tokens 0, capped with max_tokens; skip_special_tokens
-    true; logprobs unset (none returned).
+    true; logprobs unset (none returned); n 1.
 
     Raises:
         InvalidRequest("sampling.temperature"): negative, NaN or infinite.
@@ -114,6 +119,7 @@ def resolve_request(
         InvalidRequest("sampling.presence_penalty" / "sampling.frequency_penalty"):
             outside [-2, 2] (or NaN).
         InvalidRequest("sampling.logprobs"): over 20.
+        InvalidRequest("sampling.n"): 0, or over 16.
         InvalidRequest("sampling.max_tokens"): set to 0.
         InvalidRequest("sampling.min_tokens"): over max_tokens.
         InvalidRequest("sampling.stop"): more than 16 stop strings.
@@ -163,6 +169,9 @@ def resolve_request(
     logprobs = int(sp.logprobs) if sp.HasField("logprobs") else None
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         raise InvalidRequest("sampling.logprobs", f"must be at most {MAX_LOGPROBS}; got {logprobs}")
+    n = int(sp.n) if sp.HasField("n") else 1
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequest("sampling.n", f"must be in [1, {MAX_N}] (unset = 1); got {n}")
     if temperature < GREEDY_TEMPERATURE_EPS:
         temperature, top_p, top_k, min_p = 0.0, 1.0, 0, 0.0
 
@@ -238,6 +247,7 @@ def resolve_request(
         include_stop_str_in_output=sp.include_stop_str_in_output,
         skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
         logprobs=logprobs,
+        n=n,
     )
 
 

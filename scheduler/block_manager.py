@@ -12,6 +12,13 @@ block. A new sequence reuses the cached blocks of its longest cached prefix
 cached prefix). A block whose last reference goes keeps its contents and
 its hash in an LRU free queue; it is evicted only when a fresh block is
 needed. So `num_free_blocks` counts evictable cached blocks as free.
+
+Parallel sampling, as in PagedAttention (Kwon et al., SOSP '23, section
+4.4): the n samples of one request share the prompt's blocks, its last
+partial block included (`fork`, reference counts). A sequence about to write
+into a block that others still hold gets a copy of it first
+(`copy_on_write`): with n sharers that is n - 1 copies, the last writer keeps
+the original.
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self.prefix_cache_queries = 0  # prompt tokens looked up, tokens
         self.prefix_cache_hits = 0  # of those, found in the cache, tokens
+        self.forked_tokens = 0  # prompt tokens a sample took from a sibling (`fork`)
+        self.blocks_copied_on_write = 0
 
     # -- counts -----------------------------------------------------------------
 
@@ -103,15 +112,41 @@ class BlockManager:
         return hits
 
     def can_allocate(
-        self, seq: Sequence, num_new_tokens: int, cached_prefix: Seq[int] = ()
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached_prefix: Seq[int] = (),
+        num_prefix_tokens: int | None = None,
     ) -> bool:
         """Whether `seq` (after taking `cached_prefix`, if its table is empty) can get the
-        blocks for its computed tokens plus `num_new_tokens`."""
-        table_len = len(seq.block_table) or len(cached_prefix)
-        num_computed = seq.num_computed_tokens or len(cached_prefix) * self.block_size
-        missing = max(0, self.blocks_for(num_computed + num_new_tokens) - table_len)
+        blocks for its computed tokens plus `num_new_tokens`, a copy on write included.
+
+        `num_prefix_tokens` is how many tokens `cached_prefix` holds: every slot of its
+        blocks (a prefix-cache hit) unless given (a fork, see `fork`).
+        """
+        bs = self.block_size
+        table = seq.block_table
+        if table or not cached_prefix:  # the step loop's case: keep it short
+            num_computed = seq.num_computed_tokens
+            missing = -(-(num_computed + num_new_tokens) // bs) - len(table)
+            if (
+                num_computed % bs
+                and num_new_tokens
+                and table
+                and self.blocks[table[-1]].ref_count > 1
+            ):
+                missing += 1  # a copy on write
+            return missing <= len(self._free)
+        num_computed = len(cached_prefix) * bs if num_prefix_tokens is None else num_prefix_tokens
+        missing = max(0, self.blocks_for(num_computed + num_new_tokens) - len(cached_prefix))
+        # taking a block someone holds makes two holders: writing into it copies it
+        cow = int(
+            num_computed % bs != 0
+            and num_new_tokens > 0
+            and self.blocks[cached_prefix[-1]].ref_count > 0
+        )
         revived = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
-        return missing + revived <= len(self._free)
+        return missing + cow + revived <= len(self._free)
 
     def take_cached_prefix(self, seq: Sequence, cached_prefix: Seq[int]) -> None:
         """Gives `seq` (with an empty table) the blocks of its cached prefix and counts
@@ -124,6 +159,43 @@ class BlockManager:
             self._ref(block_id)
         seq.block_table = list(cached_prefix)
         seq.num_computed_tokens = len(cached_prefix) * self.block_size
+
+    def fork(self, seq: Sequence, source_blocks: Seq[int], num_tokens: int) -> None:
+        """Gives `seq` (with an empty table) the first `num_tokens` tokens' blocks of a
+        sibling with the same prompt: `source_blocks` is that sibling's table, of which
+        `blocks_for(num_tokens)` blocks are taken (one more reference each; the last may be
+        partial, and is copied on write when `seq` writes into it). Not counted as a
+        prefix-cache lookup (`forked_tokens` counts them). Raises ValueError if `source_blocks` is too short."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        num_blocks = self.blocks_for(num_tokens)
+        if len(source_blocks) < num_blocks:
+            raise ValueError(
+                f"{num_tokens} tokens need {num_blocks} blocks, got {len(source_blocks)}"
+            )
+        shared = list(source_blocks[:num_blocks])
+        for block_id in shared:
+            self._ref(block_id)
+        seq.block_table = shared
+        seq.num_computed_tokens = num_tokens
+        self.forked_tokens += num_tokens
+
+    def copy_on_write(self, seq: Sequence) -> tuple[int, int] | None:
+        """Before `seq` writes the K/V of position `seq.num_computed_tokens`: if that
+        position falls inside its last block and another sequence holds that block too,
+        replaces it in `seq`'s table by a fresh block and returns (source, destination) for
+        the worker to copy; else None. Raises RuntimeError if no block is free (`can_allocate`
+        counts this one)."""
+        if seq.num_computed_tokens % self.block_size == 0:
+            return None
+        table = seq.block_table  # its last block holds position num_computed_tokens
+        last = table[-1]
+        if self.blocks[last].ref_count <= 1:
+            return None
+        (copy,) = self.allocate_blocks(1)
+        self.release_blocks([last])
+        table[-1] = copy
+        self.blocks_copied_on_write += 1
+        return last, copy
 
     # -- allocation -------------------------------------------------------------
 

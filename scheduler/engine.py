@@ -103,7 +103,14 @@ def token_logprobs(sampled: worker_pb2.SampledToken) -> inference_pb2.TokenLogpr
 
 def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepRequest:
     """Translates a `SchedulerOutput` into the wire message of one step."""
-    req = worker_pb2.StepRequest(step_id=step_id, finished_seq_ids=out.finished_seq_ids)
+    req = worker_pb2.StepRequest(
+        step_id=step_id,
+        finished_seq_ids=out.finished_seq_ids,
+        block_copies=[
+            worker_pb2.BlockCopy(src_block_id=src, dst_block_id=dst)
+            for src, dst in out.block_copies
+        ],
+    )
     for s in out.scheduled:
         if s.is_new:
             req.new_sequences.append(
@@ -115,15 +122,16 @@ def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepReq
                     num_prompt_tokens=len(s.seq.prompt_token_ids),
                 )
             )
-        req.scheduled.append(
-            worker_pb2.ScheduledSequence(
-                seq_id=s.seq.seq_id,
-                appended_token_ids=[] if s.is_new else s.appended_token_ids,
-                num_computed_tokens=s.num_computed_tokens,
-                num_new_tokens=s.num_new_tokens,
-                new_block_ids=s.new_block_ids,
-            )
+        scheduled = worker_pb2.ScheduledSequence(
+            seq_id=s.seq.seq_id,
+            appended_token_ids=[] if s.is_new else s.appended_token_ids,
+            num_computed_tokens=s.num_computed_tokens,
+            num_new_tokens=s.num_new_tokens,
+            new_block_ids=s.new_block_ids,
         )
+        if s.block_copy is not None and not s.is_new:  # a new one's table is sent whole
+            scheduled.copied_last_block_id = s.block_copy[1]
+        req.scheduled.append(scheduled)
     return req
 
 
@@ -154,6 +162,8 @@ class EngineStats:
     slots_allocated_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    forked_tokens_total: int = 0  # parallel sampling: prompt tokens shared with a sibling
+    blocks_copied_on_write_total: int = 0
     num_preemptions_total: int = 0
 
 
@@ -340,6 +350,8 @@ class Engine:
             st.slots_allocated_total += sched.kv_usage.slots_allocated_total
             st.prefix_cache_queries_total += bm.prefix_cache_queries
             st.prefix_cache_hits_total += bm.prefix_cache_hits
+            st.forked_tokens_total += bm.forked_tokens
+            st.blocks_copied_on_write_total += bm.blocks_copied_on_write
             st.num_preemptions_total += sched.num_preemptions
         if st.num_kv_blocks:
             st.kv_usage_perc = (st.num_kv_blocks - st.num_free_kv_blocks) / st.num_kv_blocks
@@ -385,6 +397,7 @@ class Engine:
             max_tokens=req.max_tokens,
             stop_token_ids=frozenset(req.stop_token_ids),
             min_tokens=req.min_tokens,
+            parent_request_id=req.parent_request_id or None,
         )
         if not seq.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
@@ -507,7 +520,10 @@ class Engine:
         where it is (logged)."""
         src_sched = source.scheduler
         assert src_sched is not None
-        ready = [s for s in src_sched.running if s.output_token_ids]
+        # a sample whose siblings wait to fork its prompt's blocks stays one more step
+        ready = [
+            s for s in src_sched.running if s.output_token_ids and not src_sched.awaits_fork(s)
+        ]
         if not ready:
             return
         plans: dict[int, tuple[WorkerGroup, list[_Move]]] = {}

@@ -15,6 +15,14 @@ admitted running sequence is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue with its generated tokens
 kept as part of its prompt (vLLM's RECOMPUTE preemption).
 
+Parallel sampling (PagedAttention, Kwon et al., SOSP '23, section 4.4): the
+n samples of one request are n sequences with one `parent_request_id`. The
+first one scheduled computes the prompt; the others wait for it (no other
+sequence waits behind them), then fork its blocks for all prompt tokens but
+the last, partial block included, and compute that last token themselves
+(its logits give each sample its own first token). A shared partial block is
+copied on write (`BlockManager.copy_on_write`), so each sample writes its own.
+
 The `static` policy is the baseline the benchmark compares against: batches
 of `static_batch_size` requests in arrival order, no request joins a running
 batch, and finished members keep their blocks until the whole batch ends, as
@@ -37,6 +45,13 @@ if TYPE_CHECKING:
     from sluiceway.v1.inference_pb2 import FinishReason
 
 
+class _WaitForSibling:
+    """`Scheduler._fork_source`'s answer for a sample whose sibling is computing the prompt."""
+
+
+_WAIT_FOR_SIBLING = _WaitForSibling()
+
+
 @dataclass(slots=True)
 class ScheduledSequence:
     """One sequence's share of a step.
@@ -54,6 +69,9 @@ class ScheduledSequence:
     num_computed_tokens: int
     num_new_tokens: int
     new_block_ids: list[int]
+    # copy on write: (source, destination) block; the destination replaced the source as the
+    # last block of the table before new_block_ids were added
+    block_copy: tuple[int, int] | None = None
 
     @property
     def samples(self) -> bool:
@@ -71,6 +89,11 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def block_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) block pairs the workers copy before the step's forward."""
+        return [s.block_copy for s in self.scheduled if s.block_copy is not None]
 
     @property
     def is_empty(self) -> bool:
@@ -121,6 +144,7 @@ class Scheduler:
         self._static = config.scheduling_policy == "static"
         self._batch: set[int] = set()  # static: unfinished members of the current batch
         self._holding: list[Sequence] = []  # static: finished members keeping their blocks
+        self._samples: dict[str, list[Sequence]] = {}  # parent request id -> its live samples
 
     # -- queue changes ----------------------------------------------------------
 
@@ -133,6 +157,7 @@ class Scheduler:
             )
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._join_parent(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Ends `seq` (done or aborted) and frees its blocks at once. Idempotent.
@@ -149,6 +174,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._forget(seq)
+        self._leave_parent(seq)
         if not self._static:
             self.block_manager.free(seq)
             return
@@ -167,6 +193,7 @@ class Scheduler:
         the scheduler that takes it over to set."""
         self.running.remove(seq)
         self._forget(seq)
+        self._leave_parent(seq)
         self.block_manager.free(seq)
 
     def admit_prefilled(
@@ -187,6 +214,7 @@ class Scheduler:
         the waiting queue, to be recomputed here (as after a preemption)."""
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        self._join_parent(seq)
 
     def carry_counters_from(self, previous: Scheduler) -> None:
         """Continues the cumulative counters (prefix cache, preemptions, KV utilization sums)
@@ -196,6 +224,8 @@ class Scheduler:
         self.kv_usage.slots_allocated_total = previous.kv_usage.slots_allocated_total
         self.block_manager.prefix_cache_queries = previous.block_manager.prefix_cache_queries
         self.block_manager.prefix_cache_hits = previous.block_manager.prefix_cache_hits
+        self.block_manager.forked_tokens = previous.block_manager.forked_tokens
+        self.block_manager.blocks_copied_on_write = previous.block_manager.blocks_copied_on_write
 
     @property
     def has_work(self) -> bool:
@@ -232,26 +262,39 @@ class Scheduler:
 
         if self._static and not self._batch and self.waiting:
             self._batch = {s.seq_id for s in list(self.waiting)[: self.config.static_batch_size]}
+        index = 0  # into waiting: samples that wait for a sibling's prompt are passed over
         while (
-            self.waiting
+            index < len(self.waiting)
             and not preempted
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
-            and (not self._static or self.waiting[0].seq_id in self._batch)
+            and (not self._static or self.waiting[index].seq_id in self._batch)
         ):
-            seq = self.waiting[0]
-            prefix = bm.find_cached_prefix(seq)
-            remaining = seq.num_tokens - len(prefix) * bm.block_size
+            seq = self.waiting[index]
+            source = self._fork_source(seq)
+            if isinstance(source, _WaitForSibling):
+                index += 1
+                continue
+            if source is None:
+                prefix = bm.find_cached_prefix(seq)
+                num_prefix_tokens = len(prefix) * bm.block_size
+            else:
+                num_prefix_tokens = len(seq.prompt_token_ids) - 1
+                prefix = source.block_table[: bm.blocks_for(num_prefix_tokens)]
+            remaining = seq.num_tokens - num_prefix_tokens
             num_new = min(remaining, budget)
             if num_new < remaining and not self.config.enable_chunked_prefill:
                 break
-            if not bm.can_allocate(seq, num_new, prefix):
+            if not bm.can_allocate(seq, num_new, prefix, num_prefix_tokens):
                 if not self._holding:
                     break
                 self._release_holding()  # static: a member waits on its batch's padding
                 continue
-            self.waiting.popleft()
-            bm.take_cached_prefix(seq, prefix)
+            del self.waiting[index]
+            if source is None:
+                bm.take_cached_prefix(seq, prefix)
+            else:
+                bm.fork(seq, prefix, num_prefix_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(self._schedule(seq, num_new))
@@ -291,6 +334,7 @@ class Scheduler:
     # -- helpers ----------------------------------------------------------------
 
     def _schedule(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        block_copy = self.block_manager.copy_on_write(seq) if num_new and seq.block_table else None
         new_blocks = self.block_manager.allocate(seq, num_new)
         is_new = seq.num_tokens_on_worker == 0
         appended = seq.token_ids[seq.num_tokens_on_worker :]
@@ -302,7 +346,51 @@ class Scheduler:
             num_computed_tokens=seq.num_computed_tokens,
             num_new_tokens=num_new,
             new_block_ids=list(seq.block_table) if is_new else new_blocks,
+            block_copy=block_copy,
         )
+
+    def _fork_source(self, seq: Sequence) -> Sequence | _WaitForSibling | None:
+        """For a sample of a parallel-sampling request that holds no blocks and has no
+        output: a running sibling whose computed tokens cover all of the prompt but its last
+        token (fork its blocks), `_WAIT_FOR_SIBLING` while a sibling is computing the prompt,
+        else None (compute it, from the prefix cache)."""
+        if seq.parent_request_id is None or seq.output_token_ids or seq.block_table:
+            return None
+        num_shared = len(seq.prompt_token_ids) - 1
+        if num_shared < 1:
+            return None
+        wait = None
+        for sibling in self._samples.get(seq.parent_request_id, ()):
+            if sibling is seq or sibling.status is not SequenceStatus.RUNNING:
+                continue
+            if sibling.num_computed_tokens >= num_shared:
+                return sibling
+            wait = _WAIT_FOR_SIBLING
+        return wait
+
+    def awaits_fork(self, seq: Sequence) -> bool:
+        """Whether a waiting sibling of `seq` will fork `seq`'s blocks at the next step."""
+        if seq.parent_request_id is None:
+            return False
+        return any(
+            sibling.status is SequenceStatus.WAITING
+            and not sibling.output_token_ids
+            and len(sibling.prompt_token_ids) > 1
+            for sibling in self._samples.get(seq.parent_request_id, ())
+        )
+
+    def _join_parent(self, seq: Sequence) -> None:
+        if seq.parent_request_id is not None:
+            samples = self._samples.setdefault(seq.parent_request_id, [])
+            if seq not in samples:
+                samples.append(seq)
+
+    def _leave_parent(self, seq: Sequence) -> None:
+        samples = self._samples.get(seq.parent_request_id or "")
+        if samples is not None and seq in samples:
+            samples.remove(seq)
+            if not samples:
+                del self._samples[seq.parent_request_id or ""]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -47,6 +47,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of each full block of token_ids
     finish_reason: FinishReason = inference_pb2.FINISH_REASON_UNSPECIFIED
     num_preemptions: int = 0
+    # the request whose n samples this sequence is one of (parallel sampling), else None
+    parent_request_id: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -83,14 +83,28 @@ class Client:
     def generate(
         self, request: inference_pb2.GenerateRequest, timeout: float | None = None
     ) -> tuple[str, list[int], inference_pb2.GenerateResponse]:
-        """Runs one request to the end: (text, token ids, last response)."""
-        text: list[str] = []
-        ids: list[int] = []
-        last = inference_pb2.GenerateResponse()
-        for last in self.generate_stream(request, timeout):
-            text.append(last.text)
-            ids.extend(last.token_ids)
-        return "".join(text), ids, last
+        """Runs one request to the end: (text, token ids, last response). Raises ValueError
+        for ``sampling.n`` > 1 (see `generate_samples`), grpc.RpcError on a failed call."""
+        if request.sampling.n > 1:
+            raise ValueError("sampling.n > 1: use generate_samples")
+        ((text, ids, last),) = self.generate_samples(request, timeout)
+        return text, ids, last
+
+    def generate_samples(
+        self, request: inference_pb2.GenerateRequest, timeout: float | None = None
+    ) -> list[tuple[str, list[int], inference_pb2.GenerateResponse]]:
+        """Runs a request of ``sampling.n`` samples to the end: (text, token ids, last
+        response) of each, in `index` order. Raises grpc.RpcError on a failed call."""
+        n = max(1, request.sampling.n)
+        text: list[list[str]] = [[] for _ in range(n)]
+        ids: list[list[int]] = [[] for _ in range(n)]
+        last = [inference_pb2.GenerateResponse() for _ in range(n)]
+        for response in self.generate_stream(request, timeout):
+            i = response.index
+            text[i].append(response.text)
+            ids[i].extend(response.token_ids)
+            last[i] = response
+        return [("".join(text[i]), ids[i], last[i]) for i in range(n)]
 
     def model_info(self) -> inference_pb2.ModelInfo:
         return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=10)  # type: ignore[no-any-return]

@@ -4,9 +4,11 @@ compose.yaml is validated against the Compose specification's JSON schema
 (`check-jsonschema`, offline), and compose.yaml, deploy/envoy, deploy/prometheus,
 deploy/grafana and deploy/k8s are checked against each other and against the code:
 every command line parses with the real `sluiceway` parser, every port is the one the
-code defaults to or the one the other side dials, every mounted file exists, and each
-model replica has one worker per GPU with ranks 0..N-1. deploy/healthcheck.py (the
-containers' healthcheck) is run against a real gRPC health service.
+code defaults to or the one the other side dials (the gRPC port and the OpenAI HTTP
+port alike), every mounted file exists, and each model replica has one worker per GPU
+with ranks 0..N-1. Envoy's HTTP health check asks a route the router's real FastAPI app
+serves. deploy/healthcheck.py (the containers' healthcheck) is run against a real gRPC
+health service.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from unittest import mock
 from urllib.parse import urlsplit
 
 import grpc
@@ -103,6 +106,14 @@ def _grpc_port(args: argparse.Namespace) -> int:
     return _hostport(args.listen)[1]
 
 
+def _http_address(args: argparse.Namespace) -> tuple[str, int]:
+    """Where a router serves the OpenAI-compatible HTTP API (--http-host defaults to
+    --host)."""
+    assert args.command == "router"
+    assert args.http_port >= 0, "the HTTP API is off (--http-port -1)"
+    return args.http_host or args.host, int(args.http_port)
+
+
 def _by_process() -> dict[str, dict[str, argparse.Namespace]]:
     out: dict[str, dict[str, argparse.Namespace]] = {p: {} for p in PROCESSES}
     for name, service in _repo_services().items():
@@ -175,6 +186,52 @@ def _pod_args(workload: dict[str, Any]) -> dict[str, argparse.Namespace]:
 
 def _container_ports(container: dict[str, Any]) -> dict[str, int]:
     return {p["name"]: int(p["containerPort"]) for p in container.get("ports", [])}
+
+
+def _envoy() -> dict[str, Any]:
+    data = _yaml(_mounted(_services()["envoy"], "/etc/envoy/envoy.yaml"))
+    assert isinstance(data, dict)
+    return data
+
+
+def _envoy_hcm(listener: dict[str, Any]) -> dict[str, Any]:
+    """The listener's HTTP connection manager config (its only filter)."""
+    (chain,) = listener["filter_chains"]
+    (hcm,) = chain["filters"]
+    assert hcm["name"] == "envoy.filters.network.http_connection_manager"
+    return dict(hcm["typed_config"])
+
+
+def _envoy_routes(listener: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        r["route"]
+        for vhost in _envoy_hcm(listener)["route_config"]["virtual_hosts"]
+        for r in vhost["routes"]
+    ]
+
+
+def _envoy_upstream(health_check: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(listener, cluster) of the one cluster whose health check is `health_check`
+    (grpc_health_check: the gRPC API; http_health_check: the HTTP API) and the one
+    listener that routes to it."""
+    static = _envoy()["static_resources"]
+    (cluster,) = [
+        c for c in static["clusters"] if any(health_check in h for h in c["health_checks"])
+    ]
+    (listener,) = [
+        lst
+        for lst in static["listeners"]
+        if {r["cluster"] for r in _envoy_routes(lst)} == {cluster["name"]}
+    ]
+    return listener, cluster
+
+
+def _envoy_endpoints(cluster: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        e["endpoint"]["address"]["socket_address"]
+        for group in cluster["load_assignment"]["endpoints"]
+        for e in group["lb_endpoints"]
+    ]
 
 
 def _selects(service: dict[str, Any], workload: dict[str, Any]) -> bool:
@@ -275,6 +332,8 @@ def test_router_listens_on_the_default_port_and_dials_the_schedulers() -> None:
         assert args.port == cli.DEFAULT_PORT, name
         assert args.metrics_host == ANY_HOST, name
         assert args.metrics_port == cli.DEFAULT_METRICS_PORT["router"], name
+        assert args.http_host == ANY_HOST, f"{name}: Envoy dials the HTTP API from outside"
+        assert _http_address(args) == (ANY_HOST, cli.DEFAULT_HTTP_PORT), name
         dialed = dict(_hostport(a) for a in args.scheduler.split(","))
         assert dialed == schedulers, f"{name}: --scheduler must list every scheduler"
         assert _services()[name]["deploy"]["replicas"] >= 2, "routers are scaled"
@@ -391,33 +450,81 @@ def test_healthchecks_ask_each_process_on_its_grpc_port() -> None:
 # ------------------------------------------------------ compose: envoy, prometheus...
 
 
+def test_envoy_has_one_listener_per_api_each_with_its_own_cluster() -> None:
+    envoy = _services()["envoy"]
+    assert envoy["image"].startswith("envoyproxy/envoy:")
+    static = _envoy()["static_resources"]
+    grpc_listener, grpc_cluster = _envoy_upstream("grpc_health_check")
+    http_listener, http_cluster = _envoy_upstream("http_health_check")
+    assert len(static["listeners"]) == 2 and len(static["clusters"]) == 2
+    assert grpc_listener["name"] != http_listener["name"]
+    assert grpc_cluster["name"] != http_cluster["name"]
+    for listener in static["listeners"]:
+        # The router filter alone: a buffer or compressor filter would hold back the
+        # streamed responses (gRPC messages, SSE chunks) until it has enough of them.
+        filters = [f["name"] for f in _envoy_hcm(listener)["http_filters"]]
+        assert filters == ["envoy.filters.http.router"], listener["name"]
+        for route in _envoy_routes(listener):
+            assert route["timeout"] == "0s", f"{listener['name']}: streams last a completion"
+            assert route["idle_timeout"] == "0s", f"{listener['name']}: silent while queued"
+
+
 def test_envoy_balances_grpc_over_the_router_replicas() -> None:
     router_port = _grpc_port(next(iter(_by_process()["router"].values())))
     (router_name,) = _by_process()["router"]
     envoy = _services()["envoy"]
-    assert envoy["image"].startswith("envoyproxy/envoy:")
-    config_path = _mounted(envoy, "/etc/envoy/envoy.yaml")
-    config = _yaml(config_path)
-    (listener,) = config["static_resources"]["listeners"]
+    listener, cluster = _envoy_upstream("grpc_health_check")
     listen_port = listener["address"]["socket_address"]["port_value"]
     assert listen_port == cli.DEFAULT_PORT, "clients dial the port a router would use"
     assert f"{cli.DEFAULT_PORT}:{listen_port}" in envoy["ports"]
 
-    (hcm,) = listener["filter_chains"][0]["filters"]
-    routes = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
-    (cluster,) = config["static_resources"]["clusters"]
-    assert {r["route"]["cluster"] for r in routes} == {cluster["name"]}
     assert cluster["type"] == "STRICT_DNS", "one host per router replica"
     options = cluster["typed_extension_protocol_options"]
     (http,) = options.values()
     assert "http2_protocol_options" in http["explicit_http_config"], "gRPC is HTTP/2"
-    assert [h for h in cluster["health_checks"] if "grpc_health_check" in h]
-    endpoints = [
-        e["endpoint"]["address"]["socket_address"]
-        for group in cluster["load_assignment"]["endpoints"]
-        for e in group["lb_endpoints"]
+    assert _envoy_endpoints(cluster) == [{"address": router_name, "port_value": router_port}]
+
+
+def test_envoy_balances_http_over_the_routers_http_api() -> None:
+    (router_name,) = _by_process()["router"]
+    _, http_port = _http_address(_by_process()["router"][router_name])
+    envoy = _services()["envoy"]
+    listener, cluster = _envoy_upstream("http_health_check")
+    listen_port = listener["address"]["socket_address"]["port_value"]
+    assert listen_port == cli.DEFAULT_HTTP_PORT, "clients dial the port a router would use"
+    assert f"{listen_port}:{listen_port}" in envoy["ports"], "compose publishes it"
+
+    assert cluster["type"] == "STRICT_DNS", "one host per router replica"
+    assert _envoy_endpoints(cluster) == [{"address": router_name, "port_value": http_port}]
+    (http,) = cluster["typed_extension_protocol_options"].values()
+    explicit = http["explicit_http_config"]
+    assert "http_protocol_options" in explicit, "uvicorn speaks HTTP/1.1 only"
+    assert "http2_protocol_options" not in explicit
+
+    (route,) = _envoy_routes(listener)
+    assert route["idle_timeout"] == "0s", "a non-streamed completion is silent until done"
+    # Never a retry of a request that reached a router: it may have started a completion.
+    retry_on = set(route["retry_policy"]["retry_on"].split(","))
+    assert retry_on and retry_on <= {"connect-failure", "reset-before-request", "refused-stream"}
+
+
+def test_envoy_http_health_check_asks_a_route_the_router_serves() -> None:
+    from fastapi.testclient import TestClient
+
+    from router.openai_api import build_app
+
+    _, cluster = _envoy_upstream("http_health_check")
+    (check,) = [
+        h["http_health_check"] for h in cluster["health_checks"] if "http_health_check" in h
     ]
-    assert endpoints == [{"address": router_name, "port_value": router_port}]
+    path = check["path"]
+    assert path == "/health"
+    assert "expected_statuses" not in check, "Envoy's default: 200 is healthy"
+    service = mock.Mock(limits=object(), draining=False)  # a scheduler has been ready
+    client = TestClient(build_app(service))
+    assert client.get(path).status_code == 200
+    service.draining = True  # SIGTERM: Envoy must take it out
+    assert client.get(path).status_code == 503
 
 
 def test_prometheus_scrapes_every_process_on_its_metrics_port() -> None:
@@ -433,7 +540,7 @@ def test_prometheus_scrapes_every_process_on_its_metrics_port() -> None:
     routers = {f"{n}:{a.metrics_port}" for n, a in _by_process()["router"].items()}
     assert dns == routers, "scaled routers are found by DNS"
     assert static - {"envoy:9901"} == expected - routers
-    envoy_admin = _yaml(_mounted(_services()["envoy"], "/etc/envoy/envoy.yaml"))["admin"]
+    envoy_admin = _envoy()["admin"]
     assert envoy_admin["address"]["socket_address"]["port_value"] == 9901
 
 
@@ -497,13 +604,19 @@ def test_k8s_routers_serve_on_the_default_port_behind_their_service() -> None:
     assert args.command == "router"
     assert (args.host, args.port) == (ANY_HOST, cli.DEFAULT_PORT)
     assert args.metrics_port == cli.DEFAULT_METRICS_PORT["router"]
+    assert _http_address(args) == (ANY_HOST, cli.DEFAULT_HTTP_PORT)
     ports = _container_ports(container)
     assert ports["grpc"] == args.port and ports["metrics"] == args.metrics_port
+    assert ports["http"] == args.http_port
     assert container["readinessProbe"]["grpc"]["port"] == args.port
     assert deployment["spec"]["replicas"] >= 2
     (service,) = [s for s in _k8s("Service") if _selects(s, deployment)]
-    (port,) = service["spec"]["ports"]
-    assert port["port"] == cli.DEFAULT_PORT and ports[port["targetPort"]] == args.port
+    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert set(service_ports) == {"grpc", "http"}, "the two APIs; metrics are scraped per pod"
+    for name, port in service_ports.items():
+        assert port["targetPort"] == name, f"{name}: target the container's named port"
+    assert service_ports["grpc"]["port"] == cli.DEFAULT_PORT
+    assert service_ports["http"]["port"] == cli.DEFAULT_HTTP_PORT
 
     # --scheduler: <statefulset>-<i>.<headless service>:<scheduler port>, each existing.
     (replica,) = _k8s("StatefulSet")

@@ -1,8 +1,9 @@
 """Deterministic inference by default, end to end in bfloat16 (the default dtype): the same
 greedy and seeded requests give identical token ids alone, after a prefix-cache hit, amid two
 dozen ShareGPT requests of mixed lengths (chunked), after preemptions, with static batching and
-no chunking, disaggregated prefill/decode, two replicas, and tensor parallelism. No near-tie
-tolerance: the ids must be equal."""
+no chunking, disaggregated prefill/decode, two replicas, and tensor parallelism; and the n
+samples of a parallel-sampling request (forked prompt blocks) give the tokens of n single
+requests with seeds seed + i, in every mode. No near-tie tolerance: the ids must be equal."""
 
 from __future__ import annotations
 
@@ -32,6 +33,23 @@ PROBES = [
     Client.request(messages=[("user", "Write a short poem about rivers.")], temperature=0.8,
                    seed=1234, top_k=50, max_tokens=32, ignore_eos=True),
 ]  # fmt: skip
+# n = 3 samples of one prompt, amid the noise; PROBES' last three entries (made in `probes`)
+# are its samples as single requests
+PARALLEL = Client.request("In the middle of the old town square stood a fountain that every "
+                          "child in the village knew, because", temperature=1.0, seed=99,
+                          max_tokens=24, ignore_eos=True, n=3)  # fmt: skip
+
+
+def parallel_singles() -> list[inference_pb2.GenerateRequest]:
+    """PARALLEL's samples as single requests: seed + i, n unset."""
+    singles = []
+    for i in range(PARALLEL.sampling.n):
+        single = inference_pb2.GenerateRequest()
+        single.CopyFrom(PARALLEL)
+        single.sampling.ClearField("n")
+        single.sampling.seed = PARALLEL.sampling.seed + i
+        singles.append(single)
+    return singles
 
 
 def _tokens(client: Client, request: inference_pb2.GenerateRequest) -> list[int]:
@@ -48,15 +66,18 @@ def probes_amid(
     probes: list[inference_pb2.GenerateRequest],
     noise: list[inference_pb2.GenerateRequest],
 ) -> list[list[int]]:
-    """The probes sent in the middle of `noise`, all at once."""
-    with stack.client() as client, ThreadPoolExecutor(len(probes) + len(noise)) as pool:
+    """The probes sent in the middle of `noise`, all at once, with PARALLEL: its samples must
+    be the tokens of its singles (the probes' last three) of this run."""
+    with stack.client() as client, ThreadPoolExecutor(len(probes) + len(noise) + 1) as pool:
         half = len(noise) // 2
         busy = [pool.submit(_tokens, client, r) for r in noise[:half]]
         mine = [pool.submit(_tokens, client, p) for p in probes]
+        parallel = pool.submit(client.generate_samples, PARALLEL, 600)
         busy += [pool.submit(_tokens, client, r) for r in noise[half:]]
         for f in busy:
             assert f.result()
         got = [f.result() for f in mine]
+        assert [ids for _, ids, _ in parallel.result()] == got[-PARALLEL.sampling.n :]
         info = wait_for_free_blocks(client)
         assert info.num_free_kv_blocks == info.num_kv_blocks
         return got
@@ -66,9 +87,10 @@ def probes_amid(
 def probes(
     sharegpt_requests: list[inference_pb2.GenerateRequest],
 ) -> list[inference_pb2.GenerateRequest]:
-    """PROBES plus a greedy ShareGPT prompt of over 300 tokens (chunked at 64-token budgets)."""
+    """PROBES plus a greedy ShareGPT prompt of over 300 tokens (chunked at 64-token budgets),
+    then PARALLEL's singles."""
     longest = max(sharegpt_requests, key=lambda r: len(r.prompt))
-    return [*PROBES, longest]
+    return [*PROBES, longest, *parallel_singles()]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,12 @@
 
 A hypothesis state machine drives the real `Scheduler` (admit, steps with
 random sampled tokens, aborts) over a small pool, with prompts drawn from a
-few shared prefixes so sequences fork by prefix and preemption is frequent.
+few shared prefixes so sequences fork by prefix and preemption is frequent,
+and parallel-sampling requests (n samples of one prompt: forked blocks, copy on
+write). It also plays the worker: a model of the KV pool records which token
+each slot holds, applying the step's block copies and writes through the
+worker's own copy of each block table, and every computed position must hold
+its sequence's token (a missed or misplaced copy on write shows here).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import Scheduler, SchedulerOutput
 from scheduler.sequence import Sequence, SequenceStatus
 from sluiceway.internal.v1 import scheduler_pb2
 from sluiceway.v1 import inference_pb2
@@ -51,6 +56,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched: Scheduler | None = None
         self.seqs: list[Sequence] = []
         self.next_id = 1
+        self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> token written there
+        self.worker_tables: dict[int, list[int]] = {}  # seq_id -> the worker's block table
 
     @initialize(
         policy=st.sampled_from(["continuous", "static"]),
@@ -80,27 +87,62 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefix=st.sampled_from(PREFIXES),
         suffix=st.lists(st.integers(20, 30), max_size=10),
         max_tokens=st.integers(1, 12),
+        n=st.sampled_from([1, 1, 2, 3]),
     )
-    def admit(self, prefix: list[int], suffix: list[int], max_tokens: int) -> None:
+    def admit(self, prefix: list[int], suffix: list[int], max_tokens: int, n: int) -> None:
         assert self.sched is not None
-        seq = Sequence(
-            seq_id=self.next_id,
-            request_id=str(self.next_id),
-            prompt_token_ids=prefix + suffix,
-            sampling=scheduler_pb2.SequenceSamplingParams(),
-            max_tokens=max_tokens,
-            stop_token_ids=frozenset({2}),
-        )
-        self.next_id += 1
-        self.sched.add(seq)
-        self.seqs.append(seq)
+        parent = f"parent-{self.next_id}" if n > 1 else None
+        for _ in range(n):
+            seq = Sequence(
+                seq_id=self.next_id,
+                request_id=str(self.next_id),
+                prompt_token_ids=prefix + suffix,
+                sampling=scheduler_pb2.SequenceSamplingParams(),
+                max_tokens=max_tokens,
+                stop_token_ids=frozenset({2}),
+                parent_request_id=parent,
+            )
+            self.next_id += 1
+            self.sched.add(seq)
+            self.seqs.append(seq)
+
+    def _run_step(self, tokens: list[int]) -> None:
+        assert self.sched is not None
+        out = self.sched.schedule()
+        self._play_worker(out)
+        sampled = {s.seq.seq_id: tokens[i % 8] for i, s in enumerate(out.scheduled) if s.samples}
+        self.sched.apply_sampled(out, sampled)
+
+    def _play_worker(self, out: SchedulerOutput) -> None:
+        """What a worker does with the step: forget, copy blocks, extend tables, write K/V."""
+        for seq_id in out.finished_seq_ids:
+            self.worker_tables.pop(seq_id, None)
+        copies = {
+            (dst, off): self.slots[(src, off)]
+            for src, dst in out.block_copies
+            for off in range(BLOCK_SIZE)
+            if (src, off) in self.slots
+        }
+        for _, dst in out.block_copies:
+            for off in range(BLOCK_SIZE):
+                self.slots.pop((dst, off), None)
+        self.slots.update(copies)
+        for s in out.scheduled:
+            if s.is_new:
+                table = self.worker_tables[s.seq.seq_id] = list(s.new_block_ids)
+            else:
+                table = self.worker_tables[s.seq.seq_id]
+                if s.block_copy is not None:
+                    table[-1] = s.block_copy[1]
+                table.extend(s.new_block_ids)
+            assert table == s.seq.block_table
+            tokens = s.seq.token_ids
+            for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
+                self.slots[(table[pos // BLOCK_SIZE], pos % BLOCK_SIZE)] = tokens[pos]
 
     @rule(tokens=st.lists(st.integers(2, 40), min_size=8, max_size=8))
     def step(self, tokens: list[int]) -> None:
-        assert self.sched is not None
-        out = self.sched.schedule()
-        sampled = {s.seq.seq_id: tokens[i % 8] for i, s in enumerate(out.scheduled) if s.samples}
-        self.sched.apply_sampled(out, sampled)
+        self._run_step(tokens)
 
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
@@ -115,6 +157,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.sched is not None:
             check_block_accounting(self.sched, self.live)
 
+    @invariant()
+    def kv_holds_every_computed_token(self) -> None:
+        if self.sched is None:
+            return
+        for seq in self.sched.running:
+            tokens = seq.token_ids
+            for pos in range(seq.num_computed_tokens):
+                slot = (seq.block_table[pos // BLOCK_SIZE], pos % BLOCK_SIZE)
+                assert self.slots.get(slot) == tokens[pos], (seq.seq_id, pos)
+
     def teardown(self) -> None:
         sched = self.sched
         if sched is None:
@@ -123,8 +175,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(2000):
             if all(s.is_finished for s in self.seqs):
                 break
-            out = sched.schedule()
-            sched.apply_sampled(out, {s.seq.seq_id: 5 for s in out.scheduled if s.samples})
+            self._run_step([5] * 8)
         assert all(s.is_finished for s in self.seqs), [s.status for s in self.seqs]
         check_block_accounting(sched, self.live)
         assert sched.block_manager.num_free_blocks == NUM_BLOCKS

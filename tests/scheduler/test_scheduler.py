@@ -312,3 +312,108 @@ def test_kv_utilization_is_tokens_stored_over_slots_allocated() -> None:
     run_step(sched)
     assert sched.kv_usage.tokens_stored_total == 24 + 26
     assert sched.kv_usage.slots_allocated_total == 48 + 48
+
+
+def samples_of(parent: str, first_id: int, prompt: list[int], n: int, max_tokens: int = 8):
+    """The n sequences of one parallel-sampling request (what the router sends)."""
+    return [
+        Sequence(
+            seq_id=first_id + i,
+            request_id=f"{parent}-{i}",
+            prompt_token_ids=list(prompt),
+            sampling=scheduler_pb2.SequenceSamplingParams(temperature=1.0, seed=i),
+            max_tokens=max_tokens,
+            stop_token_ids=frozenset({EOS}),
+            parent_request_id=parent,
+        )
+        for i in range(n)
+    ]
+
+
+def test_parallel_samples_fork_the_prompt_blocks_and_copy_the_partial_one_on_write() -> None:
+    sched = make_scheduler(num_blocks=16)
+    bm = sched.block_manager
+    prompt = list(range(100, 137))  # 37 tokens: 2 full blocks + 5
+    a, b, c = samples_of("p", 1, prompt, 3, max_tokens=20)
+    for s in (a, b, c):
+        sched.add(s)
+    out = run_step(sched, token=7)
+    # one sample computes the prompt; the others wait for it, holding nothing
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 37)]
+    assert b.block_table == c.block_table == [] and bm.num_free_blocks == 16 - 3
+    out = run_step(sched, token=8)
+    # b and c fork a's 3 blocks (36 tokens) and compute the last prompt token themselves;
+    # a writes token 38 into its last block, b and c each get a copy of it first
+    by_seq = {s.seq: s for s in out.scheduled}
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in (by_seq[b], by_seq[c])] == [
+        (36, 1),
+        (36, 1),
+    ]
+    assert by_seq[a].block_copy is None
+    assert out.block_copies == [(a.block_table[2], b.block_table[2]),
+                                (a.block_table[2], c.block_table[2])]  # fmt: skip
+    assert a.block_table[:2] == b.block_table[:2] == c.block_table[:2]
+    assert len({a.block_table[2], b.block_table[2], c.block_table[2]}) == 3
+    assert [bm.blocks[x].ref_count for x in a.block_table] == [3, 3, 1]
+    assert by_seq[b].is_new and by_seq[b].new_block_ids == b.block_table
+    assert bm.num_free_blocks == 16 - 5  # 2 shared + 3 partial: n - 1 = 2 copies
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (37, 0)  # forks are no lookups
+    assert [len(s.output_token_ids) for s in (a, b, c)] == [2, 1, 1]
+    for s in (a, b, c):
+        sched.finish(s, inference_pb2.FINISH_REASON_ABORT)
+    assert bm.num_free_blocks == 16 and all(x.ref_count == 0 for x in bm.blocks)
+
+
+def test_a_sample_that_comes_late_forks_a_decoding_sibling_and_copies_on_write() -> None:
+    sched = make_scheduler(num_blocks=16)
+    bm = sched.block_manager
+    prompt = list(range(100, 120))  # 20 tokens: 1 full block + 4
+    a, b = samples_of("p", 1, prompt, 2, max_tokens=20)
+    sched.add(a)
+    run_step(sched)
+    run_step(sched)  # a holds 21 computed tokens, its second block partial
+    sched.add(b)
+    out = run_step(sched)
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
+    assert out.block_copies == [(a.block_table[1], b.block_table[1])]
+    assert [bm.blocks[x].ref_count for x in a.block_table] == [2, 1]
+    # a keeps writing its own block in place: no more copies
+    assert run_step(sched).block_copies == []
+
+
+def test_a_sample_whose_siblings_are_gone_computes_its_prompt() -> None:
+    sched = make_scheduler(num_blocks=16)
+    prompt = list(range(100, 120))
+    a, b = samples_of("p", 1, prompt, 2, max_tokens=1)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    assert a.is_finished  # max_tokens 1: done before b could fork it
+    out = run_step(sched)
+    # the prefix cache still has a's full block; b computes the rest itself
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled] == [(16, 4)]
+    assert out.block_copies == []
+
+
+def test_a_waiting_sample_does_not_hold_back_other_requests() -> None:
+    sched = make_scheduler(num_blocks=16)
+    a, b = samples_of("p", 1, list(range(100, 140)), 2)
+    other = make_seq(9, 10)
+    for s in (a, b, other):
+        sched.add(s)
+    out = run_step(sched)
+    assert [s.seq for s in out.scheduled] == [a, other]
+    assert list(sched.waiting) == [b]
+
+
+def test_copy_on_write_is_counted_when_checking_for_free_blocks() -> None:
+    sched = make_scheduler(num_blocks=3)
+    bm = sched.block_manager
+    a, b = samples_of("p", 1, list(range(100, 120)), 2, max_tokens=3)  # 2 blocks each
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    # b's fork needs a copy of the partial block: 1 free block, so it fits
+    out = run_step(sched)
+    assert len(out.block_copies) == 1 and bm.num_free_blocks == 0
+    assert bm.can_allocate(a, 1) and bm.can_allocate(b, 1)  # no more copies needed
