@@ -14,7 +14,7 @@ embedding end in an all-reduce, the logits in a gather. Shapes below are per ran
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
@@ -159,6 +159,26 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+@dataclass(frozen=True, slots=True)
+class TritonOps:
+    """The batch-invariant Triton kernels the decoder runs instead of cuBLAS and torch's
+    RMSNorm (:meth:`LlamaForCausalLM.use_triton_ops`): ``linear`` is
+    :func:`kernels.triton_matmul.triton_linear`, ``rms_norm`` and ``fused_add_rms_norm``
+    those of :mod:`kernels.triton_norm`."""
+
+    linear: Callable[..., torch.Tensor]
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    fused_add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
+
+    @classmethod
+    def load(cls) -> TritonOps:
+        """Import the kernels (Triton is optional: imported only here)."""
+        from kernels.triton_matmul import triton_linear
+        from kernels.triton_norm import triton_fused_add_rms_norm, triton_rms_norm
+
+        return cls(triton_linear, triton_rms_norm, triton_fused_add_rms_norm)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP block.
 
@@ -201,6 +221,7 @@ class DecoderLayer(nn.Module):
         self.packed: dict[str, torch.Tensor] = {}
         self.packed_out_features: dict[str, int] = {}
         self.bf16_pairs = False
+        self.triton_ops: TritonOps | None = None  # see LlamaForCausalLM.use_triton_ops
 
     def pack_linear_weights(self, bf16_pairs: bool = False) -> int:
         """Pack the four linear weights once and free the plain copies (the forward reads only
@@ -223,6 +244,8 @@ class DecoderLayer(nn.Module):
         return packed_bytes
 
     def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.triton_ops is not None:
+            return self.triton_ops.linear(x, getattr(self, name), bias)
         packed = self.packed.get(name)
         if packed is None:
             return F.linear(x, getattr(self, name), bias)
@@ -263,7 +286,8 @@ class DecoderLayer(nn.Module):
         t = hidden.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         fused = backend.fused_layer_ops
-        x, residual = _add_rms_norm(hidden, residual, self.input_norm, self.eps, fused)
+        ops = self.triton_ops
+        x, residual = _add_rms_norm(hidden, residual, self.input_norm, self.eps, fused, ops)
         qkv = self._linear(x, "qkv_weight", self.qkv_bias)
         if fused:
             cpu_ops.rotary_embedding_write_kv(
@@ -279,7 +303,7 @@ class DecoderLayer(nn.Module):
             q = qk[:, :hq]
         attn = backend.attention(q, kv_cache, metadata)
         hidden = self._row_parallel_linear(attn.view(t, hq * d), "o_weight", self.o_bias)
-        x, residual = _add_rms_norm(hidden, residual, self.post_norm, self.eps, fused)
+        x, residual = _add_rms_norm(hidden, residual, self.post_norm, self.eps, fused, ops)
         gate_up = self._linear(x, "gate_up_weight", self.gate_up_bias)
         if fused:
             act = cpu_ops.silu_and_mul(gate_up)
@@ -308,9 +332,16 @@ def _add_rms_norm(
     weight: torch.Tensor,
     eps: float,
     fused: bool,
+    triton_ops: TritonOps | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(hidden + residual), hidden + residual)``; ``residual`` None: no addition.
-    Fused: in place (``hidden`` becomes the normed rows, ``residual`` the sum)."""
+    Fused (the C++ ops, or ``triton_ops``): in place (``hidden`` becomes the normed rows,
+    ``residual`` the sum)."""
+    if triton_ops is not None:
+        if residual is None:
+            return triton_ops.rms_norm(hidden, weight, eps), hidden
+        triton_ops.fused_add_rms_norm(hidden, residual, weight, eps)
+        return hidden, residual
     if residual is None:
         normed = cpu_ops.rms_norm(hidden, weight, eps) if fused else _rms_norm(hidden, weight, eps)
         return normed, hidden
@@ -380,6 +411,19 @@ class LlamaForCausalLM(nn.Module):
         self.bf16_pairs = False
         self._logits_buffer = torch.empty(0)  # compute_logits(reuse_buffer=True) writes here
         self.packed_weight_bytes = 0  # bytes of the plain weights freed by pack_linear_weights
+        self.triton_ops: TritonOps | None = None  # see use_triton_ops
+
+    def use_triton_ops(self) -> None:
+        """Run every linear layer and the logits on :func:`kernels.triton_matmul.triton_linear`
+        and every RMSNorm on :mod:`kernels.triton_norm` (one tile config whatever the batch,
+        one reduction order per row: with the batch-invariant Triton attention the forward
+        is batch invariant; float32 logits straight from the float32 accumulator). For CUDA
+        (or CPU tensors in Triton's interpreter, tests); the weights stay as they are."""
+        ops = TritonOps.load()
+        self.triton_ops = ops
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        for layer in layers:
+            layer.triton_ops = ops
 
     def pack_linear_weights(self) -> None:
         """Pack every linear weight once (CPU, float32/bfloat16 only): the layers' four (their
@@ -449,7 +493,12 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, cache, metadata, backend)
         normed, _ = _add_rms_norm(
-            hidden, residual, self.norm_weight, self.config.rms_norm_eps, backend.fused_layer_ops
+            hidden,
+            residual,
+            self.norm_weight,
+            self.config.rms_norm_eps,
+            backend.fused_layer_ops,
+            self.triton_ops,
         )
         return normed
 
@@ -501,6 +550,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | None:
         """``hidden`` ``[S, H]`` (only rows that sample) -> logits ``[S, V]``, float32 (or, with
         ``float32=False``, the GEMM's own output dtype, the model's: the caller converts).
+        With :meth:`use_triton_ops` the Triton matmul writes float32 straight from its float32
+        sums (never rounded to the model dtype), with a reduction order that does not depend
+        on ``S``.
 
         ``reuse_buffer``: write the float32 logits of the bfloat16 kernel into a buffer this
         model keeps (grown as needed) instead of a new tensor: the next call overwrites them.
@@ -513,7 +565,9 @@ class LlamaForCausalLM(nn.Module):
         it together with the same ``S`` and ``dst``. With ``N == 1`` ``dst`` is ignored.
         """
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
-        if self.bf16_pairs:
+        if self.triton_ops is not None:
+            local = self.triton_ops.linear(hidden, weight, out_dtype=torch.float32)
+        elif self.bf16_pairs:
             local = self._bf16_logits(hidden, weight.shape[0], reuse_buffer)
         elif self.packed_lm_head is not None:  # float32 logits from float32 weights
             local = onednn_linear.linear(hidden.float(), self.packed_lm_head, None)

@@ -250,6 +250,13 @@ class ModelRunner:
             )
         ):
             self.model.pack_linear_weights()
+        elif (
+            self.attention_backend.name == "triton"
+            and self.attention_backend.batch_invariant
+            and self._dtype == torch.bfloat16
+        ):
+            # before the CUDA profiling forward and the graph capture, which run the model
+            self.model.use_triton_ops()
         c = self.config
         hkv = self.model.num_kv_heads  # the rank's
         self.bytes_per_block = (
@@ -305,6 +312,8 @@ class ModelRunner:
         """The start line's word on the linear weights' packing."""
         if self.model.bf16_pairs:
             return ", linear weights packed for the bfloat16 GEMM"
+        if self.model.triton_ops is not None:
+            return ", linear layers and RMSNorm on the batch-invariant Triton kernels"
         if self.model.packed_lm_head is not None:
             return ", linear weights packed for oneDNN"
         return ""
@@ -315,10 +324,18 @@ class ModelRunner:
     def batch_invariant(self) -> bool:
         """Whether every reduction of this runner's forward has an order fixed per row: the C++
         CPU attention and fused ops with every linear and the logits on
-        :func:`kernels.cpu_ops.bf16_linear` (bfloat16 on a CPU with AVX512-BF16). Not oneDNN's
-        GEMMs (their reduction follows the shape), not the torch reference, not the Triton
-        kernels with cuBLAS linears (README, Reproducibility)."""
-        return self.attention_backend.batch_invariant and self.model.bf16_pairs
+        :func:`kernels.cpu_ops.bf16_linear` (bfloat16 on a CPU with AVX512-BF16); or, in
+        bfloat16 with the Triton backend (CUDA; the interpreter in tests), the unified
+        attention kernel with the Triton matmul and RMSNorm (:meth:`LlamaForCausalLM.use_triton_ops`),
+        on one rank (NCCL's all-reduce orders its sums by the tensor's size). Not oneDNN's
+        GEMMs (their reduction follows the shape), not the torch reference, not cuBLAS linears
+        (``SLUICEWAY_BATCH_INVARIANT=0``; README, Reproducibility)."""
+        if not self.attention_backend.batch_invariant:
+            return False
+        if self.model.bf16_pairs:
+            return True
+        triton_ok = self._device.type != "cuda" or self.tp.world_size == 1
+        return self.model.triton_ops is not None and triton_ok
 
     @property
     def model_id(self) -> str:
