@@ -7,6 +7,13 @@
 #
 # Steps, each with its own timeout, all run even when one fails:
 #   kernels   the Triton kernel tests on CUDA (tests/kernels/test_triton_kernels.py)
+#   invariance  the batch-invariant path on CUDA (issue 16): the kernels bitwise (a row at M 1
+#             vs 7 vs 33 vs 70, a token as decode / in chunks / after a prefix hit, split or
+#             not) and the whole forward through ModelRunner in bfloat16
+#             (tests/kernels/test_triton_batch_invariance.py, tests/worker/test_batch_invariance_triton.py)
+#   inv-bench scripts/invariance_bench.py: the Triton matmul vs cuBLAS at M 1, 32, 256 for
+#             7B-shaped layers, unified vs old attention (decode batch 1/32/256, 2,048-token
+#             prefill), both bitwise checks again; INVARIANCE-RESULT -> $OUT/invariance.json
 #   kv-ipc    a KV pool shared between two processes through CUDA IPC (test_kv_pool -k cuda)
 #   parity    `sluiceway serve --device cuda` greedy tokens == transformers generate, with
 #             CUDA graphs and with --enforce-eager (tests/integration/test_cuda_parity.py)
@@ -14,9 +21,12 @@
 #             tokens/s with CUDA graphs and eager, against the HBM bound
 #   tp        two tensor-parallel ranks on the one GPU (SLUICEWAY_DISTRIBUTED_BACKEND=gloo)
 #   disagg    a prefill and a decode worker, KV blocks copied over CUDA IPC
+#   bench-ni  the bench step again with SLUICEWAY_BATCH_INVARIANT=0 (old attention kernels,
+#             cuBLAS, torch RMSNorm): what the invariant default costs, to be measured
 # Writes $OUT/gpu_check.json (per step: name, status, rc, seconds, figures: pytest counts,
-# PARITY-RESULT lines, kernel errors, the bench JSON), $OUT/gpu_check.log (all output) and
-# $OUT/bench_step.json; prints a summary table. Exit status 0 when every step passed.
+# PARITY-RESULT lines, kernel errors, the bench JSONs, INVARIANCE-RESULT), $OUT/gpu_check.log
+# (all output), $OUT/bench_step.json, $OUT/bench_step_noninvariant.json and
+# $OUT/invariance.json; prints a summary table. Exit status 0 when every step passed.
 #
 # Environment: OUT (default /tmp/gpu_check_out), PYTHON (default python3),
 # GPU_CHECK_BUDGET_S (default 450: steps that would start later are skipped),
@@ -136,16 +146,23 @@ PYTEST=("$PYTHON" -m pytest -q -s -p no:cacheprovider)
 PARITY=tests/integration/test_cuda_parity.py
 if [ "$HAS_CUDA" = 1 ]; then
     BENCH=(--random-model llama-2-7b --device cuda --batch-sizes 1,32,256 --warmup 3 --iters 20)
+    INV_BENCH=(--device cuda --warmup 3 --iters 20)
 else  # a dry run of the code path on CPU
     BENCH=(--random-model tiny --device cpu --batch-sizes 1,4 --warmup 1 --iters 3)
+    INV_BENCH=(--device cpu)  # the Triton interpreter, tiny shapes: timings meaningless
 fi
 
 step kernels 150 "${PYTEST[@]}" tests/kernels/test_triton_kernels.py
+step invariance 120 "${PYTEST[@]}" tests/kernels/test_triton_batch_invariance.py \
+    tests/worker/test_batch_invariance_triton.py
+step inv-bench 120 "$PYTHON" scripts/invariance_bench.py "${INV_BENCH[@]}" --json "$OUT/invariance.json"
 step kv-ipc 90 "${PYTEST[@]}" tests/worker/test_kv_pool.py -k cuda
 step parity 180 "${PYTEST[@]}" "$PARITY" -k "greedy or helpers"
 step bench 180 "$PYTHON" -m sluiceway.cli bench step "${BENCH[@]}" --json "$OUT/bench_step.json"
 step tp 120 "${PYTEST[@]}" "$PARITY" -k tensor_parallel
 step disagg 90 "${PYTEST[@]}" "$PARITY" -k disaggregated
+step bench-ni 180 env SLUICEWAY_BATCH_INVARIANT=0 "$PYTHON" -m sluiceway.cli bench step \
+    "${BENCH[@]}" --json "$OUT/bench_step_noninvariant.json"
 
 # -- report --------------------------------------------------------------------------------
 "$PYTHON" - "$WORK" "$OUT" "$START" "$BUDGET" "$HAS_CUDA" <<'EOF'
@@ -173,7 +190,7 @@ for row in (work / "steps.tsv").read_text().splitlines():
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
     s = {"name": name, "rc": rc, "seconds": round(float(seconds), 1), "timeout_s": int(limit)}
     figures = {}
-    counts = pytest_counts(text) if name != "bench" else None
+    counts = pytest_counts(text) if name not in ("bench", "bench-ni", "inv-bench") else None
     if counts is not None:
         figures["pytest"] = counts
     parity = [json.loads(m) for m in re.findall(r"PARITY-RESULT (\{.*\})", text)]
@@ -185,6 +202,11 @@ for row in (work / "steps.tsv").read_text().splitlines():
         figures["max_abs_error"] = ast.literal_eval(m.group(2))
     if name == "bench" and (out / "bench_step.json").exists():
         figures["bench"] = json.loads((out / "bench_step.json").read_text())
+    if name == "bench-ni" and (out / "bench_step_noninvariant.json").exists():
+        figures["bench"] = json.loads((out / "bench_step_noninvariant.json").read_text())
+    inv = re.findall(r"INVARIANCE-RESULT (\{.*\})", text)
+    if inv:
+        figures["invariance"] = json.loads(inv[-1])
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)
     if failed:
         figures["failed_tests"] = failed[:20]
@@ -233,6 +255,20 @@ def key(s):
         parts.append(f"{p['run']}: {p['exact']}/{p['prompts']} exact, {p['near_ties']} near-ties")
     if "max_abs_error" in f:
         parts.append(f"max err {f['max_abs_error']}")
+    inv = f.get("invariance")
+    if inv:
+        parts.append(
+            f"matmul invariant {inv['matmul_invariant']} (cuBLAS {inv['cublas_invariant']}), "
+            f"attention invariant {inv['attention_invariant']}"
+        )
+        for m in sorted({r["m"] for r in inv["matmul"]}):
+            ratios = [r["triton_over_cublas"] for r in inv["matmul"] if r["m"] == m]
+            if all(ratios):
+                parts.append(f"M={m}: triton/cuBLAS {min(ratios):.2f}-{max(ratios):.2f}x")
+        for r in inv["decode"]:
+            parts.append(f"decode b={r['batch']}: unified {r['unified_ms']} vs old {r['old_ms']} ms")
+        p = inv["prefill"]
+        parts.append(f"prefill {p['tokens']}: unified {p['unified_ms']} vs old {p['old_ms']} ms")
     b = f.get("bench")
     if b:
         for r in b["results"]:
@@ -248,9 +284,9 @@ def key(s):
 
 print()
 print(f"== gpu_check summary ({report['seconds']} s, {env.get('gpu', 'no GPU')})")
-print(f"{'step':<8} {'status':<8} {'rc':>4} {'s':>7}  figures")
+print(f"{'step':<10} {'status':<8} {'rc':>4} {'s':>7}  figures")
 for s in steps:
-    print(f"{s['name']:<8} {s['status']:<8} {s['rc']:>4} {s['seconds']:>7.1f}  {key(s)}")
+    print(f"{s['name']:<10} {s['status']:<8} {s['rc']:>4} {s['seconds']:>7.1f}  {key(s)}")
 if env.get("import_errors"):
     print("import errors:", env["import_errors"])
 print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.log'}")
