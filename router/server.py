@@ -94,12 +94,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     With several, each `Generate` goes to the scheduler `SchedulerPool.pick`
     chooses (least outstanding requests, prefix affinity on ties). A scheduler
-    that fails a stream with UNAVAILABLE ends only the streams it held (with
-    UNAVAILABLE) and gets no new requests until the health watcher sees it
-    ready again. A request is never moved to another scheduler once a token
-    of it was sent to the client (no duplicated output); one whose
-    `AddRequest` fails with UNAVAILABLE *before* its first token is retried
-    once on another ready scheduler.
+    that fails a stream with UNAVAILABLE gets no new requests until the health
+    watcher sees it ready again, and each of its streams goes on once on
+    another ready scheduler: resubmitted with the tokens already received as
+    `output_token_ids`, so the client sees no lost and no repeated token (and,
+    with deterministic inference, the tokens the failed one would have made).
     """
 
     def __init__(  # type: ignore[no-untyped-def]
@@ -384,8 +383,8 @@ class _Sample:
     async def responses(
         self, replica: SchedulerReplica
     ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
-        """This sample's responses from `replica` (another one if it is unavailable before
-        anything was sent). Raises RequestFailed."""
+        """This sample's responses from `replica`; if it becomes unavailable, from another
+        one, resumed after the tokens already received (once). Raises RequestFailed."""
         try:
             async for response in self._responses(replica):
                 yield response
@@ -415,16 +414,17 @@ class _Sample:
         )
         add_request = self._add_request()
         tried: list[SchedulerReplica] = []
+        received: list[int] = []  # token ids this sample got, from every replica tried
         while True:
             current = replica
             tried.append(current)
-            sent = False  # a response of this sample reached the client
             pool.begin(current)
             call = current.stub.AddRequest(
                 add_request, metadata=((REQUEST_ID_METADATA, add_request.request_id.encode()),)
             )
             try:
                 async for event in call:
+                    received.extend(event.token_ids)
                     recorder.on_tokens(len(event.token_ids), time.monotonic())
                     if event.HasField("queue_seconds"):
                         recorder.on_queue_time(event.queue_seconds)
@@ -455,7 +455,6 @@ class _Sample:
                         response.usage.completion_tokens = recorder.num_generated
                         self.finished = True
                     response.text = text
-                    sent = True
                     yield response
                     if finish != UNSPECIFIED:
                         reason = FINISHED_REASONS.get(finish, "abort")
@@ -474,12 +473,17 @@ class _Sample:
                 details = e.details() or "scheduler error"
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     pool.mark_unavailable(current, details)
-                    retry = None if sent or len(tried) > 1 else pool.pick(prompt_ids, tried)
-                    if retry is not None:  # nothing sent yet: no output can be duplicated
+                    retry = None if len(tried) > 1 else pool.pick(prompt_ids, tried)
+                    if retry is not None:
+                        # Resumed after the tokens already sent, as a preempted sequence is:
+                        # with deterministic inference the continuation is the one the failed
+                        # replica would have made; nothing is lost or repeated.
+                        add_request.output_token_ids[:] = received
                         rlog.warning(
-                            "request_retried",
+                            "request_resumed" if received else "request_retried",
                             scheduler=current.address,
                             retry_scheduler=retry.address,
+                            completion_tokens=len(received),
                             error=details,
                         )
                         replica = retry

@@ -375,6 +375,9 @@ class Engine:
     def new_sequence(self, req: scheduler_pb2.AddRequestRequest) -> Sequence:
         """Validates and queues a request on the least loaded group that prefills.
 
+        A request with `output_token_ids` (a stream resumed from a failed replica) continues
+        after them, as a preempted sequence does.
+
         Raises NotReady (a worker missing), QueueFull (`max_waiting_requests` waiting), or
         ValueError if it can never run.
         """
@@ -398,11 +401,15 @@ class Engine:
             stop_token_ids=frozenset(req.stop_token_ids),
             min_tokens=req.min_tokens,
             parent_request_id=req.parent_request_id or None,
+            output_token_ids=list(req.output_token_ids),
         )
         if not seq.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
-        if seq.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if seq.max_tokens <= len(seq.output_token_ids):
+            raise ValueError(
+                f"max_tokens ({seq.max_tokens}) must exceed the "
+                f"{len(seq.output_token_ids)} output_token_ids"
+            )
         if seq.num_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt has {seq.num_tokens} tokens, max_model_len is {self.max_model_len}"

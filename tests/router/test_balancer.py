@@ -189,7 +189,8 @@ def test_merge_scheduler_infos_sums_counters() -> None:
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
-    """Streams `max_tokens` events (token 100 + i), one every `delay_s`; records request ids.
+    """Streams `max_tokens` events (token 100 + i), one every `delay_s`, after the request's
+    `output_token_ids` (a resumed stream); records request ids and those outputs.
 
     While `gate` is set, every stream waits for it after its first event. With
     `fail_add`, AddRequest fails with UNAVAILABLE before any token.
@@ -201,6 +202,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.fail_add = False
         self.gate: asyncio.Event | None = None
         self.requests: list[str] = []
+        self.resumed: dict[str, list[int]] = {}  # request id -> its output_token_ids
         self.address = ""
         self.server: grpc.aio.Server | None = None
 
@@ -208,10 +210,12 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.AddRequestRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         self.requests.append(request.request_id)
+        if request.output_token_ids:
+            self.resumed[request.request_id] = list(request.output_token_ids)
         if self.fail_add:
             await context.abort(UNAVAILABLE, "no worker is ready")
-        for i in range(request.max_tokens):
-            if i == 1 and self.gate is not None:
+        for i in range(len(request.output_token_ids), request.max_tokens):
+            if i == 1 and self.gate is not None and not request.output_token_ids:
                 await self.gate.wait()
             await asyncio.sleep(self.delay_s)
             last = i == request.max_tokens - 1
@@ -344,7 +348,7 @@ def test_concurrent_requests_spread_over_both_schedulers(
     run(_with_router(tokenizer, tokenizer_dir, fakes, scenario))
 
 
-def test_a_failed_scheduler_ends_only_its_streams_and_the_other_takes_over(
+def test_a_failed_scheduler_s_streams_resume_on_the_other_which_takes_over(
     tokenizer: Any, tokenizer_dir: pathlib.Path
 ) -> None:
     async def scenario(router: Router, fakes: list[FakeScheduler], ch: grpc.aio.Channel) -> None:
@@ -361,21 +365,20 @@ def test_a_failed_scheduler_ends_only_its_streams_and_the_other_takes_over(
         pool = router.service.pool
         assert [r.outstanding for r in pool.replicas] == [5, 5]
         assert _gauge("router_outstanding_requests", a.address) == 5
-        await a.stop()  # fails mid-request: its streams end, none is retried elsewhere
+        on_a = list(a.requests)
+        await a.stop()  # fails mid-request: its streams go on on b after the token sent
         b.gate.set()
         results = dict(zip(rids, await asyncio.gather(*streams), strict=True))
-        for rid in a.requests:
-            assert results[rid][0] == UNAVAILABLE, results[rid]
-        for rid in b.requests:
-            assert results[rid] == TOKENS
-        assert len(a.requests) + len(b.requests) == 10  # no retry
+        assert all(results[rid] == TOKENS for rid in rids), results  # none lost or repeated
+        assert b.resumed == {rid: [100] for rid in on_a}
+        assert len(a.requests) == 5 and len(b.requests) == 10
         assert not pool.replicas[0].ready and pool.replicas[1].ready
         assert _gauge("router_scheduler_ready", a.address) == 0
         assert await _health(ch) == SERVING  # one scheduler is still ready
         # later requests all go to the other scheduler, and succeed
         later = await asyncio.gather(*(_generate(ch, _request(100 + i)) for i in range(6)))
         assert later == [TOKENS] * 6
-        assert len(b.requests) == 5 + 6 and len(a.requests) == 5
+        assert len(b.requests) == 10 + 6 and len(a.requests) == 5
         info = await _model_info(ch)
         assert info.num_kv_blocks == b.num_kv_blocks  # from the ready one only
         assert [r.outstanding for r in pool.replicas] == [0, 0]
