@@ -47,6 +47,6 @@ USER sluiceway
 RUN python -c "from sluiceway.model_files import resolve_model; print(resolve_model(None))"
 
 # gRPC: router 50051, scheduler 50052, worker 50061 (compose's choice); metrics 9400-9402.
-EXPOSE 50051 50052 50061 9400 9401 9402
+EXPOSE 50051 50052 50061 8000 9400 9401 9402
 ENTRYPOINT ["sluiceway"]
 CMD ["--help"]

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict
 from router.errors import InvalidRequest
 from router.server import InferenceService, RequestFailed
 from router.streams import merge_streams
+from router.validation import MAX_N
 from sluiceway.v1 import inference_pb2
 
 __all__ = ["HttpServer", "build_app", "start_http_server"]
@@ -92,7 +93,7 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int = 1
+    n: int | None = None  # 1
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
@@ -184,7 +185,7 @@ _RANGES = {  # the proto field's integer type
     "logprobs": _U32,
     "top_k": (-(1 << 31), (1 << 31) - 1),
     "seed": (0, (1 << 64) - 1),
-    "n": _U32,
+    "n": (1, MAX_N),
     "token_id": _U32,
 }
 
@@ -443,7 +444,7 @@ class _Run:
         self, p: int, request: inference_pb2.GenerateRequest
     ) -> AsyncGenerator[tuple[int, inference_pb2.GenerateResponse], None]:
         """Prompt ``p``'s responses, each with its choice index (``p * n`` + its sample)."""
-        n = self.body.n
+        n = self.body.n or 1
         async with contextlib.aclosing(
             self.service.generate(
                 request, request.request_id, arrival=self.arrival, protocol="http"
@@ -489,7 +490,7 @@ class _Run:
         }  # fmt: skip
 
     def _usage(self, prompt_tokens: dict[int, int], completion: dict[int, int]) -> dict[str, int]:
-        n = self.body.n
+        n = self.body.n or 1
         prompt = sum(v for k, v in prompt_tokens.items() if k % n == 0)
         done = sum(completion.values())
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}

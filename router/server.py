@@ -240,6 +240,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         if replica is None:
             raise fail(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready")
         n = resolved.n
+        # unique, unlike a client's request_id, which two live requests may share
+        parent_request_id = f"{request_id}/{uuid.uuid4().hex}"
         samples = [
             _Sample(
                 self,
@@ -252,6 +254,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 if i == 0
                 else RequestRecorder(recorder.model_name, arrival, protocol),
                 cancel_code=cancel_code,
+                parent_request_id=parent_request_id,
             ).responses(replica)
             for i in range(n)
         ]
@@ -332,7 +335,8 @@ class _Sample:
 
     Sample ``i`` of a seeded request uses ``seed + i`` (mod 2**64, vLLM's convention); with
     ``n`` > 1 its scheduler request id is ``<request_id>-<i>`` and its ``parent_request_id``
-    the request's id, so that the scheduler shares the prompt's blocks between the samples.
+    one the router makes unique per request (clients may reuse a request_id), so that the
+    scheduler shares the prompt's blocks between the samples.
     """
 
     def __init__(
@@ -346,6 +350,7 @@ class _Sample:
         rlog: structlog.typing.FilteringBoundLogger,
         recorder: RequestRecorder,
         cancel_code: Callable[[], grpc.StatusCode],
+        parent_request_id: str,
     ) -> None:
         self.service = service
         self.index = index
@@ -355,6 +360,7 @@ class _Sample:
         self.rlog = rlog
         self.recorder = recorder
         self.cancel_code = cancel_code
+        self.parent_request_id = parent_request_id
         self.finished = False
 
     def _add_request(self) -> scheduler_pb2.AddRequestRequest:
@@ -369,7 +375,7 @@ class _Sample:
         )
         if resolved.n > 1:
             add_request.request_id = f"{self.request_id}-{self.index}"
-            add_request.parent_request_id = self.request_id
+            add_request.parent_request_id = self.parent_request_id
             if self.index and add_request.sampling.HasField("seed"):
                 add_request.sampling.seed = (add_request.sampling.seed + self.index) % (1 << 64)
         return add_request

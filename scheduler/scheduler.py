@@ -143,6 +143,7 @@ class Scheduler:
         self.kv_usage = KvUsage()
         self._static = config.scheduling_policy == "static"
         self._batch: set[int] = set()  # static: unfinished members of the current batch
+        self._batch_parents: set[str] = set()  # static: parallel-sampling requests in it
         self._holding: list[Sequence] = []  # static: finished members keeping their blocks
         self._samples: dict[str, list[Sequence]] = {}  # parent request id -> its live samples
 
@@ -261,7 +262,13 @@ class Scheduler:
             break  # seq preempted itself: it was the last running sequence
 
         if self._static and not self._batch and self.waiting:
-            self._batch = {s.seq_id for s in list(self.waiting)[: self.config.static_batch_size]}
+            members = list(self.waiting)[: self.config.static_batch_size]
+            self._batch = {s.seq_id for s in members}
+            self._batch_parents = {s.parent_request_id for s in members if s.parent_request_id}
+        if self._batch_parents:  # static: a request's samples run in one batch, however they came
+            for s in self.waiting:
+                if s.parent_request_id in self._batch_parents:
+                    self._batch.add(s.seq_id)
         index = 0  # into waiting: samples that wait for a sibling's prompt are passed over
         while (
             index < len(self.waiting)
@@ -363,6 +370,8 @@ class Scheduler:
         for sibling in self._samples.get(seq.parent_request_id, ()):
             if sibling is seq or sibling.status is not SequenceStatus.RUNNING:
                 continue
+            if sibling.prompt_token_ids != seq.prompt_token_ids:
+                continue  # not a sample of the same request (a router would not do this)
             if sibling.num_computed_tokens >= num_shared:
                 return sibling
             wait = _WAIT_FOR_SIBLING

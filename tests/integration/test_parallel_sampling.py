@@ -5,6 +5,8 @@ Every block comes back."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import pytest
 
@@ -116,4 +118,20 @@ def test_cancelling_a_parallel_request_frees_every_block(stack: Stack) -> None:
         stream.cancel()  # type: ignore[attr-defined]
         info = wait_for_free_blocks(client, timeout_s=10)
     assert seen == set(range(5))
+    assert info.num_free_kv_blocks == info.num_kv_blocks
+
+
+def test_two_live_requests_with_one_request_id_keep_their_own_blocks(stack: Stack) -> None:
+    prompts = [list(range(2000, 2040)), list(range(5000, 5030))]
+
+    def request(ids: list[int]) -> inference_pb2.GenerateRequest:
+        return Client.request(prompt_token_ids=ids, temperature=0, max_tokens=20,
+                              ignore_eos=True, n=2, request_id="dup")  # fmt: skip
+
+    with stack.client() as client:
+        alone = [client.generate_samples(request(p), timeout=600) for p in prompts]
+        with ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(lambda p: client.generate_samples(request(p), 600), prompts))
+        info = wait_for_free_blocks(client)
+    assert [[ids for _, ids, _ in r] for r in together] == [[ids for _, ids, _ in r] for r in alone]
     assert info.num_free_kv_blocks == info.num_kv_blocks

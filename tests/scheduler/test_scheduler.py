@@ -417,3 +417,31 @@ def test_copy_on_write_is_counted_when_checking_for_free_blocks() -> None:
     out = run_step(sched)
     assert len(out.block_copies) == 1 and bm.num_free_blocks == 0
     assert bm.can_allocate(a, 1) and bm.can_allocate(b, 1)  # no more copies needed
+
+
+def test_samples_fork_only_a_sibling_with_their_prompt() -> None:
+    sched = make_scheduler(num_blocks=16)
+    (a,) = samples_of("p", 1, list(range(100, 140)), 1)
+    (b,) = samples_of("p", 2, list(range(500, 530)), 1)  # another prompt, the same parent id
+    sched.add(a)
+    run_step(sched)
+    sched.add(b)
+    out = run_step(sched)
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled if s.seq is b] == [
+        (0, 30)
+    ]
+    assert out.block_copies == [] and sched.block_manager.forked_tokens == 0
+
+
+def test_static_batches_take_every_sample_of_a_request_in() -> None:
+    sched = make_scheduler(num_blocks=32, scheduling_policy="static", static_batch_size=2)
+    a0, a1, a2 = samples_of("a", 1, list(range(100, 120)), 3, max_tokens=4)
+    other = make_seq(9, 10, max_tokens=4)
+    sched.add(a0)
+    sched.add(other)
+    run_step(sched)  # the batch is a0 and other
+    sched.add(a1)  # a0's siblings come after the batch formed: they join it, fork a0
+    sched.add(a2)
+    out = run_step(sched)
+    assert {s.seq for s in out.scheduled} == {a0, other, a1, a2}
+    assert sched.block_manager.forked_tokens == 2 * 19
