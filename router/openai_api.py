@@ -306,7 +306,8 @@ def build_app(service: InferenceService) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if service.limits is None or service.draining:
+        # what the router's gRPC health says: a ready scheduler, and not draining
+        if service.limits is None or service.draining or not service.pool.any_ready:
             return _error_response(503, "not ready", None)
         return JSONResponse({})
 

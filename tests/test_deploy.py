@@ -523,6 +523,9 @@ def test_envoy_http_health_check_asks_a_route_the_router_serves() -> None:
     service = mock.Mock(limits=object(), draining=False)  # a scheduler has been ready
     client = TestClient(build_app(service))
     assert client.get(path).status_code == 200
+    service.pool.any_ready = False  # its schedulers gone: as its gRPC health, not ready
+    assert client.get(path).status_code == 503
+    service.pool.any_ready = True
     service.draining = True  # SIGTERM: Envoy must take it out
     assert client.get(path).status_code == 503
 
