@@ -11,6 +11,30 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
+# The keepalive policy every server applies to its clients' HTTP/2 pings. C-core's default
+# (pings at least 5 minutes apart while the server sends nothing, none without a call in
+# flight, GOAWAY "too_many_pings" after 2 strikes) drops a client that pings every 10-30 s,
+# as gRPC clients and load balancers commonly do, while its request waits in the queue or
+# prefills. Accepted instead: pings MIN_CLIENT_PING_INTERVAL_MS apart or more (half the
+# common 10 s, a margin for timer jitter), with or without calls; a client pinging faster
+# still gets GOAWAY after MAX_PING_STRIKES pings too soon.
+MIN_CLIENT_PING_INTERVAL_MS = 5000
+MAX_PING_STRIKES = 2
+
+
+def keepalive_policy_options() -> list[tuple[str, int]]:
+    """gRPC server options of the keepalive policy above (C-core channel arguments).
+
+    `grpc.http2.min_ping_interval_without_data_ms` is C-core's spelling of
+    GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS (the `min_recv_...` form is not an
+    argument gRPC knows, and is ignored)."""
+    return [
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
+    ]
+
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -42,11 +66,16 @@ REQUEST_ID_METADATA = "x-request-id-bin"
 def new_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """An asyncio gRPC server with the standard `grpc.health.v1` service added (NOT_SERVING)."""
+    """An asyncio gRPC server with the standard `grpc.health.v1` service added (NOT_SERVING),
+    messages bounded to `max_message_bytes` bytes, and the keepalive policy above."""
     # No SO_REUSEPORT (gRPC's default on Linux): a second server on a taken port must fail,
     # not share the port and split the clients between two unrelated servers.
     server = grpc.aio.server(
-        options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+        options=[
+            *channel_options(max_message_bytes),
+            *keepalive_policy_options(),
+            ("grpc.so_reuseport", 0),
+        ]
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
