@@ -8,9 +8,10 @@ workers; `--num-routers K` starts K routers on consecutive ports, each over
 every scheduler.
 
 The children talk over Unix sockets in a private temp folder; only the
-routers listen on TCP. Children get SIGTERM if this process dies
-(PR_SET_PDEATHSIG), so nothing is orphaned; on SIGINT/SIGTERM the routers
-drain and stop first, then the schedulers and workers. A child that fails is
+routers listen on TCP. Children get SIGKILL if this process dies
+(PR_SET_PDEATHSIG), so nothing is orphaned and a `serve` started again at once
+finds its ports free; on SIGINT/SIGTERM the routers drain and stop first, then
+the schedulers and workers. A child that fails is
 started again, at most MAX_RESTARTS times a minute: a restarted scheduler
 takes its replica's workers with it (they must register anew), a restarted
 tensor-parallel rank takes the other ranks of its instance with it (they
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import os
 import pathlib
 import shutil
@@ -47,9 +49,20 @@ STOP_TIMEOUT_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError):  # not Linux: rely on the signal handlers
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with_parent(parent_pid: int) -> None:
+    """In a child between fork and exec: SIGKILL when the parent `parent_pid` dies.
+
+    SIGKILL, not SIGTERM: with `serve` gone (SIGKILLed, crashed) nobody orders a drain, and a
+    child still shutting down holds its ports (a `serve` started again at once would find its
+    metrics port in use) and its KV pool's shared memory. What a killed child leaves behind
+    is cleaned up by the next one: socket folders (`remove_stale_run_dirs`), CPU KV pool
+    files (`worker.kv_pool`), both by dead owner pid. A parent that died before the prctl
+    took effect is seen as a new parent pid: the child kills itself.
+    """
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: rely on the signal handlers
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 # A child that exits is started again, at most this many times per window.
@@ -110,7 +123,7 @@ def _spawn(command: str, argv: list[str]) -> subprocess.Popen[bytes]:
         [sys.executable, "-m", "sluiceway.cli", command, *argv],
         env=env,
         start_new_session=True,  # Ctrl-C reaches only us; we stop the children in order
-        preexec_fn=_die_with_parent,
+        preexec_fn=functools.partial(_die_with_parent, os.getpid()),
     )
 
 

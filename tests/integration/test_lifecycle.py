@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -122,3 +123,40 @@ def test_port_0_routers_and_a_drained_router_left_down_until_the_last() -> None:
         if stack.process.poll() is None:
             stack.process.send_signal(signal.SIGTERM)
             stack.process.wait(timeout=60)
+
+
+def _free_port_run(count: int) -> int:
+    """The first of `count` consecutive TCP ports nothing listens on right now."""
+    import socket
+
+    for base in range(20000 + os.getpid() % 20000, 60000, count):
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    s = held.enter_context(socket.socket())
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no run of free ports")
+
+
+def test_serve_sigkilled_and_started_again_at_once_binds_its_ports() -> None:
+    # Fixed ports, as a supervisor restarting serve would reuse: router, HTTP, then the
+    # router's, scheduler's and worker's metrics ports.
+    base = _free_port_run(5)
+    flags = ("--port", str(base), "--http-port", str(base + 1), "--metrics-port", str(base + 2))
+    first = start_stack("--kv-cache-memory", "64MiB", *flags)
+    children = list(first.pids.values())
+    first.process.kill()
+    first.process.wait(timeout=10)
+    second = start_stack("--kv-cache-memory", "64MiB", *flags)  # raises if it exits
+    try:
+        assert wait_gone(children, timeout_s=0) == []  # the orphans died with serve
+        with Client(f"127.0.0.1:{base}") as client:
+            _, ids, _ = client.generate(Client.request("Hi", temperature=0, max_tokens=2))
+        assert len(ids) == 2
+    finally:
+        second.process.send_signal(signal.SIGTERM)
+        assert second.process.wait(timeout=60) == 0
