@@ -7,7 +7,30 @@ its request to fix and what range it must lie in.
 
 from __future__ import annotations
 
-__all__ = ["InvalidRequest"]
+import grpc
+
+from sluiceway.grpc_server import written_by_sluiceway
+
+__all__ = ["InvalidRequest", "client_details"]
+
+# What a client is told for a scheduler call that failed with a status no sluiceway server
+# wrote (gRPC's transport text names socket paths and addresses; it goes to the log).
+TRANSPORT_DETAILS = {
+    grpc.StatusCode.UNAVAILABLE: "the model replica is unavailable; retry",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "deadline exceeded",
+    grpc.StatusCode.CANCELLED: "the model replica cancelled the request",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the model replica is out of resources",
+}
+INTERNAL_DETAILS = "internal error in the model replica"
+
+
+def client_details(error: grpc.aio.AioRpcError) -> str:
+    """The status details to send a client for `error`, a failed call to a scheduler: its own
+    details when a sluiceway server wrote them (`sluiceway.grpc_server.abort`), else a fixed
+    text per code (`TRANSPORT_DETAILS`, `INTERNAL_DETAILS` for the other codes)."""
+    if written_by_sluiceway(error):
+        return error.details() or INTERNAL_DETAILS
+    return TRANSPORT_DETAILS.get(error.code(), INTERNAL_DETAILS)
 
 
 class InvalidRequest(Exception):

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from router.balancer import ModelLimits, SchedulerPool, SchedulerReplica, merge_scheduler_infos
 from router.detokenizer import IncrementalDetokenizer
-from router.errors import InvalidRequest
+from router.errors import InvalidRequest, client_details
 from router.handlers import MalformedRequest, add_inference_servicer
 from router.metrics import REQUEST_FAILURE, RequestRecorder
 from router.streams import merge_streams
@@ -300,13 +300,16 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 else:
                     errors.append("scheduler not ready")
             elif isinstance(answer, grpc.aio.AioRpcError):
-                errors.append(f"scheduler: {answer.details()}")
+                errors.append(f"scheduler: {client_details(answer)}")
             else:
                 raise answer
         if not infos:
             if len(targets) == 1:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, errors[0])
-            reasons = "; ".join(f"{r.address}: {e}" for r, e in zip(targets, errors, strict=True))
+            reasons = "; ".join(  # by index: addresses are internal
+                f"scheduler {self.pool.replicas.index(r)}: {e.removeprefix('scheduler: ')}"
+                for r, e in zip(targets, errors, strict=True)
+            )
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"no scheduler is ready ({reasons})")
         info = merge_scheduler_infos(infos)
         reply = inference_pb2.ModelInfo(
@@ -476,9 +479,12 @@ class _Sample:
                         )
                         return
             except grpc.aio.AioRpcError as e:
-                details = e.details() or "scheduler error"
+                raw = f"{e.code().name}: {e.details()}"
+                details = client_details(e)
+                if details != e.details():  # transport text: for the log only
+                    rlog.warning("scheduler_call_failed", scheduler=current.address, error=raw)
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    pool.mark_unavailable(current, details)
+                    pool.mark_unavailable(current, raw)
                     retry = None if len(tried) > 1 else pool.pick(prompt_ids, tried)
                     if retry is not None:
                         # Resumed after the tokens already sent, as a preempted sequence is:
@@ -490,7 +496,7 @@ class _Sample:
                             scheduler=current.address,
                             retry_scheduler=retry.address,
                             completion_tokens=len(received),
-                            error=details,
+                            error=raw,
                         )
                         replica = retry
                         continue

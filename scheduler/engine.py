@@ -486,9 +486,10 @@ class Engine:
             except grpc.aio.AioRpcError as e:
                 if sched is not group.scheduler:
                     continue  # a rank re-registered while the step ran: it has failed those
-                reason = f"{e.code().name}: {e.details()}"
-                log.error("step_failed", group=group.name, error=reason)
-                await self._lose_group(group, f"the worker failed a step ({reason})")
+                # the details (gRPC's transport text, the worker's address) only in the log:
+                # the reason reaches clients
+                log.error("step_failed", group=group.name, error=f"{e.code().name}: {e.details()}")
+                await self._lose_group(group, f"the worker failed a step ({e.code().name})")
                 continue
             if sched is not group.scheduler:
                 continue  # a rank re-registered while the step ran

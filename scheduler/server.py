@@ -13,6 +13,7 @@ from scheduler.engine import Engine, NotReady, QueueFull, RegistrationError, Wor
 from scheduler.worker_group import WorkerInfo
 from sluiceway.grpc_server import (
     REQUEST_ID_METADATA,
+    abort,
     bind,
     new_server,
     on_shutdown_signal,
@@ -43,13 +44,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             seq = self.engine.new_sequence(request)
         except NotReady as e:
             rlog.warning("request_rejected", code="UNAVAILABLE", error=str(e))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
         except QueueFull as e:
             rlog.warning("request_rejected", code="RESOURCE_EXHAUSTED", error=str(e))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:
             rlog.warning("request_rejected", code="INVALID_ARGUMENT", error=str(e))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rlog.info(
             "request_added",
             seq_id=seq.seq_id,
@@ -61,7 +62,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             async for event in stream:
                 yield event
         except WorkerUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             await stream.aclose()  # on cancel: aborts the sequence, frees its blocks
             rlog.info(

@@ -23,7 +23,7 @@ from router.balancer import (
     parse_scheduler_addresses,
 )
 from router.server import InferenceService, Router, start_router
-from sluiceway.grpc_server import bind, new_server
+from sluiceway.grpc_server import abort, bind, new_server
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 
@@ -213,7 +213,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if request.output_token_ids:
             self.resumed[request.request_id] = list(request.output_token_ids)
         if self.fail_add:
-            await context.abort(UNAVAILABLE, "no worker is ready")
+            await abort(context, UNAVAILABLE, "no worker is ready")  # as the scheduler does
         for i in range(len(request.output_token_ids), request.max_tokens):
             if i == 1 and self.gate is not None and not request.output_token_ids:
                 await self.gate.wait()
