@@ -14,6 +14,7 @@ it was prefilled, and tries again after every step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncGenerator
@@ -32,9 +33,31 @@ from sluiceway.v1 import inference_pb2
 
 log = structlog.get_logger("scheduler")
 
-# While idle, the step loop checks the worker is still reachable this often, seconds.
+# The step watchdog: a step not answered within step_timeout_s(step) seconds means a hung
+# worker (SIGSTOPped, deadlocked, swapping to a halt). The bound grows with the step's size:
+# STEP_TIMEOUT_FLOOR_S + STEP_TIMEOUT_PER_TOKEN_S * batched tokens + STEP_TIMEOUT_PER_SEQ_S
+# * sequences. Measured on 2 CPU cores (SmolLM2, README): a decode step of 200 sequences
+# 100 ms (0.5 ms a sequence), prefill some thousands of tokens/s; the constants allow ~20-30x
+# that (a loaded machine) and a floor of 10 s for any step, so only a worker that stopped
+# answering trips it, never a slow one. A 2,048-token prefill step: 10 + 20.5 = 30.5 s.
+STEP_TIMEOUT_FLOOR_S = 10.0
+STEP_TIMEOUT_PER_TOKEN_S = 0.01
+STEP_TIMEOUT_PER_SEQ_S = 0.01
+
+# While idle, the step loop checks the worker still answers this often, seconds; one that is
+# gone (UNAVAILABLE) is lost, one that does not answer within the floor is hung.
 IDLE_PROBE_INTERVAL_S = 1.0
-IDLE_PROBE_TIMEOUT_S = 5.0
+IDLE_PROBE_TIMEOUT_S = STEP_TIMEOUT_FLOOR_S
+
+
+def step_timeout_s(out: SchedulerOutput) -> float:
+    """The watchdog's bound on one step, seconds (see STEP_TIMEOUT_FLOOR_S)."""
+    tokens = sum(s.num_new_tokens for s in out.scheduled)
+    return (
+        STEP_TIMEOUT_FLOOR_S
+        + STEP_TIMEOUT_PER_TOKEN_S * tokens
+        + STEP_TIMEOUT_PER_SEQ_S * len(out.scheduled)
+    )
 
 
 class WorkerUnavailable(Exception):
@@ -482,7 +505,17 @@ class Engine:
                 continue
             try:
                 request = build_step_request(next(self._step_ids), out)
-                response = await group.execute(request)
+                timeout_s = step_timeout_s(out)
+                response = await asyncio.wait_for(group.execute(request), timeout_s)
+            except TimeoutError:
+                if sched is not group.scheduler:
+                    continue
+                log.error("step_timed_out", group=group.name, timeout_s=round(timeout_s, 3),
+                          num_seqs=len(out.scheduled))  # fmt: skip
+                await self._stall_group(
+                    group, f"the worker did not answer a step within {timeout_s:.1f} s"
+                )
+                continue
             except grpc.aio.AioRpcError as e:
                 if sched is not group.scheduler:
                     continue  # a rank re-registered while the step ran: it has failed those
@@ -598,23 +631,54 @@ class Engine:
 
     async def _probe_idle_group(self, group: WorkerGroup) -> None:
         """While no step runs, asks the group's ranks whether they are still there: a worker
-        that died idle is noticed within seconds, not at the next request's first step.
-
-        Only an unreachable worker counts (UNAVAILABLE), not one slower than
-        IDLE_PROBE_TIMEOUT_S to answer, so a busy machine cannot make a live worker look dead.
-        """
+        that died idle (UNAVAILABLE) is lost until it registers again; one that does not
+        answer within IDLE_PROBE_TIMEOUT_S (hung, paused) is out until it answers
+        (`_stall_group`). Either is noticed within seconds, not at the next request's step."""
         if not group.ready.is_set():
             return
         sched = group.scheduler
         try:
             await group.probe(IDLE_PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
-            # Only a worker that is gone (connection refused or reset) counts: one that is
-            # slow to answer (paused, swapping) is alive and would never register again.
-            if sched is not group.scheduler or e.code() != grpc.StatusCode.UNAVAILABLE:
+            if sched is not group.scheduler:
                 return
-            log.error("worker_unreachable", group=group.name, code=e.code().name)
-            await self._lose_group(group, f"the worker is unreachable ({e.code().name})")
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                log.error("worker_not_answering", group=group.name, timeout_s=IDLE_PROBE_TIMEOUT_S)
+                await self._stall_group(
+                    group, f"the worker did not answer within {IDLE_PROBE_TIMEOUT_S:.0f} s"
+                )
+            elif e.code() == grpc.StatusCode.UNAVAILABLE:  # gone: connection refused or reset
+                log.error("worker_unreachable", group=group.name, code=e.code().name)
+                await self._lose_group(group, f"the worker is unreachable ({e.code().name})")
+
+    async def _stall_group(self, group: WorkerGroup, reason: str) -> None:
+        """A worker of `group` does not answer (hung, SIGSTOPped): NOT_SERVING, every sequence
+        the group holds ends with WorkerUnavailable(`reason`) (the router retries one that
+        sent nothing elsewhere), new requests get NotReady. Unlike `_lose_group`, the group
+        comes back by itself: once every rank answers a health check again (SIGCONT), it
+        serves again with the same pool (the sequences it held are finished, so the next step
+        tells the workers to forget them); a worker found gone meanwhile, or one registering
+        again, goes the way of a registration. Returns once the group is ready again."""
+        sched = group.scheduler
+        group.lost_reason = f"{reason}; waiting for it to answer"
+        group.ready.clear()
+        self._fail_group(group, WorkerUnavailable(reason))
+        while not group.ready.is_set():
+            try:
+                await group.probe(IDLE_PROBE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:  # it died: wait for a registration
+                    group.lost_reason = f"{reason}, then became unreachable; waiting for a worker"
+                    await group.ready.wait()
+                    return
+                with contextlib.suppress(TimeoutError):  # or it registered again meanwhile
+                    await asyncio.wait_for(group.ready.wait(), IDLE_PROBE_INTERVAL_S)
+                continue
+            if group.scheduler is sched and not group.ready.is_set():
+                log.info("worker_answers_again", group=group.name)
+                group.lost_reason = ""
+                group.ready.set()
+                group.wakeup.set()
 
     async def _lose_group(self, group: WorkerGroup, reason: str) -> None:
         """A worker of `group` is gone: NOT_SERVING, every sequence the group holds ends with

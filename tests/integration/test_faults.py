@@ -133,3 +133,51 @@ def test_worker_without_a_scheduler_exits_1_with_a_clear_error() -> None:
         "(DEADLINE_EXCEEDED"
     ), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_hung_worker_takes_its_replica_out_until_it_answers_again() -> None:
+    from scheduler.engine import IDLE_PROBE_INTERVAL_S, STEP_TIMEOUT_FLOOR_S
+    from tests.integration.conftest import metric_sum, metrics_urls
+
+    stack = start_stack("--num-replicas", "2")
+    urls = metrics_urls(stack.log)
+    ready = lambda: metric_sum(urls["router"], "sluiceway:router_scheduler_ready")  # noqa: E731
+    served = lambda name: metric_sum(urls[name], "sluiceway:prefix_cache_queries_total")  # noqa: E731
+    stopped = False
+    try:
+        deadline = time.monotonic() + 60
+        while ready() != 2:
+            assert time.monotonic() < deadline, "the router never saw both replicas ready"
+            time.sleep(0.2)
+        os.kill(stack.pids["worker-r0"], signal.SIGSTOP)
+        stopped = True
+        stopped_at = time.monotonic()
+        # idle: the probe's answer is due within the floor; the router polls every 0.5 s
+        bound_s = IDLE_PROBE_INTERVAL_S + STEP_TIMEOUT_FLOOR_S + 0.5 + 1.0
+        while ready() != 1:
+            assert time.monotonic() - stopped_at < bound_s, "the hung replica stayed in rotation"
+            time.sleep(0.1)
+        before = served("scheduler-0")
+        request = Client.request("Say hi.", temperature=0, max_tokens=4, ignore_eos=True)
+        with stack.client() as client, ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda _: len(client.generate(request, timeout=60)[1]),
+                                    range(6)))  # fmt: skip
+        assert results == [4] * 6
+        assert served("scheduler-0") == before  # every one went to the other replica
+        os.kill(stack.pids["worker-r0"], signal.SIGCONT)
+        stopped = False
+        deadline = time.monotonic() + 2 * STEP_TIMEOUT_FLOOR_S
+        while ready() != 2:
+            assert time.monotonic() < deadline, "the replica never rejoined"
+            time.sleep(0.1)
+        assert any("worker_answers_again" in line for line in stack.log)
+        with stack.client() as client, ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda _: len(client.generate(request, timeout=60)[1]),
+                                    range(8)))  # fmt: skip
+        assert results == [4] * 8
+        assert served("scheduler-0") > before  # it serves again
+        assert stopped_at > 0
+    finally:
+        if stopped:
+            os.kill(stack.pids["worker-r0"], signal.SIGCONT)
+        assert stop_stack(stack) == 0, "".join(stack.log[-30:])
