@@ -17,6 +17,18 @@ class SchedulerConfig:
         budget into chunks over several steps (vLLM v1's default). Without
         it a prompt is scheduled whole or not at all.
     enable_prefix_caching: reuse the KV blocks of cached prompt prefixes.
+    long_prefill_token_threshold: a sequence with more uncomputed tokens than this is a
+        *long* prefill, and its chunk per step is capped at this many tokens, so the rest of
+        the step's budget goes to other requests (vLLM's `long_prefill_token_threshold`, as
+        its v1 scheduler applies it). 0: no cap, unless `max_num_partial_prefills` > 1, where
+        it becomes 4% of `max_model_len` (vLLM's rule; `resolved_long_prefill_token_threshold`).
+    max_num_partial_prefills: sequences whose prompt is prefilled over several steps
+        (chunked and not finished by this step's chunk) at once at most: a waiting request
+        that would be a further one waits, one whose whole prompt fits in the step is still
+        admitted (vLLM's `max_num_partial_prefills`).
+    max_long_partial_prefills: of those, long prefills at most (at most
+        `max_num_partial_prefills`); below it a shorter prompt may pass a long one that waits
+        (vLLM's `max_long_partial_prefills`).
     scheduling_policy: "continuous" (iteration-level batching, Orca) or
         "static" (batches of `static_batch_size` that enter together and run
         until their longest member finishes; the baseline).
@@ -37,6 +49,9 @@ class SchedulerConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
     scheduling_policy: str = "continuous"
     static_batch_size: int = 8
     max_waiting_requests: int = 1024
@@ -77,6 +92,31 @@ class SchedulerConfig:
             raise ValueError("the static policy cannot be combined with disaggregated prefill")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0, "
+                f"got {self.long_prefill_token_threshold}"
+            )
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ValueError(
+                "need 1 <= max_long_partial_prefills <= max_num_partial_prefills, got "
+                f"{self.max_long_partial_prefills} and {self.max_num_partial_prefills}"
+            )
+        if not self.enable_chunked_prefill and (
+            self.long_prefill_token_threshold > 0 or self.max_num_partial_prefills > 1
+        ):
+            raise ValueError(
+                "long_prefill_token_threshold and max_num_partial_prefills > 1 need "
+                "enable_chunked_prefill"
+            )
+
+    def resolved_long_prefill_token_threshold(self, max_model_len: int) -> int:
+        """The chunk cap of a long prefill, tokens (0: none): `long_prefill_token_threshold`,
+        or 4% of `max_model_len` when that is 0 and `max_num_partial_prefills` > 1 (as vLLM
+        resolves it; at least 1)."""
+        if self.long_prefill_token_threshold == 0 and self.max_num_partial_prefills > 1:
+            return max(1, int(max_model_len * 0.04))
+        return self.long_prefill_token_threshold
 
     @property
     def is_disaggregated(self) -> bool:

@@ -10,6 +10,19 @@ rest. Finished and aborted sequences give their blocks back at once, so the
 waiting queue gets them in the very next step: iteration-level batching
 (Yu et al., "Orca", OSDI '22).
 
+Long prefills share the step (vLLM's `long_prefill_token_threshold`,
+`max_num_partial_prefills`, `max_long_partial_prefills`, with their meaning):
+a sequence with more uncomputed tokens than the threshold is a long prefill
+and gets at most the threshold per step, so a short request that arrives
+behind a long prompt is admitted in the next step with the rest of the
+budget instead of after the whole prompt. A waiting request that would be
+left partly prefilled by its chunk is a partial prefill: at most
+`max_num_partial_prefills` run at once (`max_long_partial_prefills` of them
+long); one that would exceed either is passed over for this step, and the
+requests behind it are still considered (a request that completes its
+prompt in the step is never held back by these caps). How a prompt is
+chunked changes no token (README, Reproducibility).
+
 When a running sequence needs a block and none is free, the most recently
 admitted running sequence is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue with its generated tokens
@@ -146,6 +159,10 @@ class Scheduler:
         self._batch_parents: set[str] = set()  # static: parallel-sampling requests in it
         self._holding: list[Sequence] = []  # static: finished members keeping their blocks
         self._samples: dict[str, list[Sequence]] = {}  # parent request id -> its live samples
+        # tokens; 0: a prefill chunk is capped only by the step's budget
+        self.long_prefill_token_threshold = config.resolved_long_prefill_token_threshold(
+            max_model_len
+        )
 
     # -- queue changes ----------------------------------------------------------
 
@@ -241,10 +258,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         preempted = False
 
+        cfg = self.config
+        num_partial = num_long = 0  # partial prefills scheduled so far, and the long ones
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            num_new = self._chunk(remaining, budget)
             while not bm.can_allocate(seq, num_new):
                 if self._holding:  # static: padding gives way before a live member does
                     self._release_holding()
@@ -257,6 +277,9 @@ class Scheduler:
             else:
                 out.scheduled.append(self._schedule(seq, num_new))
                 budget -= num_new
+                if num_new < remaining:
+                    num_partial += 1
+                    num_long += self._is_long(remaining)
                 i += 1
                 continue
             break  # seq preempted itself: it was the last running sequence
@@ -289,9 +312,17 @@ class Scheduler:
                 num_prefix_tokens = len(seq.prompt_token_ids) - 1
                 prefix = source.block_table[: bm.blocks_for(num_prefix_tokens)]
             remaining = seq.num_tokens - num_prefix_tokens
-            num_new = min(remaining, budget)
-            if num_new < remaining and not self.config.enable_chunked_prefill:
+            num_new = self._chunk(remaining, budget)
+            partial = num_new < remaining
+            if partial and not cfg.enable_chunked_prefill:
                 break
+            long = self._is_long(remaining)
+            if partial and (
+                num_partial >= cfg.max_num_partial_prefills
+                or (long and num_long >= cfg.max_long_partial_prefills)
+            ):
+                index += 1  # passed over for this step; a shorter one behind it may fit
+                continue
             if not bm.can_allocate(seq, num_new, prefix, num_prefix_tokens):
                 if not self._holding:
                     break
@@ -306,6 +337,9 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(self._schedule(seq, num_new))
             budget -= num_new
+            if partial:
+                num_partial += 1
+                num_long += long
 
         out.finished_seq_ids = self._forgotten_seq_ids
         self._forgotten_seq_ids = []
@@ -339,6 +373,18 @@ class Scheduler:
         return updates
 
     # -- helpers ----------------------------------------------------------------
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens to compute this step for a sequence with `remaining` uncomputed tokens:
+        at most `budget`, and at most the threshold for a long prefill."""
+        if self._is_long(remaining):
+            remaining = self.long_prefill_token_threshold
+        return min(remaining, budget)
+
+    def _is_long(self, remaining: int) -> bool:
+        """Whether `remaining` uncomputed tokens make a long prefill (vLLM's rule: more than
+        a nonzero `long_prefill_token_threshold`)."""
+        return 0 < self.long_prefill_token_threshold < remaining
 
     def _schedule(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         block_copy = self.block_manager.copy_on_write(seq) if num_new and seq.block_table else None

@@ -112,6 +112,26 @@ def _add_scheduler(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="a prompt with more uncomputed tokens than this is a long prefill: its chunk per "
+        "step is capped at this many tokens, the rest of the budget goes to other requests "
+        "(0: no cap, or 4%% of max_model_len with --max-num-partial-prefills > 1; vLLM's)",
+    )
+    p.add_argument(
+        "--max-num-partial-prefills",
+        type=int,
+        default=1,
+        help="prompts being prefilled over several steps at once at most (vLLM's)",
+    )
+    p.add_argument(
+        "--max-long-partial-prefills",
+        type=int,
+        default=1,
+        help="of those, long ones at most: shorter prompts may pass a waiting long one (vLLM's)",
+    )
+    p.add_argument(
         "--scheduling-policy",
         choices=["continuous", "static"],
         default="continuous",
@@ -391,6 +411,9 @@ def _run_scheduler(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
             enable_prefix_caching=args.enable_prefix_caching,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            max_num_partial_prefills=args.max_num_partial_prefills,
+            max_long_partial_prefills=args.max_long_partial_prefills,
             scheduling_policy=args.scheduling_policy,
             static_batch_size=args.static_batch_size,
             max_waiting_requests=args.max_waiting_requests,

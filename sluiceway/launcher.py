@@ -152,6 +152,10 @@ def serve_command(args: argparse.Namespace) -> int:
             scheduling_policy=args.scheduling_policy,
             static_batch_size=args.static_batch_size,
             max_num_seqs=args.max_num_seqs,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            max_num_partial_prefills=args.max_num_partial_prefills,
+            max_long_partial_prefills=args.max_long_partial_prefills,
         ).group_roles
     except ValueError as e:
         print(f"sluiceway: {e}", file=sys.stderr)
@@ -211,6 +215,9 @@ def serve_command(args: argparse.Namespace) -> int:
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                 "--enable-chunked-prefill" if args.enable_chunked_prefill else "--no-enable-chunked-prefill",
                 "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
+                "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
+                "--max-num-partial-prefills", str(args.max_num_partial_prefills),
+                "--max-long-partial-prefills", str(args.max_long_partial_prefills),
                 "--scheduling-policy", args.scheduling_policy,
                 "--static-batch-size", str(args.static_batch_size),
                 "--max-waiting-requests", str(args.max_waiting_requests),

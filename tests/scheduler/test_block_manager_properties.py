@@ -3,8 +3,9 @@
 A hypothesis state machine drives the real `Scheduler` (admit, steps with
 random sampled tokens, aborts) over a small pool, with prompts drawn from a
 few shared prefixes so sequences fork by prefix and preemption is frequent,
-and parallel-sampling requests (n samples of one prompt: forked blocks, copy on
-write). It also plays the worker: a model of the KV pool records which token
+under any long-prefill threshold and partial-prefill caps (no chunk over the
+threshold), and parallel-sampling requests (n samples of one prompt: forked
+blocks, copy on write). It also plays the worker: a model of the KV pool records which token
 each slot holds, applying the step's block copies and writes through the
 worker's own copy of each block table, and every computed position must hold
 its sequence's token (a missed or misplaced copy on write shows here).
@@ -64,9 +65,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunked=st.booleans(),
         prefix_caching=st.booleans(),
         budget=st.integers(4, 40),
+        threshold=st.integers(0, 12),
+        partial=st.integers(1, 3),
+        long_partial=st.integers(1, 3),
     )
-    def setup(self, policy: str, chunked: bool, prefix_caching: bool, budget: int) -> None:
+    def setup(
+        self,
+        policy: str,
+        chunked: bool,
+        prefix_caching: bool,
+        budget: int,
+        threshold: int,
+        partial: int,
+        long_partial: int,
+    ) -> None:
+        if not chunked:
+            threshold, partial, long_partial = 0, 1, 1
         config = SchedulerConfig(
+            long_prefill_token_threshold=threshold,
+            max_num_partial_prefills=partial,
+            max_long_partial_prefills=min(long_partial, partial),
             max_num_seqs=4,
             max_num_batched_tokens=budget if chunked else 64,
             enable_chunked_prefill=chunked,
@@ -109,6 +127,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _run_step(self, tokens: list[int]) -> None:
         assert self.sched is not None
         out = self.sched.schedule()
+        threshold = self.sched.long_prefill_token_threshold
+        assert not threshold or all(s.num_new_tokens <= threshold for s in out.scheduled)
         self._play_worker(out)
         sampled = {s.seq.seq_id: tokens[i % 8] for i, s in enumerate(out.scheduled) if s.samples}
         self.sched.apply_sampled(out, sampled)

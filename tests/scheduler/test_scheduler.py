@@ -445,3 +445,70 @@ def test_static_batches_take_every_sample_of_a_request_in() -> None:
     out = run_step(sched)
     assert {s.seq for s in out.scheduled} == {a0, other, a1, a2}
     assert sched.block_manager.forked_tokens == 2 * 19
+
+
+def chunk_sizes(out: SchedulerOutput) -> list[tuple[int, int]]:
+    return [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_a_long_prefill_is_capped_at_the_threshold_so_a_short_request_starts_at_once() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=16)
+    long = make_seq(1, 100)
+    sched.add(long)
+    steps = [chunk_sizes(run_step(sched))]
+    sched.add(make_seq(2, 10))
+    while not long.output_token_ids:
+        steps.append(chunk_sizes(run_step(sched)))
+    assert steps == [
+        [(1, 16)],
+        [(1, 16), (2, 10)],  # the short prompt whole, beside the long one's capped chunk
+        [(1, 16), (2, 1)],
+        [(1, 16), (2, 1)],
+        [(1, 16), (2, 1)],
+        [(1, 16), (2, 1)],
+        [(1, 4), (2, 1)],  # 4 tokens left: no longer long
+    ]
+
+
+def test_without_a_threshold_a_long_prompt_takes_the_whole_budget() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64)
+    sched.add(make_seq(1, 200))
+    run_step(sched)
+    sched.add(make_seq(2, 10))
+    assert chunk_sizes(run_step(sched)) == [(1, 64)]  # the short one waits (vLLM's default)
+
+
+@pytest.mark.parametrize(
+    ("num_partial", "num_long", "expected"),
+    [
+        (1, 1, [(1, 32), (4, 8)]),  # B and E would be a second partial prefill: passed over
+        (2, 1, [(1, 32), (3, 16)]),  # B would be a second long one; E (not long) fits
+        (2, 2, [(1, 32), (2, 16)]),
+    ],
+)
+def test_partial_prefill_caps_pass_over_requests_that_would_exceed_them(
+    num_partial: int, num_long: int, expected: list[tuple[int, int]]
+) -> None:
+    sched = make_scheduler(
+        max_num_batched_tokens=48,
+        long_prefill_token_threshold=32,
+        max_num_partial_prefills=num_partial,
+        max_long_partial_prefills=num_long,
+    )
+    for seq_id, prompt_len in [(1, 100), (2, 40), (3, 24), (4, 8)]:  # A, B long; E, C not
+        sched.add(make_seq(seq_id, prompt_len))
+    assert chunk_sizes(run_step(sched)) == expected
+
+
+def test_partial_prefill_config_follows_vllm() -> None:
+    assert SchedulerConfig().resolved_long_prefill_token_threshold(8192) == 0
+    cfg = SchedulerConfig(max_num_partial_prefills=2)
+    assert cfg.resolved_long_prefill_token_threshold(8192) == 327  # 4% of max_model_len
+    cfg = SchedulerConfig(long_prefill_token_threshold=100, max_num_partial_prefills=2)
+    assert cfg.resolved_long_prefill_token_threshold(8192) == 100
+    with pytest.raises(ValueError, match="max_long_partial_prefills"):
+        SchedulerConfig(max_num_partial_prefills=2, max_long_partial_prefills=3)
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):
+        SchedulerConfig(long_prefill_token_threshold=64, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match=">= 0"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
