@@ -6,21 +6,34 @@ polled by the router's health watcher, or an `AddRequest` that failed with
 UNAVAILABLE) and its *outstanding requests*: the `Generate` streams this
 router forwarded to it that have not ended yet.
 
-Policy (`SchedulerPool.pick`):
+The router also follows every scheduler's KV events (`SubscribeKvEvents`: the chained
+hashes of the full blocks in its prefix cache, as they are stored and evicted, after a
+snapshot) into a `KvIndex` (router/kv_index.py): which replica caches which prompt
+prefix. A stream that breaks clears that replica's entries; the next one, within a
+second or two, rebuilds them from its snapshot (a restarted replica starts empty).
 
-1. Least outstanding requests: among the ready schedulers, the one with the
-   fewest requests in flight from this router, as Envoy's `LEAST_REQUEST`
-   load balancer and the vLLM router do. Outstanding requests stand in for
-   the scheduler's load (queued prompt tokens and running sequences) without
-   asking it, and adapt at once to a replica that runs slower.
-2. Prefix affinity as the tie-break: among the tied schedulers, the one
-   that rendezvous (highest random weight) hashing of the prompt's first KV
-   block selects (Thaler & Ravishankar, "Using name-based mappings to
-   increase hit rates", IEEE/ACM ToN 1998). Requests that share a system
-   prompt then land on the same replica and hit its prefix cache, the
-   choice moves only for the prompts of a replica that leaves or joins, and
-   distinct prompts still spread evenly. The hash is blake2b, not Python's
-   `hash()`, so every router process makes the same choice.
+Policy (`SchedulerPool.pick`), cache-aware as NVIDIA Dynamo's KV router and the SGLang
+model gateway's cache-aware policy route:
+
+1. Cache hit: hash the prompt's full blocks as the scheduler does
+   (sluiceway/prefix_hash.py) and find, on each ready scheduler, the longest run of them
+   from the first that it caches. Among the schedulers whose outstanding requests exceed
+   the fewest by at most `balance_abs_threshold` (default 8; a replica loaded past that
+   gets no hits, however long), the one with the longest cached prefix gets the request
+   when that prefix covers more than `cache_threshold` (default 0.5) of the prompt's full
+   blocks. The share keeps a prefix every request has (a chat template's default system
+   prompt, one or two blocks) from drawing all traffic to the first replica that cached
+   it, as SGLang's `cache_threshold` does; a conversation's next turn, whose prompt is the
+   last turn's prompt and answer plus a message, is mostly cached and sticks.
+2. Otherwise, and among schedulers tied on the longest prefix: least outstanding
+   requests (in flight from this router: Envoy's `LEAST_REQUEST`, the vLLM router's
+   default), which stand in for the scheduler's load and adapt at once to a replica that
+   runs slower; then the fewest cached blocks (SGLang's "smallest tree": new prefixes go
+   where the cache has the most room, so distinct requests sent one after another
+   alternate); then rendezvous (highest random weight) hashing of the prompt's last full
+   block hash, or its token ids when it has no full block (Thaler & Ravishankar, "Using
+   name-based mappings to increase hit rates", IEEE/ACM ToN 1998): stable, and every
+   router process makes the same choice (blake2b, not Python's `hash()`).
 """
 
 from __future__ import annotations
@@ -35,15 +48,24 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from router.metrics import OUTSTANDING_REQUESTS, SCHEDULER_READY
+from router.kv_index import KvIndex
+from router.metrics import KV_INDEX_BLOCKS, OUTSTANDING_REQUESTS, SCHEDULER_READY
 from sluiceway.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from sluiceway.prefix_hash import prompt_block_hashes
 
 log = structlog.get_logger("router")
 
-# Tokens hashed for prefix affinity: the prompt's first KV block (block size 16, the
-# scheduler's default; a full block is what the prefix cache can share).
-AFFINITY_TOKENS = 16
+# A cached prefix routes the request when it covers more than this share of the prompt's
+# full blocks (`--cache-threshold`).
+DEFAULT_CACHE_THRESHOLD = 0.5
+# A replica with more outstanding requests than the least loaded one plus this gets no
+# cache hits (`--balance-abs-threshold`).
+DEFAULT_BALANCE_ABS_THRESHOLD = 8
+# Block size assumed before any scheduler has reported its own.
+DEFAULT_BLOCK_SIZE = 16
+# Seconds between attempts to (re)subscribe to a scheduler's KV events, at most.
+KV_EVENTS_MAX_BACKOFF_S = 2.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,10 +116,12 @@ def rendezvous_weight(key: bytes, address: str) -> int:
     return int.from_bytes(digest, "big")
 
 
-def affinity_key(prompt_token_ids: Sequence[int], num_tokens: int = AFFINITY_TOKENS) -> bytes:
-    """The bytes prefix affinity hashes: the first `num_tokens` ids, little-endian uint32."""
-    head = list(prompt_token_ids[:num_tokens])
-    return struct.pack(f"<{len(head)}I", *head)
+def tie_key(prompt_token_ids: Sequence[int], block_hashes: Sequence[bytes]) -> bytes:
+    """The bytes rendezvous hashing breaks ties with: the prompt's last full block hash
+    (which names the prompt up to there), or its ids (little-endian uint32) without one."""
+    if block_hashes:
+        return block_hashes[-1]
+    return struct.pack(f"<{len(prompt_token_ids)}I", *prompt_token_ids)
 
 
 class SchedulerPool:
@@ -110,16 +134,26 @@ class SchedulerPool:
         self,
         addresses: str | Sequence[str],
         *,
-        affinity_tokens: int = AFFINITY_TOKENS,
+        cache_threshold: float = DEFAULT_CACHE_THRESHOLD,
+        balance_abs_threshold: int = DEFAULT_BALANCE_ABS_THRESHOLD,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
+        """Raises ValueError for a `cache_threshold` outside [0, 1] or a negative
+        `balance_abs_threshold`, or bad `addresses` (`parse_scheduler_addresses`)."""
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        if balance_abs_threshold < 0:
+            raise ValueError(f"balance_abs_threshold must be >= 0, got {balance_abs_threshold}")
         # Reconnect within a second once a scheduler (re)appears: health follows it closely.
         options = [
             *channel_options(max_message_bytes),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
-        self.affinity_tokens = affinity_tokens
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.kv_index = KvIndex()
+        self._kv_tasks: list[asyncio.Task[None]] = []
         self.replicas: list[SchedulerReplica] = []
         for address in parse_scheduler_addresses(addresses):
             channel = grpc.aio.insecure_channel(address, options=options)
@@ -127,6 +161,7 @@ class SchedulerPool:
                 SchedulerReplica(address, channel, scheduler_pb2_grpc.SchedulerStub(channel))
             )
             OUTSTANDING_REQUESTS.labels(address).set(0)
+            KV_INDEX_BLOCKS.labels(address).set(0)
             SCHEDULER_READY.labels(address).set(0)
         self._changed = asyncio.Event()
         self._limits: ModelLimits | None = None
@@ -159,18 +194,58 @@ class SchedulerPool:
     def pick(
         self, prompt_token_ids: Sequence[int], exclude: Sequence[SchedulerReplica] = ()
     ) -> SchedulerReplica | None:
-        """The ready scheduler with the fewest outstanding requests; ties broken by
-        rendezvous hashing of the prompt's first block. None when no scheduler (but those
-        in `exclude`) is ready."""
+        """The ready scheduler (not in `exclude`) that the module docstring's policy
+        chooses for this prompt; None when there is none."""
         candidates = [r for r in self.replicas if r.ready and r not in exclude]
-        if not candidates:
-            return None
+        if len(candidates) < 2:
+            return candidates[0] if candidates else None  # no hashing for one replica
+        block_size = self._limits.block_size if self._limits else DEFAULT_BLOCK_SIZE
+        hashes = prompt_block_hashes(prompt_token_ids, block_size)
         fewest = min(r.outstanding for r in candidates)
-        tied = [r for r in candidates if r.outstanding == fewest]
-        if len(tied) == 1:
-            return tied[0]
-        key = affinity_key(prompt_token_ids, self.affinity_tokens)
-        return max(tied, key=lambda r: rendezvous_weight(key, r.address))
+        matched = self.kv_index.longest_prefix(hashes) if hashes else {}
+        eligible = [r for r in candidates if r.outstanding <= fewest + self.balance_abs_threshold]
+        best = max((matched.get(r.address, 0) for r in eligible), default=0)
+        if best and best > self.cache_threshold * len(hashes):
+            candidates = [r for r in eligible if matched.get(r.address, 0) == best]
+        if len(candidates) == 1:
+            return candidates[0]
+        key = tie_key(prompt_token_ids, hashes)
+        return min(
+            candidates,
+            key=lambda r: (
+                r.outstanding,
+                self.kv_index.num_blocks(r.address),
+                -rendezvous_weight(key, r.address),
+            ),
+        )
+
+    def start_kv_events(self) -> None:
+        """Follows every scheduler's KV events into `kv_index` (one task each) until
+        `close`. Call from the router's event loop."""
+        if not self._kv_tasks:
+            self._kv_tasks = [asyncio.create_task(self._follow_kv_events(r)) for r in self.replicas]
+
+    async def _follow_kv_events(self, replica: SchedulerReplica) -> None:
+        """Applies `replica`'s KV events to the index; when the stream breaks (the
+        scheduler stopped, restarted, or has no such RPC), forgets its entries and
+        subscribes again after a backoff (0.1 s doubling to `KV_EVENTS_MAX_BACKOFF_S`)."""
+        backoff = 0.1
+        while True:
+            try:
+                call = replica.stub.SubscribeKvEvents(scheduler_pb2.SubscribeKvEventsRequest())
+                async for events in call:
+                    self.kv_index.apply(replica.address, events)
+                    KV_INDEX_BLOCKS.labels(replica.address).set(
+                        self.kv_index.num_blocks(replica.address)
+                    )
+                    backoff = 0.1
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    log.warning("kv_events_failed", scheduler=replica.address, error=e.code().name)
+            self.kv_index.clear(replica.address)
+            KV_INDEX_BLOCKS.labels(replica.address).set(0)
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, KV_EVENTS_MAX_BACKOFF_S)
 
     def begin(self, replica: SchedulerReplica) -> None:
         """A request was forwarded to `replica`."""
@@ -259,6 +334,12 @@ class SchedulerPool:
             await asyncio.wait_for(self._changed.wait(), timeout_s)
 
     async def close(self) -> None:
+        for task in self._kv_tasks:
+            task.cancel()
+        for task in self._kv_tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._kv_tasks = []
         for r in self.replicas:
             await r.channel.close()
 

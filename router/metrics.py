@@ -64,6 +64,11 @@ OUTSTANDING_REQUESTS = Gauge(
     "Generate streams this router forwarded to the scheduler and that have not ended yet.",
     ["scheduler"],
 )
+KV_INDEX_BLOCKS = Gauge(
+    f"{PREFIX}router_kv_index_blocks",
+    "KV blocks this router's cache-aware index holds for the scheduler (from its KV events).",
+    ["scheduler"],
+)
 SCHEDULER_READY = Gauge(
     f"{PREFIX}router_scheduler_ready",
     "1 while this router sees the scheduler ready (it gets new requests), else 0.",

@@ -15,13 +15,21 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
-from router.balancer import ModelLimits, SchedulerPool, SchedulerReplica, merge_scheduler_infos
+from router.balancer import (
+    DEFAULT_BALANCE_ABS_THRESHOLD,
+    DEFAULT_CACHE_THRESHOLD,
+    ModelLimits,
+    SchedulerPool,
+    SchedulerReplica,
+    merge_scheduler_infos,
+)
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import InvalidRequest, client_details
 from router.handlers import MalformedRequest, add_inference_servicer
@@ -93,7 +101,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     """Generate / Tokenize / GetModelInfo over one scheduler or several.
 
     With several, each `Generate` goes to the scheduler `SchedulerPool.pick`
-    chooses (least outstanding requests, prefix affinity on ties). A scheduler
+    chooses (where most of the prompt is cached, else least outstanding requests). A scheduler
     that fails a stream with UNAVAILABLE gets no new requests until the health
     watcher sees it ready again, and each of its streams goes on once on
     another ready scheduler: resubmitted with the tokens already received as
@@ -102,12 +110,17 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     """
 
     def __init__(  # type: ignore[no-untyped-def]
-        self, tokenizer, model_dir: Path, scheduler_addresses: str | Sequence[str]
+        self,
+        tokenizer,
+        model_dir: Path,
+        scheduler_addresses: str | Sequence[str],
+        **pool_options: Any,
     ) -> None:
-        """`scheduler_addresses`: one address, a comma-separated string or a list."""
+        """`scheduler_addresses`: one address, a comma-separated string or a list;
+        `pool_options`: `SchedulerPool`'s routing thresholds."""
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(tokenizer, model_dir)
-        self.pool = SchedulerPool(scheduler_addresses)
+        self.pool = SchedulerPool(scheduler_addresses, **pool_options)
         self.detokenize_seconds_total = 0.0  # seconds in IncrementalDetokenizer.add_tokens
         self.draining = False  # set on SIGTERM: new streams get UNAVAILABLE
         self.num_in_flight = 0  # Generate streams forwarded to the scheduler, not yet ended
@@ -577,6 +590,7 @@ async def start_router(
     names = ["", service_name]
     await set_health(health, names, serving=False)
     await server.start()
+    service.pool.start_kv_events()
     watcher = asyncio.create_task(watch_scheduler(service, health, names, poll_s))
     return Router(server, service, health, names, bound, watcher)
 
@@ -587,6 +601,8 @@ async def serve(
     model_dir: Path,
     *,
     drain_timeout_s: float = 30.0,
+    cache_threshold: float = DEFAULT_CACHE_THRESHOLD,
+    balance_abs_threshold: int = DEFAULT_BALANCE_ABS_THRESHOLD,
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -598,7 +614,8 @@ async def serve(
     the port is None (0: a free port; OSError if it is taken).
 
     `scheduler_addresses`: one scheduler address, several comma-separated in a
-    string, or a list; requests are spread over them (router/balancer.py).
+    string, or a list; requests are spread over them (router/balancer.py, with
+    `cache_threshold` and `balance_abs_threshold`).
     Raises ValueError when there is none or one is given twice.
 
     A request or response over `max_message_bytes` bytes gets RESOURCE_EXHAUSTED.
@@ -615,7 +632,13 @@ async def serve(
 
         serve_metrics(metrics_port, metrics_host)
     tokenizer = load_tokenizer(model_dir)
-    service = InferenceService(tokenizer, model_dir, scheduler_addresses)
+    service = InferenceService(
+        tokenizer,
+        model_dir,
+        scheduler_addresses,
+        cache_threshold=cache_threshold,
+        balance_abs_threshold=balance_abs_threshold,
+    )
     router = await start_router(service, address, max_message_bytes=max_message_bytes)
     http = None
     if http_port is not None:

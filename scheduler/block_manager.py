@@ -19,24 +19,23 @@ partial block included (`fork`, reference counts). A sequence about to write
 into a block that others still hold gets a copy of it first
 (`copy_on_write`): with n sharers that is n - 1 copies, the last writer keeps
 the original.
+
+KV events (for cache-aware routing, scheduler/kv_events.py): while
+`kv_event_log` is a list, every hash entering the cache appends
+``(hash, True)`` and every hash leaving it (eviction, reset) ``(hash, False)``,
+in order; its reader empties it.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from scheduler.sequence import Sequence
+from sluiceway.prefix_hash import ROOT_HASH, hash_block
 
-ROOT_HASH = b""
-
-
-def hash_block(parent_hash: bytes, token_ids: Seq[int]) -> bytes:
-    """SHA-256 of the parent block's hash and this block's token ids (uint32, native order)."""
-    return hashlib.sha256(parent_hash + array("I", token_ids).tobytes()).digest()
+__all__ = ["ROOT_HASH", "Block", "BlockManager", "hash_block"]
 
 
 @dataclass(slots=True)
@@ -69,6 +68,8 @@ class BlockManager:
         self.prefix_cache_hits = 0  # of those, found in the cache, tokens
         self.forked_tokens = 0  # prompt tokens a sample took from a sibling (`fork`)
         self.blocks_copied_on_write = 0
+        # (block hash, stored) in order, while someone reads them (None: not recorded)
+        self.kv_event_log: list[tuple[bytes, bool]] | None = None
 
     # -- counts -----------------------------------------------------------------
 
@@ -227,6 +228,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evict
                 del self._cached[block.block_hash]
+                if self.kv_event_log is not None:
+                    self.kv_event_log.append((block.block_hash, False))
                 block.block_hash = None
             block.ref_count = 1
             new_blocks.append(block_id)
@@ -250,8 +253,7 @@ class BlockManager:
                 continue
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None:
-                block.block_hash = h
-                self._cached[h] = block.block_id
+                self._enter(block, h)
 
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s reference to each of its blocks and empties its table.
@@ -281,8 +283,7 @@ class BlockManager:
         for h, block_id in zip(seq.block_hashes, seq.block_table, strict=False):
             block = self.blocks[block_id]
             if h not in self._cached and block.block_hash is None:
-                block.block_hash = h
-                self._cached[h] = block_id
+                self._enter(block, h)
 
     def ref_blocks(self, block_ids: Seq[int]) -> None:
         """Takes one more reference to each of `block_ids` (cached blocks found with
@@ -290,6 +291,17 @@ class BlockManager:
         `release_blocks` or through a sequence's table."""
         for block_id in block_ids:
             self._ref(block_id)
+
+    def _enter(self, block: Block, h: bytes) -> None:
+        block.block_hash = h
+        self._cached[h] = block.block_id
+        if self.kv_event_log is not None:
+            self.kv_event_log.append((h, True))
+
+    @property
+    def cached_hashes(self) -> list[bytes]:
+        """The hashes of every cached block (owned or evictable), in no particular order."""
+        return list(self._cached)
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -299,6 +311,8 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached hash (e.g. when the worker's KV pool is new)."""
+        if self.kv_event_log is not None:
+            self.kv_event_log.extend((h, False) for h in self._cached)
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()

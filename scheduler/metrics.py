@@ -1,8 +1,9 @@
 """The scheduler's Prometheus metrics (vLLM's names, `sluiceway:` prefix, `model_name` label).
 
-Histograms are observed by the step loop; gauges and counters are read from
-the live `Engine` at scrape time by :class:`SchedulerCollector`, so they can
-never drift from the state `GetSchedulerInfo` reports.
+Histograms are observed by the step loop and `scheduler_requests` by the
+service; gauges and counters are read from the live `Engine` at scrape time
+by :class:`SchedulerCollector`, so they can never drift from the state
+`GetSchedulerInfo` reports.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -30,6 +31,11 @@ MODEL_STEP_SECONDS = Histogram(
     "Time waiting for the workers to execute one step (RPC + forward + sampling), seconds.",
     ["model_name"],
     buckets=STEP_BUCKETS,
+)
+REQUESTS_RECEIVED = Counter(
+    f"{PREFIX}scheduler_requests",
+    "AddRequest calls accepted (one per sequence: n for a request of n parallel samples).",
+    ["model_name"],
 )
 BATCH_SIZE = Histogram(
     f"{PREFIX}batch_size",
@@ -86,6 +92,13 @@ class SchedulerCollector(Collector):
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries
         )
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
+        pools = [g.scheduler.block_manager for g in self.engine.groups if g.scheduler]
+        yield gauge(
+            "prefix_cache_blocks",
+            "Distinct full KV blocks in the prefix cache (owned or evictable), every worker "
+            "group together: what the KV events publish.",
+            len(set().union(*(bm.cached_hashes for bm in pools))),
+        )
         yield counter("num_preemptions", "Sequences preempted (recomputed later).", preemptions)
         yield counter(
             "kv_cache_forked_tokens",

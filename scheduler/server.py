@@ -10,6 +10,8 @@ import structlog
 
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine, NotReady, QueueFull, RegistrationError, WorkerUnavailable
+from scheduler.kv_events import KvEventPublisher, run_publisher
+from scheduler.metrics import REQUESTS_RECEIVED
 from scheduler.worker_group import WorkerInfo
 from sluiceway.grpc_server import (
     REQUEST_ID_METADATA,
@@ -26,10 +28,17 @@ log = structlog.get_logger("scheduler")
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    """gRPC face of the engine: AddRequest streams, info, worker registration."""
+    """gRPC face of the engine: AddRequest streams, info, worker registration, KV events."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.kv_events = KvEventPublisher(
+            lambda: [
+                g.scheduler.block_manager if g.scheduler is not None else None
+                for g in engine.groups
+            ],
+            lambda: engine.block_size,
+        )
 
     async def AddRequest(
         self, request: scheduler_pb2.AddRequestRequest, context: grpc.aio.ServicerContext
@@ -51,6 +60,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except ValueError as e:
             rlog.warning("request_rejected", code="INVALID_ARGUMENT", error=str(e))
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        REQUESTS_RECEIVED.labels(self.engine.model_id).inc()
         rlog.info(
             "request_added",
             seq_id=seq.seq_id,
@@ -103,6 +113,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         reply.step_times.num_step_loops = len(engine.groups)
         return reply
 
+    async def SubscribeKvEvents(
+        self, request: scheduler_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.KvEvents]:
+        """A snapshot of the prefix cache's block hashes, then their changes, until the
+        client goes away (scheduler/kv_events.py). RESOURCE_EXHAUSTED for a client that
+        reads too slowly (it subscribes again and gets a new snapshot)."""
+        queue = self.kv_events.subscribe()
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item))
+                else:
+                    yield item
+        finally:
+            self.kv_events.unsubscribe(queue)
+
     async def RegisterWorker(
         self, request: scheduler_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.RegisterWorkerResponse:
@@ -149,7 +176,8 @@ async def serve(
         REGISTRY.register(SchedulerCollector(engine))
         serve_metrics(metrics_port, metrics_host)
     server, health = new_server()
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(engine), server)
+    service = SchedulerService(engine)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
     bound = bind(server, address)
     await server.start()
     engine.start()
@@ -167,8 +195,10 @@ async def serve(
             await asyncio.sleep(poll_s)
 
     ready_task = asyncio.create_task(follow_readiness())
+    kv_events_task = asyncio.create_task(run_publisher(service.kv_events))
     await stop.wait()
     ready_task.cancel()
+    kv_events_task.cancel()
     log.info("scheduler_stopping")
     await server.stop(grace=1.0)
     await engine.stop()

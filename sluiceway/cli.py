@@ -191,6 +191,25 @@ def _add_drain(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_routing(p: argparse.ArgumentParser) -> None:
+    from router.balancer import DEFAULT_BALANCE_ABS_THRESHOLD, DEFAULT_CACHE_THRESHOLD
+
+    p.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=DEFAULT_CACHE_THRESHOLD,
+        help="cache-aware routing: a replica's cached prefix of a prompt routes the request "
+        "there when it covers more than this share of the prompt's full KV blocks",
+    )
+    p.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=DEFAULT_BALANCE_ABS_THRESHOLD,
+        help="cache-aware routing: a replica with more requests in flight than the least "
+        "loaded one plus this gets no cache hits (they go by load)",
+    )
+
+
 def _add_max_model_len(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens at most")
 
@@ -220,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_http(serve, "the first router (more routers: the next ports)")
     _add_drain(serve)
+    _add_routing(serve)
     _add_max_message_size(serve)
     _add_model(serve)
     _add_worker(serve)
@@ -259,13 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--scheduler",
         default=DEFAULT_SCHEDULER,
         help="scheduler address (host:port or unix:PATH), or several comma-separated (one per "
-        "model replica): each request goes to the ready one with the fewest requests in flight "
-        "from this router, ties by prefix affinity",
+        "model replica): each request goes where most of its prompt is cached, unless that one "
+        "is loaded past the others, else to the one with the fewest requests in flight",
     )
     _add_model(router)
     _add_metrics(router, "router")
     _add_http(router, "this router")
     _add_drain(router)
+    _add_routing(router)
     _add_max_message_size(router)
     _add_common(router)
 
@@ -381,12 +402,21 @@ def _run_router(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"sluiceway router: --scheduler: {e}", file=sys.stderr)
         return 2
+    if not 0.0 <= args.cache_threshold <= 1.0 or args.balance_abs_threshold < 0:
+        print(
+            "sluiceway router: --cache-threshold must be in [0, 1] and "
+            "--balance-abs-threshold >= 0",
+            file=sys.stderr,
+        )
+        return 2
     return _run_async(
         serve(
             f"{args.host}:{args.port}",
             schedulers,
             resolve_model(args.model),
             drain_timeout_s=args.drain_timeout,
+            cache_threshold=args.cache_threshold,
+            balance_abs_threshold=args.balance_abs_threshold,
             metrics_port=_metrics_port(args),
             metrics_host=args.metrics_host,
             max_message_bytes=args.max_message_size,

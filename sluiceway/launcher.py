@@ -286,6 +286,8 @@ def serve_command(args: argparse.Namespace) -> int:
                 "--model", str(model_dir),
                 "--metrics-port", str(metrics_ports[k]), "--metrics-host", args.host,
                 "--drain-timeout", str(args.drain_timeout),
+                "--cache-threshold", str(args.cache_threshold),
+                "--balance-abs-threshold", str(args.balance_abs_threshold),
                 "--max-message-size", str(args.max_message_size),
                 "--http-port", str(http_ports[k] if http_ports else -1), "--http-host", http_host,
                 *common,

@@ -101,13 +101,13 @@ def test_pick_returns_none_when_no_scheduler_is_ready() -> None:
     run(main())
 
 
-def test_ties_go_by_the_first_block_stably_and_spread() -> None:
+def test_ties_go_by_the_last_full_block_stably_and_spread() -> None:
     async def main() -> None:
-        pool = await _pool(2)
+        pool = await _pool(2)  # nothing in the KV index: load, then rendezvous
         picks = [pool.pick(prompt(i)) for i in range(100)]
         counts = {r.address: sum(p is r for p in picks) for r in pool.replicas}
         assert all(20 <= n <= 80 for n in counts.values()), counts
-        # stable: the same prompt, or one sharing its first block, goes to the same scheduler
+        # stable: the same prompt, or one with the same full blocks, goes to the same one
         for i in range(100):
             assert pool.pick(prompt(i)) is picks[i]
             assert pool.pick([*prompt(i)[:16], 7, 8, 9]) is picks[i]

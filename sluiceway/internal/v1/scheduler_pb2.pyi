@@ -158,3 +158,19 @@ class RegisterWorkerResponse(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     max_model_len: int
     def __init__(self, max_model_len: _Optional[int] = ...) -> None: ...
+
+class SubscribeKvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEvents(_message.Message):
+    __slots__ = ("reset", "stored", "removed", "block_size")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    block_size: int
+    def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ...) -> None: ...

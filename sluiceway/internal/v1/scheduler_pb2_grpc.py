@@ -49,6 +49,11 @@ class SchedulerStub:
                 request_serializer=sluiceway_dot_internal_dot_v1_dot_scheduler__pb2.RegisterWorkerRequest.SerializeToString,
                 response_deserializer=sluiceway_dot_internal_dot_v1_dot_scheduler__pb2.RegisterWorkerResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/sluiceway.internal.v1.Scheduler/SubscribeKvEvents',
+                request_serializer=sluiceway_dot_internal_dot_v1_dot_scheduler__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=sluiceway_dot_internal_dot_v1_dot_scheduler__pb2.KvEvents.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -76,6 +81,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """KV events: which full KV blocks this scheduler holds in its prefix cache,
+        as they are stored and evicted, for cache-aware routing. The stream opens
+        with a snapshot (see KvEvents.reset), then sends changes as they happen.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.RegisterWorker,
                     request_deserializer=sluiceway_dot_internal_dot_v1_dot_scheduler__pb2.RegisterWorkerRequest.FromString,
                     response_serializer=sluiceway_dot_internal_dot_v1_dot_scheduler__pb2.RegisterWorkerResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=sluiceway_dot_internal_dot_v1_dot_scheduler__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=sluiceway_dot_internal_dot_v1_dot_scheduler__pb2.KvEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +195,33 @@ class Scheduler:
             '/sluiceway.internal.v1.Scheduler/RegisterWorker',
             sluiceway_dot_internal_dot_v1_dot_scheduler__pb2.RegisterWorkerRequest.SerializeToString,
             sluiceway_dot_internal_dot_v1_dot_scheduler__pb2.RegisterWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sluiceway.internal.v1.Scheduler/SubscribeKvEvents',
+            sluiceway_dot_internal_dot_v1_dot_scheduler__pb2.SubscribeKvEventsRequest.SerializeToString,
+            sluiceway_dot_internal_dot_v1_dot_scheduler__pb2.KvEvents.FromString,
             options,
             channel_credentials,
             insecure,
