@@ -1,7 +1,8 @@
 """Deterministic inference by default, end to end in bfloat16 (the default dtype): the same
 greedy and seeded requests give identical token ids alone, after a prefix-cache hit, amid two
 dozen ShareGPT requests of mixed lengths (chunked), after preemptions, with static batching and
-no chunking, disaggregated prefill/decode, two replicas, and tensor parallelism; and the n
+no chunking, long prefills capped and run side by side, disaggregated prefill/decode, two
+replicas, and tensor parallelism; and the n
 samples of a parallel-sampling request (forked prompt blocks) give the tokens of n single
 requests with seeds seed + i, in every mode. No near-tie tolerance: the ids must be equal."""
 
@@ -153,8 +154,23 @@ def test_after_a_prefix_cache_hit_and_amid_chunked_traffic(
         ["--scheduling-policy", "static", "--no-enable-chunked-prefill"],
         ["--num-prefill-workers", "1", "--num-decode-workers", "1"],
         ["--num-replicas", "2"],
+        # long prefills capped at 24 tokens a step, up to 3 partial prefills (2 long) at once
+        [
+            "--long-prefill-token-threshold",
+            "24",
+            "--max-num-partial-prefills",
+            "3",
+            "--max-long-partial-prefills",
+            "2",
+        ],
     ],
-    ids=["48-blocks-preempting", "static-unchunked", "disaggregated", "2-replicas"],
+    ids=[
+        "48-blocks-preempting",
+        "static-unchunked",
+        "disaggregated",
+        "2-replicas",
+        "long-prefill-capped",
+    ],
 )
 def test_every_mode_gives_the_reference_tokens(
     flags: list[str],
