@@ -66,6 +66,8 @@ DEFAULT_BALANCE_ABS_THRESHOLD = 8
 DEFAULT_BLOCK_SIZE = 16
 # Seconds between attempts to (re)subscribe to a scheduler's KV events, at most.
 KV_EVENTS_MAX_BACKOFF_S = 2.0
+# ... and from a scheduler without the RPC (an older version), seconds.
+KV_EVENTS_UNIMPLEMENTED_RETRY_S = 30.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -228,7 +230,8 @@ class SchedulerPool:
     async def _follow_kv_events(self, replica: SchedulerReplica) -> None:
         """Applies `replica`'s KV events to the index; when the stream breaks (the
         scheduler stopped, restarted, or has no such RPC), forgets its entries and
-        subscribes again after a backoff (0.1 s doubling to `KV_EVENTS_MAX_BACKOFF_S`)."""
+        subscribes again after a backoff (0.1 s doubling to `KV_EVENTS_MAX_BACKOFF_S`;
+        `KV_EVENTS_UNIMPLEMENTED_RETRY_S` for a scheduler without the RPC)."""
         backoff = 0.1
         while True:
             try:
@@ -240,12 +243,15 @@ class SchedulerPool:
                     )
                     backoff = 0.1
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    log.warning("kv_events_failed", scheduler=replica.address, error=e.code().name)
+                code = e.code()
+                if code == grpc.StatusCode.UNIMPLEMENTED:  # an older scheduler: load only
+                    backoff = KV_EVENTS_UNIMPLEMENTED_RETRY_S
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    log.warning("kv_events_failed", scheduler=replica.address, error=code.name)
             self.kv_index.clear(replica.address)
             KV_INDEX_BLOCKS.labels(replica.address).set(0)
             await asyncio.sleep(backoff)
-            backoff = min(2 * backoff, KV_EVENTS_MAX_BACKOFF_S)
+            backoff = min(2 * backoff, max(backoff, KV_EVENTS_MAX_BACKOFF_S))
 
     def begin(self, replica: SchedulerReplica) -> None:
         """A request was forwarded to `replica`."""

@@ -192,19 +192,19 @@ def _add_drain(p: argparse.ArgumentParser) -> None:
 
 
 def _add_routing(p: argparse.ArgumentParser) -> None:
-    from router.balancer import DEFAULT_BALANCE_ABS_THRESHOLD, DEFAULT_CACHE_THRESHOLD
-
+    # router.balancer's DEFAULT_CACHE_THRESHOLD and DEFAULT_BALANCE_ABS_THRESHOLD (not
+    # imported: building the parser stays light for every process)
     p.add_argument(
         "--cache-threshold",
         type=float,
-        default=DEFAULT_CACHE_THRESHOLD,
+        default=0.5,
         help="cache-aware routing: a replica's cached prefix of a prompt routes the request "
         "there when it covers more than this share of the prompt's full KV blocks",
     )
     p.add_argument(
         "--balance-abs-threshold",
         type=int,
-        default=DEFAULT_BALANCE_ABS_THRESHOLD,
+        default=8,
         help="cache-aware routing: a replica with more requests in flight than the least "
         "loaded one plus this gets no cache hits (they go by load)",
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from router.balancer import SchedulerPool
+from router.balancer import DEFAULT_BALANCE_ABS_THRESHOLD, DEFAULT_CACHE_THRESHOLD, SchedulerPool
 from router.kv_index import KvIndex
 from sluiceway.internal.v1 import scheduler_pb2
 from sluiceway.prefix_hash import prompt_block_hashes
@@ -124,3 +124,12 @@ def test_a_cache_threshold_of_zero_follows_any_hit() -> None:
         assert pick(pool, distinct(2)) == a
 
     with_pool(test, cache_threshold=0.0, balance_abs_threshold=0)
+
+
+def test_the_cli_defaults_are_the_pools() -> None:
+    from sluiceway.cli import build_parser
+
+    for argv in (["router"], ["serve"]):
+        args = build_parser().parse_args(argv)
+        assert args.cache_threshold == DEFAULT_CACHE_THRESHOLD
+        assert args.balance_abs_threshold == DEFAULT_BALANCE_ABS_THRESHOLD
