@@ -12,10 +12,15 @@ routers listen on TCP. Children get SIGKILL if this process dies
 (PR_SET_PDEATHSIG), so nothing is orphaned and a `serve` started again at once
 finds its ports free; on SIGINT/SIGTERM the routers drain and stop first, then
 the schedulers and workers. A child that fails is
-started again, at most MAX_RESTARTS times a minute: a restarted scheduler
-takes its replica's workers with it (they must register anew), a restarted
+started again, after a backoff that doubles with each recent restart
+(RESTART_BACKOFF_S, 0.5 s, 1 s, 2 s, ...): a restarted scheduler takes its
+replica's workers with it (they must register anew), a restarted
 tensor-parallel rank takes the other ranks of its instance with it (they
-would wait in a collective forever). A router that exits 0 (drained by a
+would wait in a collective forever). A child that fails again after
+MAX_RESTARTS restarts in RESTART_WINDOW_S is crash-looping (a circuit
+breaker): its replica (scheduler and workers) or, for a router, the router
+alone is stopped and left down while another replica or router serves, and
+`serve` says which; when none would be left, the stack stops. A router that exits 0 (drained by a
 SIGTERM of its own) is left down while another router still serves, and
 stops the stack when it was the last one; any other process that exits 0, or
 one that exits 2 (a usage or configuration error, such as a taken port),
@@ -65,9 +70,12 @@ def _die_with_parent(parent_pid: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-# A child that exits is started again, at most this many times per window.
+# A child that exits is started again, at most this many times per window, each restart
+# RESTART_BACKOFF_S x 2**(restarts in the window - 1) after its exit (the first at once).
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
+RESTART_BACKOFF_S = 0.5
+RESTART_BACKOFF_MAX_S = 10.0
 
 
 @dataclass(slots=True)
@@ -83,7 +91,8 @@ class Child:
     replica: int = 0
     instance: int = 0
     restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
-    left_down: bool = False  # exited on purpose; not restarted
+    left_down: bool = False  # exited on purpose, or given up on; not restarted
+    exited_at: float | None = None  # time.monotonic() when its exit was seen
 
     @classmethod
     def start(
@@ -97,18 +106,25 @@ class Child:
     ) -> Child:
         return cls(name, command, address, argv, _spawn(command, argv), replica, instance)
 
-    def restart(self) -> None:
-        """Stops the process if it still runs, starts it again with the same flags.
-
-        Raises RuntimeError after MAX_RESTARTS restarts within RESTART_WINDOW_S seconds.
-        """
-        now = time.monotonic()
+    def recent_restarts(self, now: float) -> int:
+        """Restarts within the last RESTART_WINDOW_S seconds."""
         self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
-        if len(self.restarts) >= MAX_RESTARTS:
-            raise RuntimeError(
-                f"{self.name} restarted {MAX_RESTARTS} times in {RESTART_WINDOW_S:.0f} s; giving up"
-            )
-        self.restarts.append(now)
+        return len(self.restarts)
+
+    def restart_due(self, now: float) -> bool:
+        """Whether the backoff since this (exited) child's exit has passed: 0 s after no
+        recent restart, then RESTART_BACKOFF_S doubled per recent restart, at most
+        RESTART_BACKOFF_MAX_S."""
+        if self.exited_at is None:
+            self.exited_at = now
+        recent = self.recent_restarts(now)
+        backoff = 0.0 if recent == 0 else RESTART_BACKOFF_S * 2 ** (recent - 1)
+        return now - self.exited_at >= min(backoff, RESTART_BACKOFF_MAX_S)
+
+    def restart(self) -> None:
+        """Stops the process if it still runs, starts it again with the same flags."""
+        self.restarts.append(time.monotonic())
+        self.exited_at = None
         if self.process.poll() is None:
             self.process.terminate()
             _wait(self, STOP_TIMEOUT_S)
@@ -364,13 +380,23 @@ def _metrics_order(children: list[Child]) -> list[Child]:
 
 
 def _restart_exited(children: list[Child]) -> None:
-    """Starts again each child that failed (crashed or killed by a signal), with what depends
-    on it: a restarted scheduler has lost its workers' registration, so its replica's workers
-    restart with it; the other ranks of a failed tensor-parallel rank's instance are stuck in
-    (or broken by) a collective, so the whole instance restarts, on a fresh rendezvous port.
-    Raises RuntimeError (see `Child.restart`)."""
+    """Starts again each child that failed (crashed or killed by a signal) once its backoff
+    has passed (`Child.restart_due`), with what depends on it: a restarted scheduler has lost
+    its workers' registration, so its replica's workers restart with it; the other ranks of a
+    failed tensor-parallel rank's instance are stuck in (or broken by) a collective, so the
+    whole instance restarts, on a fresh rendezvous port. A child that failed MAX_RESTARTS
+    times within RESTART_WINDOW_S is given up on (`_give_up`).
+
+    Raises RuntimeError: a crash-looping child whose loss leaves no replica or no router.
+    """
+    now = time.monotonic()
     for child in children:
         if child.left_down or child.process.poll() is None:
+            continue
+        if child.recent_restarts(now) >= MAX_RESTARTS:
+            _give_up(child, children)
+            continue
+        if not child.restart_due(now):
             continue
         print(
             f"sluiceway: {child.name} exited with {child.process.returncode}; restarting it",
@@ -386,6 +412,32 @@ def _restart_exited(children: list[Child]) -> None:
             ):
                 together.append(other)
         _restart_together(together)
+
+
+def _give_up(child: Child, children: list[Child]) -> None:
+    """Stops and leaves down crash-looping `child` with its replica (its scheduler and
+    workers; a router alone), printing which, when another replica (router) still runs.
+
+    Raises RuntimeError: none would be left.
+    """
+    why = f"{child.name} failed {MAX_RESTARTS} times in {RESTART_WINDOW_S:.0f} s"
+    if child.command == "router":
+        unit, what = [child], child.name
+        others = [c for c in children if c.command == "router" and c is not child]
+    else:
+        unit = [c for c in children if c.command != "router" and c.replica == child.replica]
+        what = f"replica {child.replica} ({', '.join(c.name for c in unit)})"
+        others = [c for c in children if c.command == "scheduler" and c.replica != child.replica]
+    if not [c for c in others if not c.left_down]:
+        raise RuntimeError(f"{why}; giving up")
+    for c in unit:
+        c.left_down = True
+        if c.process.poll() is None:
+            c.process.terminate()
+    for c in unit:
+        _wait(c, STOP_TIMEOUT_S)
+    print(f"sluiceway: {why}; giving up on {what}, the others keep serving",
+          file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _restart_together(group: list[Child]) -> None:

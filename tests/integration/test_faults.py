@@ -3,6 +3,7 @@ lets wait."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -180,4 +181,53 @@ def test_a_hung_worker_takes_its_replica_out_until_it_answers_again() -> None:
     finally:
         if stopped:
             os.kill(stack.pids["worker-r0"], signal.SIGCONT)
+        assert stop_stack(stack) == 0, "".join(stack.log[-30:])
+
+
+def test_a_crash_looping_replica_is_given_up_and_the_other_keeps_serving() -> None:
+    """worker-r1 killed each time serve restarts it: after MAX_RESTARTS restarts (with
+    backoff) serve gives up on replica 1 and says so; every stream completes (the router
+    resumes one whose replica died on the other), and serve goes on serving."""
+    from sluiceway.launcher import MAX_RESTARTS
+
+    stack = start_stack("--num-replicas", "2")
+    try:
+        request = Client.request("Count from one to one hundred.", temperature=0,
+                                 max_tokens=48, ignore_eos=True)  # fmt: skip
+        with stack.client() as client:
+            reference = client.generate(request, timeout=300)[1]
+        results: list[list[int] | grpc.StatusCode] = []
+
+        def stream() -> None:
+            try:
+                with stack.client() as client:
+                    results.append(client.generate(request, timeout=300)[1])
+            except grpc.RpcError as e:
+                results.append(e.code())
+
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(stream) for _ in range(6)]
+            killed: set[int] = set()
+            deadline = time.monotonic() + 120
+            while not any("giving up on replica 1" in line for line in stack.log):
+                assert time.monotonic() < deadline, "".join(stack.log[-20:])
+                restarted = [
+                    int(line.rsplit("pid ", 1)[1].split(")")[0])
+                    for line in list(stack.log)
+                    if "worker-r1 restarted (pid" in line
+                ]
+                current = (restarted or [stack.pids["worker-r1"]])[-1]
+                if current not in killed:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(current, signal.SIGKILL)
+                    killed.add(current)
+                time.sleep(0.05)
+            for f in futures:
+                f.result()
+        assert len(killed) == MAX_RESTARTS + 1
+        assert results == [reference] * 6
+        assert stack.process.poll() is None  # serve still runs
+        with stack.client() as client:
+            assert client.generate(request, timeout=300)[1] == reference
+    finally:
         assert stop_stack(stack) == 0, "".join(stack.log[-30:])
