@@ -231,3 +231,62 @@ def test_a_crash_looping_replica_is_given_up_and_the_other_keeps_serving() -> No
             assert client.generate(request, timeout=300)[1] == reference
     finally:
         assert stop_stack(stack) == 0, "".join(stack.log[-30:])
+
+
+def test_streams_on_a_worker_that_hangs_mid_step_go_on_on_the_other_replica() -> None:
+    """SIGSTOP of the worker that runs the streams: the watchdog fails their step within its
+    bound, and the router resumes each on the other replica with the tokens already sent: the
+    streams end whole, with the tokens of an uninterrupted run."""
+    from scheduler.engine import STEP_TIMEOUT_FLOOR_S
+    from tests.integration.conftest import metric_sum, metrics_urls
+
+    stack = start_stack("--num-replicas", "2")
+    urls = metrics_urls(stack.log)
+    stopped: int | None = None
+    try:
+        deadline = time.monotonic() + 60
+        while metric_sum(urls["router"], "sluiceway:router_scheduler_ready") != 2:
+            assert time.monotonic() < deadline, "the router never saw both replicas ready"
+            time.sleep(0.2)
+        request = Client.request("Count from one to one hundred.", temperature=0,
+                                 max_tokens=64, ignore_eos=True)  # fmt: skip
+        with stack.client() as client:
+            reference = client.generate(request, timeout=300)[1]
+        started = threading.Barrier(5)
+        results: list[object] = []
+
+        def stream() -> None:
+            got: list[int] = []
+            try:
+                with stack.client() as client:
+                    for k, response in enumerate(client.generate_stream(request, 300)):
+                        got.extend(response.token_ids)
+                        if k == 4:
+                            started.wait(timeout=300)
+                results.append(got)
+            except grpc.RpcError as e:
+                results.append(e.code())
+
+        threads = [threading.Thread(target=stream) for _ in range(4)]
+        for t in threads:
+            t.start()
+        started.wait(timeout=300)
+        running = {
+            r: metric_sum(urls[f"scheduler-{r}"], "sluiceway:num_requests_running") for r in (0, 1)
+        }
+        busy = max(running, key=lambda r: running[r])
+        stopped = stack.pids[f"worker-r{busy}"]
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        for t in threads:
+            t.join(timeout=300)
+        waited = time.monotonic() - stopped_at
+        assert results == [reference] * 4
+        resumed = [line for line in stack.log if "request_resumed" in line]
+        assert len(resumed) == running[busy] >= 1
+        # a decode step of a few sequences: the bound is the floor plus a fraction of a second
+        assert waited < STEP_TIMEOUT_FLOOR_S + 30, waited
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        assert stop_stack(stack) == 0, "".join(stack.log[-30:])
