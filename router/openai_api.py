@@ -34,7 +34,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import grpc
-import structlog
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,7 +48,6 @@ from sluiceway.v1 import inference_pb2
 
 __all__ = ["HttpServer", "build_app", "start_http_server"]
 
-log = structlog.get_logger("router")
 
 FINISH = {
     inference_pb2.FINISH_REASON_STOP: "stop",

@@ -254,7 +254,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             raise fail(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready")
         n = resolved.n
         # unique, unlike a client's request_id, which two live requests may share
-        parent_request_id = f"{request_id}/{uuid.uuid4().hex}"
+        parent_request_id = f"{request_id}/{uuid.uuid4().hex}" if n > 1 else None
         samples = [
             _Sample(
                 self,
@@ -366,7 +366,7 @@ class _Sample:
         rlog: structlog.typing.FilteringBoundLogger,
         recorder: RequestRecorder,
         cancel_code: Callable[[], grpc.StatusCode],
-        parent_request_id: str,
+        parent_request_id: str | None,
     ) -> None:
         self.service = service
         self.index = index
@@ -389,7 +389,7 @@ class _Sample:
             stop_token_ids=resolved.stop_token_ids,
             min_tokens=resolved.min_tokens,
         )
-        if resolved.n > 1:
+        if self.parent_request_id is not None:  # one of n > 1 samples
             add_request.request_id = f"{self.request_id}-{self.index}"
             add_request.parent_request_id = self.parent_request_id
             if self.index and add_request.sampling.HasField("seed"):

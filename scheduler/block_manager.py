@@ -166,7 +166,8 @@ class BlockManager:
         sibling with the same prompt: `source_blocks` is that sibling's table, of which
         `blocks_for(num_tokens)` blocks are taken (one more reference each; the last may be
         partial, and is copied on write when `seq` writes into it). Not counted as a
-        prefix-cache lookup (`forked_tokens` counts them). Raises ValueError if `source_blocks` is too short."""
+        prefix-cache lookup (`forked_tokens` counts them). Raises ValueError if
+        `source_blocks` is too short."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         num_blocks = self.blocks_for(num_tokens)
         if len(source_blocks) < num_blocks:

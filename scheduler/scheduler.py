@@ -407,13 +407,12 @@ class Scheduler:
         output: a running sibling whose computed tokens cover all of the prompt but its last
         token (fork its blocks), `_WAIT_FOR_SIBLING` while a sibling is computing the prompt,
         else None (compute it, from the prefix cache)."""
-        if seq.parent_request_id is None or seq.output_token_ids or seq.block_table:
+        parent = seq.parent_request_id
+        if parent is None or not self._may_fork(seq):
             return None
         num_shared = len(seq.prompt_token_ids) - 1
-        if num_shared < 1:
-            return None
         wait = None
-        for sibling in self._samples.get(seq.parent_request_id, ()):
+        for sibling in self._samples.get(parent, ()):
             if sibling is seq or sibling.status is not SequenceStatus.RUNNING:
                 continue
             if sibling.prompt_token_ids != seq.prompt_token_ids:
@@ -423,14 +422,24 @@ class Scheduler:
             wait = _WAIT_FOR_SIBLING
         return wait
 
+    @staticmethod
+    def _may_fork(seq: Sequence) -> bool:
+        """Whether `seq` could take a sibling's blocks: a sample of a parallel-sampling
+        request that holds no blocks, has no output, and a prompt of more than its last
+        token."""
+        return (
+            seq.parent_request_id is not None
+            and not seq.output_token_ids
+            and not seq.block_table
+            and len(seq.prompt_token_ids) > 1
+        )
+
     def awaits_fork(self, seq: Sequence) -> bool:
         """Whether a waiting sibling of `seq` will fork `seq`'s blocks at the next step."""
         if seq.parent_request_id is None:
             return False
         return any(
-            sibling.status is SequenceStatus.WAITING
-            and not sibling.output_token_ids
-            and len(sibling.prompt_token_ids) > 1
+            sibling.status is SequenceStatus.WAITING and self._may_fork(sibling)
             for sibling in self._samples.get(seq.parent_request_id, ())
         )
 
@@ -441,11 +450,14 @@ class Scheduler:
                 samples.append(seq)
 
     def _leave_parent(self, seq: Sequence) -> None:
-        samples = self._samples.get(seq.parent_request_id or "")
+        parent = seq.parent_request_id
+        if parent is None:
+            return
+        samples = self._samples.get(parent)
         if samples is not None and seq in samples:
             samples.remove(seq)
             if not samples:
-                del self._samples[seq.parent_request_id or ""]
+                del self._samples[parent]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
