@@ -1,6 +1,7 @@
-"""Cache-aware routing over `sluiceway serve --num-replicas 2`: distinct chat requests
-spread over both replicas, a conversation's turns all land on one, and a restarted
-replica's entries in the router's index are rebuilt from its KV events."""
+"""Cache-aware routing over `sluiceway serve --num-replicas 2 --num-routers 2`: distinct chat
+requests spread over both replicas, a conversation's turns all land on one even when they
+alternate between the routers (each router keeps its own index of every replica), and a
+restarted replica's entries in both indexes are rebuilt from its KV events."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ TOPICS = [
     "lighthouses", "violins", "chess openings", "sourdough", "rainbows", "owls", "canals",
     "windmills", "tea ceremonies", "submarines", "origami", "auroras",
 ]  # fmt: skip
+ROUTERS = ("router-0", "router-1")
 TURNS = ["Tell me about the river Nile.", "Which countries?", "How long is it?", "And why?"]
 
 
@@ -39,30 +41,37 @@ def wait_until(condition, timeout_s: float, what: str) -> None:  # type: ignore[
 
 
 def index_matches_schedulers(urls: dict[str, str]) -> bool:
-    """The router's index holds, per replica, as many blocks as that scheduler caches."""
+    """Each router's index holds, per replica, as many blocks as that scheduler caches."""
     cached = sorted(
         metric_sum(urls[f"scheduler-{r}"], "sluiceway:prefix_cache_blocks") for r in (0, 1)
     )
-    with urllib.request.urlopen(urls["router"], timeout=10) as response:
-        rows = response.read().decode().splitlines()
-    indexed = sorted(
-        float(row.rsplit(" ", 1)[1])
-        for row in rows
-        if row.startswith("sluiceway:router_kv_index_blocks{")
-    )
-    return cached == indexed
+    for router in ROUTERS:
+        with urllib.request.urlopen(urls[router], timeout=10) as response:
+            rows = response.read().decode().splitlines()
+        indexed = sorted(
+            float(row.rsplit(" ", 1)[1])
+            for row in rows
+            if row.startswith("sluiceway:router_kv_index_blocks{")
+        )
+        if cached != indexed:
+            return False
+    return True
+
+
+def routers_see_both_replicas(urls: dict[str, str]) -> bool:
+    return all(metric_sum(urls[r], "sluiceway:router_scheduler_ready") == 2 for r in ROUTERS)
 
 
 def test_chat_requests_spread_conversations_stick_and_the_index_survives_a_restart() -> None:
-    stack = start_stack("--num-replicas", "2")
+    stack = start_stack("--num-replicas", "2", "--num-routers", "2")
     try:
+        host, port = stack.target.rsplit(":", 1)
+        second_router = Client(f"{host}:{int(port) + 1}")
         urls = metrics_urls(stack.log)
         wait_until(
-            lambda: metric_sum(urls["router"], "sluiceway:router_scheduler_ready") == 2,
-            60,
-            "the router never saw both replicas ready",
+            lambda: routers_see_both_replicas(urls), 60, "a router never saw both replicas ready"
         )
-        with stack.client() as client:
+        with stack.client() as client, second_router:
             before = requests_per_replica(urls)
             for topic in TOPICS:  # one after another: no load to tell the replicas apart
                 message = f"{topic.capitalize()}: write two sentences about {topic}."
@@ -77,9 +86,9 @@ def test_chat_requests_spread_conversations_stick_and_the_index_survives_a_resta
 
             messages: list[tuple[str, str]] = []
             before = after
-            for turn in TURNS:
+            for i, turn in enumerate(TURNS):  # router-0, router-1, router-0, ...
                 messages.append(("user", turn))
-                text, _, _ = client.generate(
+                text, _, _ = (client, second_router)[i % 2].generate(
                     Client.request(messages=messages, temperature=0, max_tokens=24), timeout=120
                 )
                 messages.append(("assistant", text))
@@ -96,9 +105,7 @@ def test_chat_requests_spread_conversations_stick_and_the_index_survives_a_resta
             "scheduler-1 was not restarted",
         )
         wait_until(
-            lambda: metric_sum(urls["router"], "sluiceway:router_scheduler_ready") == 2,
-            120,
-            "the restarted replica never came back",
+            lambda: routers_see_both_replicas(urls), 120, "the restarted replica never came back"
         )
         urls = metrics_urls(stack.log)
         assert metric_sum(urls["scheduler-1"], "sluiceway:prefix_cache_blocks") == 0
