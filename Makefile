@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROTOS := protos/sluiceway/v1/inference.proto protos/sluiceway/internal/v1/scheduler.proto protos/sluiceway/internal/v1/worker.proto
 
-.PHONY: install serve test lint protos bench
+.PHONY: install serve test lint protos docs bench
 
 $(BIN)/sluiceway: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ test: install
 
 protos:
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+# docs/api.md, the reference of the public gRPC API, rendered from the comments of its
+# .proto (tests/test_proto_docs.py fails when the committed file is stale).
+docs:
+	$(BIN)/python scripts/proto_docs.py -o docs/api.md
 
 # The CPU profile of README's benchmark tables: the embedded SmolLM2, 200 ShareGPT
 # prompts with output lengths capped at 128, all at once and at Poisson rates of 1

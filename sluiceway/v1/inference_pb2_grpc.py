@@ -26,7 +26,14 @@ if _version_not_supported:
 
 
 class InferenceStub:
-    """Missing associated documentation comment in .proto file."""
+    """The inference service every router serves (beside `grpc.health.v1.Health` and server
+    reflection). `Generate` and `GetModelInfo` end with UNAVAILABLE while no scheduler is
+    ready (at start, or every model replica down), and `Generate` also while the router
+    drains on SIGTERM: retry, or retry on another router. A request or response message
+    over --max-message-size (4 MiB by default) gets RESOURCE_EXHAUSTED. A client deadline
+    that passes gets DEADLINE_EXCEEDED; a call the client cancels ends with CANCELLED. Either
+    way the request is aborted upstream and its KV blocks freed.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,25 +59,39 @@ class InferenceStub:
 
 
 class InferenceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The inference service every router serves (beside `grpc.health.v1.Health` and server
+    reflection). `Generate` and `GetModelInfo` end with UNAVAILABLE while no scheduler is
+    ready (at start, or every model replica down), and `Generate` also while the router
+    drains on SIGTERM: retry, or retry on another router. A request or response message
+    over --max-message-size (4 MiB by default) gets RESOURCE_EXHAUSTED. A client deadline
+    that passes gets DEADLINE_EXCEEDED; a call the client cancels ends with CANCELLED. Either
+    way the request is aborted upstream and its KV blocks freed.
+    """
 
     def Generate(self, request, context):
         """Streams the completion of one prompt: one message per decoded step
-        (text delta + new token ids), the last one with finish_reason and usage.
+        (text delta + new token ids), the last one with finish_reason and usage;
+        with `sampling.n` > 1, one such stream per sample, interleaved and told apart by
+        `index`. A request that fails validation gets INVALID_ARGUMENT before any message,
+        its details "field: what is allowed" (e.g. "sampling.top_p: must be in (0, 1]; got
+        3.0"); more than --max-waiting-requests waiting requests get RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Token ids of a prompt or of chat messages after the chat template.
+        """Token ids of a prompt or of chat messages after the chat template, exactly as
+        `Generate` would see them. INVALID_ARGUMENT when no input is set or the messages
+        are refused (see ChatMessage).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """The served model and the state of its KV cache.
+        """The served model and the state of its KV cache (summed over the model replicas this
+        router sends to). UNAVAILABLE while no scheduler is ready.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -103,7 +124,14 @@ def add_InferenceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Inference:
-    """Missing associated documentation comment in .proto file."""
+    """The inference service every router serves (beside `grpc.health.v1.Health` and server
+    reflection). `Generate` and `GetModelInfo` end with UNAVAILABLE while no scheduler is
+    ready (at start, or every model replica down), and `Generate` also while the router
+    drains on SIGTERM: retry, or retry on another router. A request or response message
+    over --max-message-size (4 MiB by default) gets RESOURCE_EXHAUSTED. A client deadline
+    that passes gets DEADLINE_EXCEEDED; a call the client cancels ends with CANCELLED. Either
+    way the request is aborted upstream and its KV blocks freed.
+    """
 
     @staticmethod
     def Generate(request,
