@@ -1,4 +1,8 @@
-"""A small synchronous client of the public API, used by `sluiceway generate`, tests and benchmarks."""
+"""A small synchronous client of the public API, used by `sluiceway generate`, tests and benchmarks.
+
+docs/client.md is its guide (every example there is run by a test); docs/api.md the
+reference of the messages it sends and receives.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +22,16 @@ from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 def wait_until_serving(target: str, timeout_s: float, service: str = "") -> None:
     """Polls the gRPC health service of `target` until it answers SERVING.
 
-    Raises TimeoutError after `timeout_s` seconds.
+    Args:
+        target: host:port or unix:PATH of a router (or of any sluiceway server).
+        timeout_s: seconds to wait at most.
+        service: the health service name to check: "" (the default) is the whole server;
+            a router also answers for "sluiceway.v1.Inference".
+
+    Each check has a 1 s deadline; a failed or NOT_SERVING check is retried every 0.1 s.
+
+    Raises:
+        TimeoutError: not SERVING after `timeout_s` seconds.
     """
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(target) as channel:
@@ -36,13 +49,26 @@ def wait_until_serving(target: str, timeout_s: float, service: str = "") -> None
 
 
 class Client:
-    """Blocking client of `sluiceway.v1.Inference` on `target` (host:port or unix:PATH)."""
+    """Blocking client of `sluiceway.v1.Inference` on `target` (host:port or unix:PATH).
+
+    The insecure channel connects on the first call (constructing never fails for an
+    unreachable target: calls then raise UNAVAILABLE) and reconnects by itself. Messages
+    are bounded to 4 MiB each way, as the server's default --max-message-size: a larger
+    request fails with RESOURCE_EXHAUSTED before it is sent. One client may be shared by
+    threads and carry concurrent calls.
+
+    Attributes:
+        channel: the `grpc.Channel`.
+        stub: the generated `InferenceStub`, for calls with no helper here (`Tokenize`).
+    """
 
     def __init__(self, target: str) -> None:
         self.channel = grpc.insecure_channel(target, options=channel_options())
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
 
     def close(self) -> None:
+        """Closes the channel; calls still in flight on it end with CANCELLED (the server
+        aborts their requests)."""
         self.channel.close()
 
     def __enter__(self) -> Client:
@@ -60,7 +86,31 @@ class Client:
         request_id: str = "",
         **sampling: Any,
     ) -> inference_pb2.GenerateRequest:
-        """Builds a `GenerateRequest` from exactly one input and `SamplingParams` fields."""
+        """Builds a `GenerateRequest` from exactly one input and `SamplingParams` fields.
+
+        Sends nothing; the server validates the request when it is sent.
+
+        Args:
+            prompt: plain text, tokenized as the model's tokenizer does by default.
+            messages: chat turns as (role, content) pairs, role "system", "user",
+                "assistant" or "tool"; the model's chat template is applied.
+            prompt_token_ids: token ids, sent as they are.
+            request_id: echoed in every response and in the server's logs (at most 256
+                characters); empty: the router assigns one.
+            **sampling: `SamplingParams` fields by name (temperature, top_p, top_k, min_p,
+                repetition_penalty, presence_penalty, frequency_penalty, max_tokens,
+                min_tokens, stop, stop_token_ids, include_stop_str_in_output, ignore_eos,
+                skip_special_tokens, seed, logprobs, n); unset ones take vLLM's defaults
+                (docs/api.md has each default and range).
+
+        Give one input: with several, the first of prompt, messages, prompt_token_ids is
+        used; with none, the server answers INVALID_ARGUMENT ("input").
+
+        Raises:
+            ValueError: a `sampling` name that is not a field, or a value out of the
+                field's type (max_tokens=-1).
+            TypeError: a value of the wrong type (temperature="0").
+        """
         req = inference_pb2.GenerateRequest(
             request_id=request_id, sampling=inference_pb2.SamplingParams(**sampling)
         )
@@ -77,14 +127,34 @@ class Client:
     def generate_stream(
         self, request: inference_pb2.GenerateRequest, timeout: float | None = None
     ) -> Iterator[inference_pb2.GenerateResponse]:
-        """Streams the responses of one request. Raises grpc.RpcError on a failed call."""
+        """Streams the responses of one request: one per decoded step, each with the new text
+        and token ids of one sample (`index`), its last one with finish_reason and usage.
+
+        `timeout` is the call's deadline in seconds (None: none), for the whole stream.
+        The returned iterator is also a `grpc.Call`: `cancel()` ends the call (the server
+        aborts the request and frees its KV blocks), `code()` and `details()` tell how it
+        ended.
+
+        Raises (while iterating, not when called):
+            grpc.RpcError: a failed call; `code()` is INVALID_ARGUMENT (details "field:
+                what is allowed"), RESOURCE_EXHAUSTED (the waiting queue is full, or a
+                message over 4 MiB), UNAVAILABLE (no model replica ready, the router
+                draining, or unreachable), DEADLINE_EXCEEDED (`timeout` passed) or
+                CANCELLED (cancelled by this client).
+        """
         return self.stub.Generate(request, timeout=timeout)  # type: ignore[no-any-return]
 
     def generate(
         self, request: inference_pb2.GenerateRequest, timeout: float | None = None
     ) -> tuple[str, list[int], inference_pb2.GenerateResponse]:
-        """Runs one request to the end: (text, token ids, last response). Raises ValueError
-        for ``sampling.n`` > 1 (see `generate_samples`), grpc.RpcError on a failed call."""
+        """Runs one request to the end: (the whole text, every generated token id, the last
+        response, which carries finish_reason and usage). `timeout`: the call's deadline in
+        seconds (None: none).
+
+        Raises:
+            ValueError: ``sampling.n`` > 1 (see `generate_samples`).
+            grpc.RpcError: a failed call, with the codes of `generate_stream`.
+        """
         if request.sampling.n > 1:
             raise ValueError("sampling.n > 1: use generate_samples")
         ((text, ids, last),) = self.generate_samples(request, timeout)
@@ -94,7 +164,13 @@ class Client:
         self, request: inference_pb2.GenerateRequest, timeout: float | None = None
     ) -> list[tuple[str, list[int], inference_pb2.GenerateResponse]]:
         """Runs a request of ``sampling.n`` samples to the end: (text, token ids, last
-        response) of each, in `index` order. Raises grpc.RpcError on a failed call."""
+        response) of each, in `index` order (one entry when n is unset or 1). `timeout`:
+        the call's deadline in seconds (None: none).
+
+        Raises:
+            grpc.RpcError: a failed call, with the codes of `generate_stream` (a failure of
+                one sample ends them all).
+        """
         n = max(1, request.sampling.n)
         text: list[list[str]] = [[] for _ in range(n)]
         ids: list[list[int]] = [[] for _ in range(n)]
@@ -107,6 +183,12 @@ class Client:
         return [("".join(text[i]), ids[i], last[i]) for i in range(n)]
 
     def model_info(self) -> inference_pb2.ModelInfo:
+        """The served model and its KV cache (`GetModelInfo`), with a 10 s deadline.
+
+        Raises:
+            grpc.RpcError: UNAVAILABLE while no model replica is ready (or the router is
+                unreachable), DEADLINE_EXCEEDED after 10 s.
+        """
         return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=10)  # type: ignore[no-any-return]
 
 
