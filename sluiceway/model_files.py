@@ -25,7 +25,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -35,9 +35,13 @@ __all__ = [
     "EMBEDDED_MODEL_PACKAGE",
     "ModelFilesError",
     "cache_dir",
+    "context_window",
     "convert_gguf",
     "embedded_model_path",
+    "export_hf_folder",
+    "resolve_max_model_len",
     "resolve_model",
+    "served_model_name",
 ]
 
 log = logging.getLogger(__name__)
@@ -47,7 +51,7 @@ EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTER_VERSION = 1  # bump to invalidate old conversions
 
 
-class ModelFilesError(RuntimeError):
+class ModelFilesError(ValueError):
     """A model path that cannot be used: missing, not a model, or an unsupported GGUF."""
 
 
@@ -106,6 +110,77 @@ def resolve_model(path: str | os.PathLike[str] | None) -> pathlib.Path:
     return convert_gguf(p)
 
 
+def served_model_name(model_dir: pathlib.Path, served: str | None = None) -> str:
+    """The model's name for clients and metrics: ``served`` (``--served-model-name``) when
+    given, else ``model_id`` of the folder's ``sluiceway.json`` (a converted GGUF: the file's
+    name without its quantization suffix), else the folder's name."""
+    if served:
+        return served
+    meta = model_dir / "sluiceway.json"
+    if meta.is_file():
+        model_id = json.loads(meta.read_text(encoding="utf-8")).get("model_id")
+        if model_id:
+            return str(model_id)
+    return model_dir.resolve().name
+
+
+def context_window(config: Mapping[str, Any]) -> tuple[int, int | None]:
+    """``(max_position_embeddings, sliding_window)`` of an HF ``config.json``, in tokens:
+    2048 when the first is absent; no window (None) when absent, 0, or Qwen2's without
+    ``use_sliding_window``."""
+    window = config.get("sliding_window")
+    if config.get("model_type") == "qwen2" and not config.get("use_sliding_window", False):
+        window = None
+    return int(config.get("max_position_embeddings", 2048)), int(window) if window else None
+
+
+def resolve_max_model_len(
+    requested: int | None, max_position_embeddings: int, sliding_window: int | None
+) -> int:
+    """``requested`` (``--max-model-len``) or, when None, the model's context length: its
+    ``max_position_embeddings``, or its ``sliding_window`` when smaller; in tokens.
+
+    Raises:
+        ValueError: ``requested`` is above the model's context length (vLLM's message).
+    """
+    derived, key = max_position_embeddings, "max_position_embeddings"
+    if sliding_window and sliding_window < derived:
+        derived, key = sliding_window, "sliding_window"
+    if requested is None:
+        return derived
+    if requested > derived:
+        raise ValueError(
+            f"User-specified max_model_len ({requested}) is greater than the derived "
+            f"max_model_len ({key}={derived} in model's config.json)"
+        )
+    return requested
+
+
+def export_hf_folder(
+    gguf: str | os.PathLike[str] | None, output: str | os.PathLike[str]
+) -> pathlib.Path:
+    """Writes the HF folder of a GGUF file (``None``: the embedded one) into ``output``: the
+    cached conversion (:func:`convert_gguf`) without its ``sluiceway.json``, so that the folder
+    is served under its own name. Returns ``output``.
+
+    Raises:
+        ModelFilesError: ``gguf`` is not a GGUF file (see :func:`resolve_model`), or ``output``
+            exists and is not an empty folder.
+    """
+    out = pathlib.Path(output).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ModelFilesError(f"--output {out} exists and is not an empty folder")
+    source = embedded_model_path() if gguf is None else pathlib.Path(gguf).expanduser()
+    if source.is_dir() or source.suffix.lower() != ".gguf":
+        raise ModelFilesError(f"{source} is not a .gguf file")
+    folder = resolve_model(source)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in folder.iterdir():
+        if f.name != "sluiceway.json":
+            shutil.copyfile(f, out / f.name)
+    return out
+
+
 @contextlib.contextmanager
 def _file_lock(path: pathlib.Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,6 +212,12 @@ def convert_gguf(gguf_path: pathlib.Path, cache: pathlib.Path | None = None) -> 
     final = root / key
     if (final / "config.json").is_file():
         return final
+    log.info(
+        "converting %s (%d MB) into %s (first start only, about 10 s per 100 MB)",
+        gguf_path,
+        gguf_path.stat().st_size // 10**6,
+        final,
+    )
     with _file_lock(root / f"{key}.lock"):
         if (final / "config.json").is_file():
             return final

@@ -24,6 +24,7 @@ from torch import nn
 
 from kernels import cpu_ops, onednn_linear
 from kernels.backend import AttentionBackend, TorchAttentionBackend
+from sluiceway.model_files import context_window
 from worker.parallel import TensorParallelGroup
 
 __all__ = ["DecoderLayer", "LlamaForCausalLM", "ModelConfig", "UnsupportedModelError"]
@@ -99,9 +100,7 @@ class ModelConfig:
                 raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}")
             scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
         attention_bias = bool(cfg.get("attention_bias", False))
-        sliding = cfg.get("sliding_window")
-        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-            sliding = None
+        max_positions, sliding = context_window({**cfg, "model_type": model_type})
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -115,13 +114,13 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or (model_type == "llama" and attention_bias),
             o_bias=model_type == "llama" and attention_bias,
             mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
             rope_scaling=scaling,
-            sliding_window=int(sliding) if sliding else None,
+            sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -21,7 +21,8 @@ import torch
 from kernels import cpu_ops, onednn_linear
 from kernels.backend import get_attention_backend
 from kernels.paged_attention import kv_pool_shape
-from worker.loader import load_config, load_model, read_json
+from sluiceway.model_files import resolve_max_model_len, served_model_name
+from worker.loader import load_config, load_model
 from worker.model import LlamaForCausalLM, ModelConfig
 from worker.parallel import check_tensor_parallel, joined_group
 from worker.sampler import SamplingOptions, sample
@@ -149,8 +150,8 @@ class ModelRunner:
         kv_cache_memory: bytes for the KV pool. On CPU the default is 4 GiB; on CUDA, when None,
             the pool takes ``gpu_memory_utilization * total - used`` after a profiling forward.
         gpu_memory_utilization: fraction of the GPU this worker may use (CUDA only).
-        max_model_len: cap on positions; the effective value is the minimum of this, the
-            config's ``max_position_embeddings`` and its sliding window.
+        max_model_len: cap on positions; None: the config's ``max_position_embeddings``, or its
+            sliding window when smaller (more than that is refused).
         max_num_batched_tokens: tokens of the CUDA profiling forward (beyond the base API).
         kv_pool_factory: ``(shape, dtype, device) -> tensor`` allocating the pool, e.g. in
             shared memory (beyond the base API); ``torch.empty`` when None.
@@ -179,7 +180,8 @@ class ModelRunner:
 
     Raises:
         worker.loader.ModelLoadError, worker.model.UnsupportedModelError: bad model folder.
-        ValueError: a bad dtype, a memory budget too small for one block, or a model
+        ValueError: a bad dtype, a memory budget too small for one block, a ``max_model_len``
+            above the model's (:func:`sluiceway.model_files.resolve_max_model_len`), or a model
             ``tensor_parallel_size`` cannot split (:func:`worker.parallel.check_tensor_parallel`).
         RuntimeError: ``tensor_parallel_size > 1`` without an initialised process group.
     """
@@ -212,12 +214,10 @@ class ModelRunner:
         self.tp = joined_group(tensor_parallel_rank, tensor_parallel_size)
         self._dtype = resolve_dtype(dtype, self._device)
         self._block_size = block_size
-        limit = self.config.max_position_embeddings
-        if self.config.sliding_window:
-            limit = min(limit, self.config.sliding_window)
-        self._max_model_len = min(limit, max_model_len) if max_model_len else limit
-        meta = read_json(model_dir / "sluiceway.json")
-        self._model_id = str(meta.get("model_id") or model_dir.name)
+        self._max_model_len = resolve_max_model_len(
+            max_model_len, self.config.max_position_embeddings, self.config.sliding_window
+        )
+        self._model_id = served_model_name(model_dir)
         if model is None:
             model = load_model(
                 model_dir,
@@ -339,7 +339,7 @@ class ModelRunner:
 
     @property
     def model_id(self) -> str:
-        """``model_id`` from ``sluiceway.json`` in the folder, else the folder's name."""
+        """The model's name (:func:`sluiceway.model_files.served_model_name`)."""
         return self._model_id
 
     @property
