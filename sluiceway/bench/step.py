@@ -367,9 +367,9 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
         "(llama-2-7b: 32 layers, hidden 4096, 32 heads; tiny: for a CPU); context lengths "
         f"then come from a lognormal fitted to ShareGPT (mu {LOGNORMAL_MU}, sigma "
         f"{LOGNORMAL_SIGMA}, clipped to {PROMPT_LEN_RANGE[0]}..{PROMPT_LEN_RANGE[1]}, plus "
-        f"1..{OUTPUT_LEN} generated tokens)",
+        f"1..{OUTPUT_LEN} generated tokens; default: none)",
     )
-    p.add_argument("--num-seqs", type=int, default=200)
+    p.add_argument("--num-seqs", type=int, default=200, help="sequences of the decode batch")
     p.add_argument(
         "--batch-sizes",
         default=None,
@@ -379,8 +379,18 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--context-len", type=int, default=None, help="fixed context (default: ShareGPT-like)"
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: CUDA when torch sees a GPU",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="as the worker resolves it",
+    )
     p.add_argument(
         "--attention-backend",
         choices=["auto", "torch", "cpu", "triton"],
@@ -404,9 +414,13 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
         default=HBM_BANDWIDTH,
         help="device memory bandwidth for the bound, bytes/s (default: H200's 4.8e12)",
     )
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch CPU threads (default: every core)"
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--iters", type=int, default=10, help="timed steps")
+    p.add_argument("--seed", type=int, default=0, help="seed of the context lengths and weights")
+    p.add_argument(
+        "--json", default=None, metavar="PATH", help="write every figure as JSON (default: none)"
+    )
     p.add_argument("--profile", action="store_true", help="print torch's operator table")

