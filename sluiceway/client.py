@@ -6,8 +6,6 @@ reference of the messages it sends and receives.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -190,26 +188,3 @@ class Client:
                 unreachable), DEADLINE_EXCEEDED after 10 s.
         """
         return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=10)  # type: ignore[no-any-return]
-
-
-def generate_command(args: argparse.Namespace) -> int:
-    """`sluiceway generate`: streams the answer to stdout; exit 1 with the gRPC status on error."""
-    sampling: dict[str, Any] = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
-        value = getattr(args, name)
-        if value is not None:
-            sampling[name] = value
-    if args.chat:
-        req = Client.request(messages=[("user", args.prompt)], **sampling)
-    else:
-        req = Client.request(args.prompt, **sampling)
-    with Client(args.target) as client:
-        try:
-            for response in client.generate_stream(req):
-                sys.stdout.write(response.text)
-                sys.stdout.flush()
-        except grpc.RpcError as e:
-            print(f"\nsluiceway generate: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    sys.stdout.write("\n")
-    return 0

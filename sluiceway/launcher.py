@@ -155,12 +155,17 @@ def _name(kind: str, *parts: tuple[str, int, int]) -> str:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    """Starts the stack, waits until each process is SERVING, prints the address, waits for a signal."""
+    """Starts the stack, waits until each process is SERVING, prints the address, waits for a
+    signal. Returns 0 once stopped; 2 with one line on stderr for a configuration error found
+    before the start or by a child that exits 2 while starting; 1 for another failure."""
     from scheduler.config import SchedulerConfig
-    from sluiceway.model_files import resolve_model
+    from sluiceway.logs import configure_logging
+    from sluiceway.model_files import resolve_model, served_model_name
+    from sluiceway.preflight import check_device, check_max_model_len, check_step_budget
 
     t0 = time.monotonic()
-    try:  # the scheduler would refuse the same flags, after the model load
+    configure_logging("serve", args.log_format, args.log_level)
+    try:  # what the children would refuse, after importing torch and loading the model
         roles = SchedulerConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             num_prefill_workers=args.num_prefill_workers,
@@ -173,11 +178,14 @@ def serve_command(args: argparse.Namespace) -> int:
             max_num_partial_prefills=args.max_num_partial_prefills,
             max_long_partial_prefills=args.max_long_partial_prefills,
         ).group_roles
+        check_step_budget(args.max_num_seqs, args.max_num_batched_tokens)
+        check_device(args.device)
+        model_dir = resolve_model(args.model)  # a GGUF converted once, before the children
+        check_max_model_len(model_dir, args.max_model_len)
     except ValueError as e:
         print(f"sluiceway: {e}", file=sys.stderr)
         return 2
-    model_dir = resolve_model(args.model)  # convert a GGUF once, before the children race for it
-    model_id = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    model_id = served_model_name(model_dir, args.served_model_name)
     if args.port + args.num_routers - 1 > 65535:
         print(
             f"sluiceway: --num-routers {args.num_routers} from --port {args.port} runs past "
@@ -355,6 +363,9 @@ def serve_command(args: argparse.Namespace) -> int:
             _restart_exited(children)
             time.sleep(0.2)
         return 0
+    except StartupConfigError as e:
+        print(f"sluiceway: {e}", file=sys.stderr)
+        return 2
     except (TimeoutError, RuntimeError) as e:
         print(f"sluiceway: {e}", file=sys.stderr)
         return 1
@@ -458,10 +469,18 @@ def _restart_together(group: list[Child]) -> None:
         child.restart()
 
 
+class StartupConfigError(RuntimeError):
+    """A child exited 2 (a configuration error, its own line on stderr) while starting."""
+
+
 def _wait_healthy(child: Child, children: list[Child], stopping) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
         for c in children:
+            if c.process.poll() == 2:
+                raise StartupConfigError(
+                    f"{c.name} refused its configuration (exit 2, its reason above); stopping"
+                )
             if c.process.poll() is not None:
                 raise RuntimeError(f"{c.name} exited with {c.process.returncode} during start-up")
         if stopping():

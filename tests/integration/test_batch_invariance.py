@@ -150,7 +150,14 @@ def test_after_a_prefix_cache_hit_and_amid_chunked_traffic(
     "flags",
     [
         # 48 blocks for 29 requests of up to 400 tokens, 64-token steps: many preemptions
-        ["--kv-cache-memory", str(48 * BYTES_PER_BLOCK), "--max-num-batched-tokens", "64"],
+        [
+            "--kv-cache-memory",
+            str(48 * BYTES_PER_BLOCK),
+            "--max-num-batched-tokens",
+            "64",
+            "--max-num-seqs",
+            "64",
+        ],
         ["--scheduling-policy", "static", "--no-enable-chunked-prefill"],
         ["--num-prefill-workers", "1", "--num-decode-workers", "1"],
         ["--num-replicas", "2"],

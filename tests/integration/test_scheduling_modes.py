@@ -31,7 +31,14 @@ BYTES_PER_BLOCK = 30 * 2 * 3 * 64 * 4 * 16  # SmolLM2, fp32, 16 tokens
         ["--no-enable-prefix-caching", "--max-num-batched-tokens", "512"],
         ["--scheduling-policy", "static", "--static-batch-size", "8"],
         # 48 blocks, and small chunks that admit many prompts at once: preemption
-        ["--kv-cache-memory", str(48 * BYTES_PER_BLOCK), "--max-num-batched-tokens", "64"],
+        [
+            "--kv-cache-memory",
+            str(48 * BYTES_PER_BLOCK),
+            "--max-num-batched-tokens",
+            "64",
+            "--max-num-seqs",
+            "64",
+        ],
     ],
     ids=["unchunked", "no-prefix-cache-chunks-512", "static-8", "48-blocks"],
 )

@@ -6,6 +6,7 @@ KV heads is refused at start."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,5 +74,11 @@ def test_a_size_that_does_not_divide_the_kv_heads_is_refused_at_start() -> None:
          "--metrics-port", "-1", "--http-port", "-1", "--tensor-parallel-size", "2"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert "tensor_parallel_size 2 does not divide the model's 3 KV heads" in proc.stderr
+    assert re.search(
+        r"^sluiceway: worker-rank[01] refused its configuration \(exit 2, its reason above\); "
+        "stopping$",
+        proc.stderr,
+        re.MULTILINE,
+    ), proc.stderr

@@ -1,0 +1,61 @@
+"""Configuration checks made before a process starts serving (by `serve` before it starts any
+child), so that a bad flag is one line on stderr and exit 2, not a child's traceback."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from sluiceway.model_files import context_window, resolve_max_model_len
+
+
+class ConfigError(ValueError):
+    """A flag, or a combination of flags, that cannot be served."""
+
+
+def check_device(device: str) -> None:
+    """Refuses ``cuda`` (or ``cuda:N``) without a usable GPU; imports torch only then.
+
+    Raises:
+        ConfigError: a CPU-only torch build, or no CUDA device visible.
+    """
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if torch.version.cuda is None:
+        raise ConfigError(
+            f"--device cuda: torch {torch.__version__} is a CPU-only build; install a CUDA "
+            "build of torch (README: GPU install) or pass --device cpu"
+        )
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device (torch.cuda.is_available())")
+
+
+def check_step_budget(max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    """Refuses a step token budget smaller than the step's sequences (each needs a token).
+
+    Raises:
+        ConfigError: ``max_num_batched_tokens < max_num_seqs`` (vLLM's message).
+    """
+    if max_num_batched_tokens < max_num_seqs:
+        raise ConfigError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) must be greater than or equal "
+            f"to max_num_seqs ({max_num_seqs})"
+        )
+
+
+def check_max_model_len(model_dir: pathlib.Path, max_model_len: int | None) -> None:
+    """Refuses a ``--max-model-len`` above the context of the model in ``model_dir`` (an HF
+    folder with ``config.json``), as the worker would after importing torch.
+
+    Raises:
+        ConfigError: see :func:`sluiceway.model_files.resolve_max_model_len`.
+    """
+    if max_model_len is None:
+        return
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    try:
+        resolve_max_model_len(max_model_len, *context_window(config))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
