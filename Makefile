@@ -18,8 +18,11 @@ $(BIN)/sluiceway: pyproject.toml
 
 install: $(BIN)/sluiceway
 
+# Flags for `sluiceway serve`: make serve ARGS="--port 50061 --metrics-port 9091"
+ARGS ?=
+
 serve: install
-	$(BIN)/sluiceway serve
+	$(BIN)/sluiceway serve $(ARGS)
 
 test: install
 	$(BIN)/ruff check .
