@@ -2,13 +2,20 @@
 
 Names follow vLLM's (`vllm:num_requests_running` -> `sluiceway:num_requests_running`),
 every series carries a `model_name` label, and each process serves its own
-`/metrics` on `--metrics-port` (prometheus-client's HTTP server, in a thread).
+`/metrics` on `--metrics-port` (a WSGI server of the standard library, in a thread).
 """
 
 from __future__ import annotations
 
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
 import structlog
-from prometheus_client import start_http_server
+from prometheus_client import REGISTRY, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 PREFIX = "sluiceway:"
 
@@ -28,21 +35,62 @@ COUNT_BUCKETS = tuple(float(2**i) for i in range(0, 11))
 TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(0, 14))
 
 
+METRICS_PATH = "/metrics"
+INDEX_TEXT = f"sluiceway metrics: GET {METRICS_PATH}\n".encode()
+NOT_FOUND_TEXT = f"not found; sluiceway metrics are at {METRICS_PATH}\n".encode()
+
+StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+
+
+def metrics_app() -> Callable[[dict[str, Any], StartResponse], Iterable[bytes]]:
+    """The WSGI app of the endpoint: the default registry on GET /metrics (prometheus-client's
+    app: text format, gzip and OpenMetrics when asked), a one-line pointer to it on /, 404
+    Not Found on every other path."""
+    prometheus = make_wsgi_app(REGISTRY)
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == METRICS_PATH:
+            return prometheus(environ, start_response)  # type: ignore[no-any-return]
+        if path == "/":
+            start_response("200 OK", [("Content-Type", "text/plain; charset=utf-8")])
+            return [INDEX_TEXT]
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [NOT_FOUND_TEXT]
+
+    return app
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Nothing: a scrape every few seconds would fill stderr."""
+
+
 def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
-    """Serves the default registry on http://host:port/metrics in a daemon thread and logs
-    its URL (`metrics_listening`).
+    """Serves `metrics_app` on http://host:port in a daemon thread and logs the metrics URL
+    (`metrics_listening`); IPv6 hosts work as IPv4 ones do.
 
     Returns the bound port (a free one when `port` is 0). Raises
     MetricsPortError (an OSError) naming the address when it cannot be bound.
     """
     try:
-        server, _thread = start_http_server(port, addr=host)
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+        server: WSGIServer = make_server(
+            str(sockaddr[0]), port, metrics_app(), server_class, handler_class=_QuietHandler
+        )
     except OSError as e:
         raise MetricsPortError(
             f"cannot serve metrics on {host}:{port}: {e.strerror or e} (--metrics-port)"
         ) from e
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     bound = int(server.server_port)
-    structlog.get_logger("metrics").info("metrics_listening", url=f"http://{host}:{bound}/metrics")
+    shown = f"[{host}]" if ":" in host else host
+    structlog.get_logger("metrics").info(
+        "metrics_listening", url=f"http://{shown}:{bound}{METRICS_PATH}"
+    )
     return bound
 
 
