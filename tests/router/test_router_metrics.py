@@ -63,3 +63,17 @@ def test_recorder_single_token_has_no_tpot_and_failures_count_by_code() -> None:
         )
         == 1
     )
+
+
+def test_e2e_and_queue_time_buckets_resolve_milliseconds() -> None:
+    model = "unit-ms-buckets"
+    r = RequestRecorder(model, arrival=0.0)
+    r.on_queue_time(0.0004)  # 0.4 ms in the queue
+    r.on_tokens(1, 0.002)
+    r.on_success("stop", prompt_tokens=1)  # E2E 2 ms
+
+    def bucket(name: str, le: str) -> float:
+        return sample(f"sluiceway:{name}_seconds_bucket", model_name=model, le=le)
+
+    assert [bucket("request_queue_time", le) for le in ("0.001", "0.0025", "0.05")] == [1, 1, 1]
+    assert [bucket("e2e_request_latency", le) for le in ("0.001", "0.0025", "0.05")] == [0, 1, 1]
