@@ -20,7 +20,6 @@ from typing import Any
 import grpc
 import structlog
 from grpc_health.v1 import health
-from grpc_reflection.v1alpha import reflection
 
 from router.balancer import (
     DEFAULT_BALANCE_ABS_THRESHOLD,
@@ -51,6 +50,7 @@ from sluiceway.grpc_server import (
     set_health,
 )
 from sluiceway.internal.v1 import scheduler_pb2
+from sluiceway.reflection import enable_server_reflection
 from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 
 log = structlog.get_logger("router")
@@ -583,9 +583,7 @@ async def start_router(
     # INVALID_ARGUMENT, not UNKNOWN
     add_inference_servicer(service, server, on_malformed=service.on_malformed_request)
     service_name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
-    reflection.enable_server_reflection(
-        [service_name, "grpc.health.v1.Health", reflection.SERVICE_NAME], server
-    )
+    enable_server_reflection([service_name, "grpc.health.v1.Health"], server)
     bound = bind(server, address)
     names = ["", service_name]
     await set_health(health, names, serving=False)

@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from prometheus_client import REGISTRY
 
 from router.handlers import MalformedRequest, lenient_deserializer
@@ -199,13 +200,64 @@ def test_garbage_tokenize_and_model_info_are_invalid_argument(
     _run(tokenizer, tokenizer_dir, scenario)
 
 
-def test_reflection_still_lists_the_services(tokenizer: Any, tokenizer_dir: pathlib.Path) -> None:
+async def _reflect(
+    channel: grpc.aio.Channel, version: str, request: reflection_pb2.ServerReflectionRequest
+) -> reflection_pb2.ServerReflectionResponse:
+    """One request to grpc.reflection.`version`.ServerReflection (v1 or v1alpha: the same
+    messages on the wire, so v1alpha's classes serve both)."""
+    call = channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    replies = [r async for r in call(iter([request]), timeout=10)]
+    assert len(replies) == 1
+    return replies[0]
+
+
+def test_reflection_v1_and_v1alpha_list_the_same_services(
+    tokenizer: Any, tokenizer_dir: pathlib.Path
+) -> None:
     async def scenario(channel: grpc.aio.Channel) -> None:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        request = reflection_pb2.ServerReflectionRequest(list_services="")
-        replies = [r async for r in stub.ServerReflectionInfo(iter([request]), timeout=10)]
-        names = {s.name for s in replies[0].list_services_response.service}
-        assert {"sluiceway.v1.Inference", "grpc.health.v1.Health"} <= names
+        listed = {}
+        for version in ("v1", "v1alpha"):
+            reply = await _reflect(
+                channel, version, reflection_pb2.ServerReflectionRequest(list_services="")
+            )
+            listed[version] = sorted(s.name for s in reply.list_services_response.service)
+        assert (
+            listed["v1"]
+            == listed["v1alpha"]
+            == [
+                "grpc.health.v1.Health",
+                "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection",
+                "sluiceway.v1.Inference",
+            ]
+        )
+        # each version describes its own service, and v1 the public API as v1alpha does
+        for version in ("v1", "v1alpha"):
+            symbol = f"grpc.reflection.{version}.ServerReflection"
+            reply = await _reflect(
+                channel,
+                version,
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol),
+            )
+            (raw,) = reply.file_descriptor_response.file_descriptor_proto
+            file = descriptor_pb2.FileDescriptorProto.FromString(raw)
+            assert file.package == f"grpc.reflection.{version}"
+            method = file.service[0].method[0]
+            assert (method.name, method.input_type) == (
+                "ServerReflectionInfo", f".grpc.reflection.{version}.ServerReflectionRequest"
+            )  # fmt: skip
+        described = []
+        for version in ("v1", "v1alpha"):
+            request = reflection_pb2.ServerReflectionRequest(
+                file_containing_symbol="sluiceway.v1.Inference"
+            )
+            reply = await _reflect(channel, version, request)
+            described.append(list(reply.file_descriptor_response.file_descriptor_proto))
+        assert described[0] == described[1] and len(described[0]) >= 1
 
     _run(tokenizer, tokenizer_dir, scenario)
 
