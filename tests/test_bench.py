@@ -165,3 +165,31 @@ def test_plot_writes_a_png(tmp_path) -> None:  # type: ignore[no-untyped-def]
         str(path), title="synthetic",
     )  # fmt: skip
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_printed_counts_are_integers_and_the_other_figures_have_two_decimals(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from sluiceway.bench.metrics import step_breakdown
+    from sluiceway.bench.serve import print_figures
+
+    results = [RequestResult(ok=True, prompt_len=10, output_len=4, ttft=0.1, e2e=0.4)] * 20
+    figures = summarize(results, duration_s=8.0)
+    figures.update(server_figures(inference_pb2.ModelInfo(), inference_pb2.ModelInfo()))
+    figures["num_kv_blocks"] = 1024
+    steps = inference_pb2.StepTimes(num_steps_total=80, schedule_seconds_total=0.4)
+    figures.update(step_breakdown(inference_pb2.StepTimes(), steps, duration_s=8.0))
+    print_figures(figures, [])
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line}
+    assert lines["successful_requests"] == f"{'successful_requests':<40}{'20':>14}"
+    assert lines["failed_requests"].split()[1] == "0"
+    assert lines["total_input_tokens"].split()[1] == "200"
+    assert lines["total_output_tokens"].split()[1] == "80"
+    assert lines["num_preemptions"].split()[1] == "0"
+    assert lines["num_kv_blocks"].split()[1] == "1024"
+    assert lines["num_steps"].split()[1] == "80"
+    assert lines["num_step_loops"].split()[1] == "1"
+    assert lines["duration_s"].split()[1] == "8.00"
+    assert lines["request_throughput"].split()[1] == "2.50"
+    assert lines["mean_ttft_ms"].split()[1] == "100.00"
+    assert lines["kv_cache_utilization_pct"].split()[1] == "0.00"

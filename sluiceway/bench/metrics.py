@@ -124,13 +124,13 @@ def step_breakdown(
         "step_worker_other_ms": worker - prepare - forward - sample,
         "step_apply_ms": apply,
     }
-    figures = {"num_steps": steps}
+    figures: dict[str, float] = {"num_steps": int(steps)}
     for name, total in seconds.items():
         figures[name] = 1e3 * total / steps if steps else 0.0
     busy = schedule + execute + apply
     figures["step_total_ms"] = 1e3 * busy / steps if steps else 0.0
     loops = max(1, after.num_step_loops)  # 0 from a server older than the field
-    figures["num_step_loops"] = float(loops)
+    figures["num_step_loops"] = loops
     figures["step_loop_busy_pct"] = 100 * busy / (duration_s * loops) if duration_s else 0.0
     figures["detokenize_us_per_token"] = 1e6 * detok / detok_tokens if detok_tokens else 0.0
     figures["detokenize_pct"] = 100 * detok / duration_s if duration_s else 0.0

@@ -119,11 +119,13 @@ async def run_workload(
 
 
 def print_figures(figures: dict[str, float], errors: list[str]) -> None:
-    """vLLM's result block, then the step-time breakdown (ms per step and share)."""
+    """vLLM's result block (counts, the figures held as ints, as integers; the others with
+    two decimals), then the step-time breakdown (ms per step and share)."""
     print(f"{'=' * 16} Serving Benchmark Result {'=' * 16}")
     for key, value in figures.items():
         if not key.startswith("step_") and not key.startswith("detokenize"):
-            print(f"{key:<40}{value:>14.2f}")
+            text = str(value) if isinstance(value, int) else f"{value:.2f}"
+            print(f"{key:<40}{text:>14}")
     if figures.get("num_steps"):
         total = figures["step_total_ms"]
         print(f"{'-' * 14} Step-time breakdown (per step) {'-' * 13}")
