@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Literal, get_args
 
 from prometheus_client import Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -12,15 +12,43 @@ from prometheus_client.registry import Collector
 from sluiceway.metrics import PREFIX, STEP_BUCKETS
 
 if TYPE_CHECKING:
-    from worker.model_runner import ModelRunner
+    from worker.model_runner import ModelRunner, ScheduledChunk
+
+Phase = Literal["prefill", "decode"]  # the `phase` label
+PHASES: tuple[Phase, ...] = get_args(Phase)
 
 FORWARD_SECONDS = Histogram(
     f"{PREFIX}forward_seconds",
-    "Model forward of one step (input tensors, forward, sampling), seconds; phase=prefill "
-    "when the step has a chunk of more than one token, else decode.",
+    "Model forward of one step (input tensors, forward, sampling), seconds; phase=decode "
+    "when each sequence of the step computes its last sampled token only, else prefill "
+    "(prompt tokens, however few, or a preempted sequence's recomputed ones).",
     ["model_name", "phase"],
     buckets=STEP_BUCKETS,
 )
+
+
+def is_decode(chunk: ScheduledChunk) -> bool:
+    """Whether `chunk` is a decode: it computes one token, the generated one sampled last.
+    Any other chunk prefills: prompt tokens, whatever their number (a 1-token prompt's only
+    chunk too), or the generated tokens of a preempted sequence, recomputed."""
+    start = chunk.num_computed_tokens
+    return (
+        chunk.num_new_tokens == 1
+        and start >= chunk.seq.num_prompt_tokens
+        and start + 1 == len(chunk.seq.token_ids)
+    )
+
+
+def step_phase(chunks: Sequence[ScheduledChunk]) -> Phase:
+    """The `phase` label of a step: decode when every chunk decodes, else prefill."""
+    return "decode" if all(is_decode(c) for c in chunks) else "prefill"
+
+
+def init_series(model_name: str) -> None:
+    """Creates the `forward_seconds` series of each phase of `model_name` at 0, so that they
+    are exported before the first step. Idempotent."""
+    for phase in PHASES:
+        FORWARD_SECONDS.labels(model_name, phase)
 
 
 class WorkerCollector(Collector):

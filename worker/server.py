@@ -31,7 +31,7 @@ from sluiceway.grpc_server import (
 )
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker.kv_pool import SharedKvPool, copy_blocks, open_kv_pool
-from worker.metrics import FORWARD_SECONDS
+from worker.metrics import FORWARD_SECONDS, step_phase
 from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
 
 log = structlog.get_logger("worker")
@@ -126,8 +126,7 @@ class StepExecutor:
         sampled = self.runner.execute(chunks)
         timings = self.runner.last_timings
         if chunks:
-            phase = "prefill" if any(c.num_new_tokens > 1 for c in chunks) else "decode"
-            FORWARD_SECONDS.labels(self.model_name, phase).observe(
+            FORWARD_SECONDS.labels(self.model_name, step_phase(chunks)).observe(
                 timings.prepare_s + timings.forward_s + timings.sample_s
             )
         return worker_pb2.StepResponse(
@@ -385,9 +384,10 @@ async def serve(
         from prometheus_client import REGISTRY
 
         from sluiceway.metrics import serve_metrics
-        from worker.metrics import WorkerCollector
+        from worker.metrics import WorkerCollector, init_series
 
         REGISTRY.register(WorkerCollector(runner, model_id))
+        init_series(model_id)
         serve_metrics(metrics_port, metrics_host)
     server, health = new_server(max_message_bytes=WORKER_MAX_MESSAGE_BYTES)
     executor = StepExecutor(runner, model_id)
