@@ -49,7 +49,13 @@ import grpc
 import structlog
 
 from router.kv_index import KvIndex
-from router.metrics import KV_INDEX_BLOCKS, OUTSTANDING_REQUESTS, SCHEDULER_READY
+from router.metrics import (
+    KV_INDEX_BLOCKS,
+    OUTSTANDING_REQUESTS,
+    SCHEDULER_GAUGES,
+    SCHEDULER_READY,
+    init_series,
+)
 from sluiceway.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sluiceway.prefix_hash import prompt_block_hashes
@@ -162,12 +168,24 @@ class SchedulerPool:
             self.replicas.append(
                 SchedulerReplica(address, channel, scheduler_pb2_grpc.SchedulerStub(channel))
             )
-            OUTSTANDING_REQUESTS.labels(address).set(0)
-            KV_INDEX_BLOCKS.labels(address).set(0)
-            SCHEDULER_READY.labels(address).set(0)
         self._changed = asyncio.Event()
         self._limits: ModelLimits | None = None
         self._warned_mismatch = False
+        for replica in self.replicas:
+            self._export(replica)
+
+    @property
+    def model_name(self) -> str:
+        """The `model_name` label of this router's metrics: the model id of `limits`, ""
+        until a scheduler has been ready."""
+        return self._limits.model_id if self._limits is not None else ""
+
+    def _export(self, replica: SchedulerReplica) -> None:
+        """Sets `replica`'s gauges (outstanding requests, KV index blocks, readiness)."""
+        labels = (self.model_name, replica.address)
+        OUTSTANDING_REQUESTS.labels(*labels).set(replica.outstanding)
+        KV_INDEX_BLOCKS.labels(*labels).set(self.kv_index.num_blocks(replica.address))
+        SCHEDULER_READY.labels(*labels).set(int(replica.ready))
 
     @property
     def addresses(self) -> list[str]:
@@ -238,9 +256,7 @@ class SchedulerPool:
                 call = replica.stub.SubscribeKvEvents(scheduler_pb2.SubscribeKvEventsRequest())
                 async for events in call:
                     self.kv_index.apply(replica.address, events)
-                    KV_INDEX_BLOCKS.labels(replica.address).set(
-                        self.kv_index.num_blocks(replica.address)
-                    )
+                    self._export(replica)
                     backoff = 0.1
             except grpc.aio.AioRpcError as e:
                 code = e.code()
@@ -249,19 +265,19 @@ class SchedulerPool:
                 if code != grpc.StatusCode.UNAVAILABLE:
                     log.warning("kv_events_failed", scheduler=replica.address, error=code.name)
             self.kv_index.clear(replica.address)
-            KV_INDEX_BLOCKS.labels(replica.address).set(0)
+            self._export(replica)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, max(backoff, KV_EVENTS_MAX_BACKOFF_S))
 
     def begin(self, replica: SchedulerReplica) -> None:
         """A request was forwarded to `replica`."""
         replica.outstanding += 1
-        OUTSTANDING_REQUESTS.labels(replica.address).set(replica.outstanding)
+        self._export(replica)
 
     def end(self, replica: SchedulerReplica) -> None:
         """A request forwarded to `replica` ended (finished, failed or cancelled)."""
         replica.outstanding -= 1
-        OUTSTANDING_REQUESTS.labels(replica.address).set(replica.outstanding)
+        self._export(replica)
 
     def mark_unavailable(self, replica: SchedulerReplica, reason: str) -> None:
         """`replica` failed a request with UNAVAILABLE: no new requests go to it until a
@@ -303,7 +319,7 @@ class SchedulerPool:
         if replica.ready == ready:
             return
         replica.ready = ready
-        SCHEDULER_READY.labels(replica.address).set(int(ready))
+        self._export(replica)
         if ready:
             log.info("scheduler_ready", scheduler=replica.address)
         else:
@@ -326,12 +342,20 @@ class SchedulerPool:
                 model_ids=sorted({lim.model_id for lim in ready}),
             )
         self._warned_mismatch = differ
+        previous = self.model_name
         self._limits = ModelLimits(
             first.model_id,
             min(lim.max_model_len for lim in ready),
             first.vocab_size,
             first.block_size,
         )
+        if self.model_name != previous:  # the first ready scheduler, or another model
+            init_series(self.model_name)
+            for replica in self.replicas:
+                for gauge in SCHEDULER_GAUGES:
+                    with contextlib.suppress(KeyError):  # gone: another pool of this process
+                        gauge.remove(previous, replica.address)
+                self._export(replica)
 
     async def wait_changed(self, timeout_s: float) -> None:
         """Returns after `timeout_s` seconds, or sooner once a scheduler is marked

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
+import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from sluiceway.metrics import (
@@ -10,10 +13,25 @@ from sluiceway.metrics import (
     TOKEN_LATENCY_BUCKETS,
     TTFT_BUCKETS,
 )
+from sluiceway.v1 import inference_pb2
+
+# The label values the router emits, each from one source; `init_series` creates every
+# combination at 0, so a dashboard shows 0 rather than "No data" before the first event.
+Protocol = Literal["grpc", "http"]  # the API a request came in by
+PROTOCOLS: tuple[Protocol, ...] = get_args(Protocol)
+# finish reason -> the `finished_reason` label and log field (vLLM's words: stop, length,
+# abort), for every FinishReason but UNSPECIFIED (still running)
+FINISHED_REASONS: dict[int, str] = {
+    value: name.removeprefix("FINISH_REASON_").lower()
+    for name, value in inference_pb2.FinishReason.items()
+    if value != inference_pb2.FINISH_REASON_UNSPECIFIED
+}
+# the `code` label: a failure's gRPC status, any but OK (the router relays the scheduler's)
+FAILURE_CODES = tuple(c.name for c in grpc.StatusCode if c is not grpc.StatusCode.OK)
 
 REQUEST_SUCCESS = Counter(
     f"{PREFIX}request_success",
-    "Requests that finished normally, by finish reason (stop, length) and API (grpc, http).",
+    "Requests that finished normally, by finish reason (stop, length, abort) and API (grpc, http).",
     ["model_name", "finished_reason", "protocol"],
 )
 REQUEST_FAILURE = Counter(
@@ -58,22 +76,45 @@ REQUEST_QUEUE_TIME = Histogram(
     ["model_name"],
     buckets=REQUEST_LATENCY_BUCKETS,
 )
-# Per scheduler (a router over several spreads requests over them; router/balancer.py).
+# Per scheduler (a router over several spreads requests over them; router/balancer.py sets
+# them, under the model's name once a scheduler has told it).
 OUTSTANDING_REQUESTS = Gauge(
     f"{PREFIX}router_outstanding_requests",
     "Generate streams this router forwarded to the scheduler and that have not ended yet.",
-    ["scheduler"],
+    ["model_name", "scheduler"],
 )
 KV_INDEX_BLOCKS = Gauge(
     f"{PREFIX}router_kv_index_blocks",
     "KV blocks this router's cache-aware index holds for the scheduler (from its KV events).",
-    ["scheduler"],
+    ["model_name", "scheduler"],
 )
 SCHEDULER_READY = Gauge(
     f"{PREFIX}router_scheduler_ready",
     "1 while this router sees the scheduler ready (it gets new requests), else 0.",
-    ["scheduler"],
+    ["model_name", "scheduler"],
 )
+SCHEDULER_GAUGES = (OUTSTANDING_REQUESTS, KV_INDEX_BLOCKS, SCHEDULER_READY)
+
+
+def init_series(model_name: str) -> None:
+    """Creates every request series of `model_name` at 0: each finish reason and failure
+    code with each protocol, the token counters and the latency histograms (as vLLM does
+    at start). Idempotent."""
+    for protocol in PROTOCOLS:
+        for reason in FINISHED_REASONS.values():
+            REQUEST_SUCCESS.labels(model_name, reason, protocol)
+        for code in FAILURE_CODES:
+            REQUEST_FAILURE.labels(model_name, code, protocol)
+    for metric in (
+        PROMPT_TOKENS,
+        GENERATION_TOKENS,
+        TIME_TO_FIRST_TOKEN,
+        TIME_PER_OUTPUT_TOKEN,
+        INTER_TOKEN_LATENCY,
+        E2E_REQUEST_LATENCY,
+        REQUEST_QUEUE_TIME,
+    ):
+        metric.labels(model_name)
 
 
 class RequestRecorder:
@@ -84,9 +125,9 @@ class RequestRecorder:
     events; TPOT = (E2E - TTFT) / (tokens - 1), as vLLM defines them.
     """
 
-    def __init__(self, model_name: str, arrival: float, protocol: str = "grpc") -> None:
+    def __init__(self, model_name: str, arrival: float, protocol: Protocol = "grpc") -> None:
         self.model_name = model_name
-        self.protocol = protocol  # the `protocol` label: grpc or http
+        self.protocol = protocol
         self.arrival = arrival
         self.first_token: float | None = None
         self.last_token = arrival

@@ -32,7 +32,7 @@ from router.balancer import (
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import InvalidRequest, client_details
 from router.handlers import MalformedRequest, add_inference_servicer
-from router.metrics import REQUEST_FAILURE, RequestRecorder
+from router.metrics import FINISHED_REASONS, REQUEST_FAILURE, Protocol, RequestRecorder
 from router.streams import merge_streams
 from router.tokenizer import encode_chat, encode_prompt, load_tokenizer
 from router.validation import (
@@ -59,11 +59,6 @@ UNSPECIFIED = inference_pb2.FINISH_REASON_UNSPECIFIED
 # A stream cancelled with less than this left before its deadline ended by the deadline:
 # the cancellation reaches the handler a little before the deadline itself.
 DEADLINE_SLACK_S = 0.1
-# finish reason -> the `finished_reason` label and log field (vLLM's words)
-FINISHED_REASONS = {
-    inference_pb2.FINISH_REASON_STOP: "stop",
-    inference_pb2.FINISH_REASON_LENGTH: "length",
-}
 
 
 class RequestFailed(Exception):
@@ -197,7 +192,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         request_id: str,
         *,
         arrival: float,
-        protocol: str = "grpc",
+        protocol: Protocol = "grpc",
         cancel_code: Callable[[], grpc.StatusCode] = lambda: grpc.StatusCode.CANCELLED,
     ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         """The one path of a generation, for every front (gRPC here, HTTP in

@@ -51,6 +51,19 @@ BATCHED_TOKENS = Histogram(
 )
 
 
+def init_series(model_name: str) -> None:
+    """Creates the series of `model_name` of every metric above at 0, so that they are
+    exported before the first request (as vLLM does at start). Idempotent."""
+    for metric in (
+        SCHEDULER_STEP_SECONDS,
+        MODEL_STEP_SECONDS,
+        REQUESTS_RECEIVED,
+        BATCH_SIZE,
+        BATCHED_TOKENS,
+    ):
+        metric.labels(model_name)
+
+
 class SchedulerCollector(Collector):
     """Queue lengths, KV cache usage, prefix-cache and preemption counters of `engine`."""
 

@@ -11,7 +11,7 @@ import structlog
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine, NotReady, QueueFull, RegistrationError, WorkerUnavailable
 from scheduler.kv_events import KvEventPublisher, run_publisher
-from scheduler.metrics import REQUESTS_RECEIVED
+from scheduler.metrics import REQUESTS_RECEIVED, init_series
 from scheduler.worker_group import WorkerInfo
 from sluiceway.grpc_server import (
     REQUEST_ID_METADATA,
@@ -155,6 +155,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except RegistrationError as e:
             log.error("worker_refused", address=request.address, error=str(e))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        init_series(info.model_id)  # every worker serves the same model (register_worker)
         return scheduler_pb2.RegisterWorkerResponse(max_model_len=max_model_len)
 
 

@@ -13,13 +13,16 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.error import HTTPError
 from urllib.request import urlopen
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.metrics import FAILURE_CODES, PROTOCOLS
 from sluiceway.client import Client, wait_until_serving
 from sluiceway.v1 import inference_pb2
 from tests.integration.conftest import free_port
@@ -142,6 +145,89 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Standalone
         yield s, target
     finally:
         s.stop()
+
+
+def test_right_after_start_every_label_set_is_exported_at_zero(
+    stack: tuple[Standalone, str],
+) -> None:
+    """Runs first in this module: before any request. Every series carries model_name."""
+    s, target = stack
+    with Client(target) as client:
+        model = client.stub.GetModelInfo(inference_pb2.GetModelInfoRequest()).model_id
+    router = scrape(s.processes["router"].metrics_port)
+    scheduler = scrape(s.processes["scheduler"].metrics_port)
+    worker = scrape(s.processes["worker"].metrics_port)
+
+    failures = router["sluiceway:request_failure_total"]
+    assert sorted((lab["code"], lab["protocol"]) for lab, _ in failures) == sorted(
+        (code, protocol) for code in FAILURE_CODES for protocol in PROTOCOLS
+    )
+    assert {(lab["model_name"], v) for lab, v in failures} == {(model, 0.0)}
+    successes = router["sluiceway:request_success_total"]
+    assert sorted((lab["finished_reason"], lab["protocol"], v) for lab, v in successes) == [
+        (reason, protocol, 0.0)
+        for reason in ("abort", "length", "stop")
+        for protocol in ("grpc", "http")
+    ]
+    assert router["sluiceway:router_scheduler_ready"] == [
+        ({"model_name": model, "scheduler": s.scheduler_address}, 1.0)
+    ]
+    for name in ("e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
+                 "prompt_tokens_total"):  # fmt: skip
+        assert router[f"sluiceway:{name}"] == [({"model_name": model}, 0.0)], name
+    for name in ("scheduler_requests_total", "batch_size_count", "model_step_seconds_count"):
+        assert scheduler[f"sluiceway:{name}"] == [({"model_name": model}, 0.0)], name
+    assert sorted((lab["phase"], v) for lab, v in worker["sluiceway:forward_seconds_count"]) == [
+        ("decode", 0.0),
+        ("prefill", 0.0),
+    ]
+    for process in (router, scheduler, worker):
+        unlabelled = [
+            name
+            for name, samples in process.items()
+            if name.startswith("sluiceway:")
+            for lab, _ in samples
+            if lab.get("model_name") != model
+        ]
+        assert unlabelled == []
+
+
+def test_metrics_ports_answer_only_metrics_path(stack: tuple[Standalone, str]) -> None:
+    s, _ = stack
+    for p in s.processes.values():
+        base = f"http://127.0.0.1:{p.metrics_port}"
+        with pytest.raises(HTTPError) as err:
+            urlopen(f"{base}/foo", timeout=5)
+        assert err.value.code == 404, p.name
+        index = urlopen(f"{base}/", timeout=5).read()
+        assert index == b"sluiceway metrics: GET /metrics\n", p.name
+
+
+def test_router_reflection_v1_and_v1alpha_list_the_same_services(
+    stack: tuple[Standalone, str],
+) -> None:
+    _, target = stack
+    listed = {}
+    with grpc.insecure_channel(target) as channel:
+        for version in ("v1", "v1alpha"):
+            call = channel.stream_stream(
+                f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            )
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            (reply,) = call(iter([request]), timeout=10)
+            listed[version] = sorted(x.name for x in reply.list_services_response.service)
+    assert (
+        listed["v1"]
+        == listed["v1alpha"]
+        == [
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+            "sluiceway.v1.Inference",
+        ]
+    )
 
 
 def test_metrics_of_the_three_processes_add_up(stack: tuple[Standalone, str]) -> None:

@@ -315,8 +315,9 @@ async def _model_info(channel: grpc.aio.Channel) -> inference_pb2.ModelInfo:
     return await stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=5)
 
 
-def _gauge(name: str, scheduler: str) -> float | None:
-    return REGISTRY.get_sample_value(f"sluiceway:{name}", {"scheduler": scheduler})
+def _gauge(name: str, scheduler: str, model_name: str = "fake") -> float | None:
+    labels = {"model_name": model_name, "scheduler": scheduler}
+    return REGISTRY.get_sample_value(f"sluiceway:{name}", labels)
 
 
 TOKENS = [100, 101, 102, 103]
@@ -336,6 +337,11 @@ def test_concurrent_requests_spread_over_both_schedulers(
         for f in fakes:
             assert _gauge("router_outstanding_requests", f.address) == 0
             assert _gauge("router_scheduler_ready", f.address) == 1
+            # exported under model_name "" until the first ready scheduler named the model
+            assert _gauge("router_scheduler_ready", f.address, model_name="") is None
+        # the request series of the model, created when the first scheduler was ready
+        unseen = {"model_name": "fake", "code": "DATA_LOSS", "protocol": "http"}
+        assert REGISTRY.get_sample_value("sluiceway:request_failure_total", unseen) == 0.0
         # model facts from one, counters summed over both
         info = await _model_info(ch)
         assert (info.model_id, info.max_model_len, info.block_size) == ("fake", 4096, 16)

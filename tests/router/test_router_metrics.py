@@ -65,6 +65,46 @@ def test_recorder_single_token_has_no_tpot_and_failures_count_by_code() -> None:
     )
 
 
+def test_init_series_exports_every_label_set_at_zero() -> None:
+    from router.metrics import FAILURE_CODES, FINISHED_REASONS, PROTOCOLS, init_series
+
+    model = "unit-init-series"
+    assert sample("sluiceway:request_failure_total", model_name=model) == 0.0  # not yet
+    assert REGISTRY.get_sample_value(
+        "sluiceway:request_failure_total",
+        {"model_name": model, "code": "CANCELLED", "protocol": "grpc"},
+    ) is None  # fmt: skip
+    init_series(model)
+    assert PROTOCOLS == ("grpc", "http")
+    assert sorted(FINISHED_REASONS.values()) == ["abort", "length", "stop"]
+    assert len(FAILURE_CODES) == 16 and "OK" not in FAILURE_CODES
+    failures = successes = 0
+    for metric in REGISTRY.collect():
+        for s in metric.samples:
+            if s.labels.get("model_name") != model:
+                continue
+            if s.name == "sluiceway:request_failure_total":
+                assert s.value == 0.0 and s.labels["code"] in FAILURE_CODES
+                failures += 1
+            elif s.name == "sluiceway:request_success_total":
+                assert s.value == 0.0
+                successes += 1
+    assert (failures, successes) == (16 * 2, 3 * 2)
+    for protocol in PROTOCOLS:
+        labels = {"model_name": model, "protocol": protocol}
+        for reason in ("stop", "length", "abort"):
+            success = {**labels, "finished_reason": reason}
+            assert REGISTRY.get_sample_value("sluiceway:request_success_total", success) == 0.0
+        for code in ("CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "UNAVAILABLE"):
+            failure = {**labels, "code": code}
+            assert REGISTRY.get_sample_value("sluiceway:request_failure_total", failure) == 0.0
+    for name in ("prompt_tokens_total", "generation_tokens_total",
+                 "time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+                 "request_queue_time_seconds_count", "inter_token_latency_seconds_count",
+                 "time_per_output_token_seconds_count"):  # fmt: skip
+        assert REGISTRY.get_sample_value(f"sluiceway:{name}", {"model_name": model}) == 0.0, name
+
+
 def test_e2e_and_queue_time_buckets_resolve_milliseconds() -> None:
     model = "unit-ms-buckets"
     r = RequestRecorder(model, arrival=0.0)

@@ -67,3 +67,16 @@ def test_collector_sums_the_groups_of_a_disaggregated_scheduler() -> None:
     assert value("sluiceway:num_requests_running") == 3
     assert value("sluiceway:kv_cache_usage_perc") == 6 / 40
     assert value("sluiceway:kv_transfers_total") == 0
+
+
+def test_init_series_exports_the_step_histograms_and_requests_at_zero() -> None:
+    from prometheus_client import REGISTRY
+
+    from scheduler.metrics import init_series
+
+    labels = {"model_name": "unit-scheduler-init"}
+    assert REGISTRY.get_sample_value("sluiceway:scheduler_requests_total", labels) is None
+    init_series("unit-scheduler-init")
+    for name in ("scheduler_requests_total", "scheduler_step_seconds_count",
+                 "model_step_seconds_count", "batch_size_count", "batched_tokens_count"):  # fmt: skip
+        assert REGISTRY.get_sample_value(f"sluiceway:{name}", labels) == 0.0, name
