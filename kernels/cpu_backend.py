@@ -13,9 +13,9 @@ import math
 
 import torch
 
-from kernels import cpu_ops
-from kernels.paged_attention import write_kv
-from kernels.varlen_metadata import VarlenMetadata, VarlenMetadataBuilder
+from sluiceway.kernels import cpu_ops
+from sluiceway.kernels.paged_attention import write_kv
+from sluiceway.kernels.varlen_metadata import VarlenMetadata, VarlenMetadataBuilder
 
 __all__ = ["CpuAttentionBackend"]
 

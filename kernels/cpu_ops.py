@@ -296,6 +296,6 @@ def bf16_linear(
     return out
 
 
-if __name__ == "__main__":  # `python -m kernels.cpu_ops`: build now (make install does)
+if __name__ == "__main__":  # `python -m sluiceway.kernels.cpu_ops`: build now (make install does)
     load()
     print(f"C++ CPU kernels ready: {_extension_name()}")

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.batch_invariant import enabled as batch_invariant_enabled
-from kernels.triton_decode_attention import triton_decode_attention
-from kernels.triton_kv_write import triton_write_kv
-from kernels.triton_prefill_attention import triton_prefill_attention
-from kernels.triton_unified_attention import triton_unified_attention
-from kernels.varlen_metadata import VarlenMetadata, VarlenMetadataBuilder
+from sluiceway.kernels.batch_invariant import enabled as batch_invariant_enabled
+from sluiceway.kernels.triton_decode_attention import triton_decode_attention
+from sluiceway.kernels.triton_kv_write import triton_write_kv
+from sluiceway.kernels.triton_prefill_attention import triton_prefill_attention
+from sluiceway.kernels.triton_unified_attention import triton_unified_attention
+from sluiceway.kernels.varlen_metadata import VarlenMetadata, VarlenMetadataBuilder
 
 __all__ = ["TritonAttentionBackend"]
 

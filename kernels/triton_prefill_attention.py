@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_decode_attention import dot_precision
+from sluiceway.kernels.triton_decode_attention import dot_precision
 
 __all__ = ["DEFAULT_BLOCK_N", "triton_prefill_attention"]
 

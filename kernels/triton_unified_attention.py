@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_matmul import interpreter_dot
+from sluiceway.kernels.triton_matmul import interpreter_dot
 
 __all__ = ["BLOCK_N", "SEGMENT", "block_m_for", "triton_unified_attention"]
 

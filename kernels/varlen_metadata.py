@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_attention import check_step
+from sluiceway.kernels.paged_attention import check_step
 
 __all__ = ["VarlenMetadata", "VarlenMetadataBuilder", "build_varlen_metadata", "choose_num_splits"]
 

@@ -48,17 +48,17 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from router.kv_index import KvIndex
-from router.metrics import (
+from sluiceway.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from sluiceway.prefix_hash import prompt_block_hashes
+from sluiceway.router.kv_index import KvIndex
+from sluiceway.router.metrics import (
     KV_INDEX_BLOCKS,
     OUTSTANDING_REQUESTS,
     SCHEDULER_GAUGES,
     SCHEDULER_READY,
     init_series,
 )
-from sluiceway.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
-from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
-from sluiceway.prefix_hash import prompt_block_hashes
 
 log = structlog.get_logger("router")
 

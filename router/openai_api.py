@@ -40,10 +40,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from router.errors import InvalidRequest
-from router.server import InferenceService, RequestFailed
-from router.streams import merge_streams
-from router.validation import MAX_N
+from sluiceway.router.errors import InvalidRequest
+from sluiceway.router.server import InferenceService, RequestFailed
+from sluiceway.router.streams import merge_streams
+from sluiceway.router.validation import MAX_N
 from sluiceway.v1 import inference_pb2
 
 __all__ = ["HttpServer", "build_app", "start_http_server"]

@@ -21,26 +21,6 @@ import grpc
 import structlog
 from grpc_health.v1 import health
 
-from router.balancer import (
-    DEFAULT_BALANCE_ABS_THRESHOLD,
-    DEFAULT_CACHE_THRESHOLD,
-    ModelLimits,
-    SchedulerPool,
-    SchedulerReplica,
-    merge_scheduler_infos,
-)
-from router.detokenizer import IncrementalDetokenizer
-from router.errors import InvalidRequest, client_details
-from router.handlers import MalformedRequest, add_inference_servicer
-from router.metrics import FINISHED_REASONS, REQUEST_FAILURE, Protocol, RequestRecorder
-from router.streams import merge_streams
-from router.tokenizer import encode_chat, encode_prompt, load_tokenizer
-from router.validation import (
-    ResolvedSampling,
-    resolve_request,
-    validate_prompt_token_ids,
-    validate_request_id,
-)
 from sluiceway.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     REQUEST_ID_METADATA,
@@ -51,6 +31,26 @@ from sluiceway.grpc_server import (
 )
 from sluiceway.internal.v1 import scheduler_pb2
 from sluiceway.reflection import enable_server_reflection
+from sluiceway.router.balancer import (
+    DEFAULT_BALANCE_ABS_THRESHOLD,
+    DEFAULT_CACHE_THRESHOLD,
+    ModelLimits,
+    SchedulerPool,
+    SchedulerReplica,
+    merge_scheduler_infos,
+)
+from sluiceway.router.detokenizer import IncrementalDetokenizer
+from sluiceway.router.errors import InvalidRequest, client_details
+from sluiceway.router.handlers import MalformedRequest, add_inference_servicer
+from sluiceway.router.metrics import FINISHED_REASONS, REQUEST_FAILURE, Protocol, RequestRecorder
+from sluiceway.router.streams import merge_streams
+from sluiceway.router.tokenizer import encode_chat, encode_prompt, load_tokenizer
+from sluiceway.router.validation import (
+    ResolvedSampling,
+    resolve_request,
+    validate_prompt_token_ids,
+    validate_request_id,
+)
 from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 
 log = structlog.get_logger("router")
@@ -635,7 +635,7 @@ async def serve(
     router = await start_router(service, address, max_message_bytes=max_message_bytes)
     http = None
     if http_port is not None:
-        from router.openai_api import start_http_server
+        from sluiceway.router.openai_api import start_http_server
 
         http = await start_http_server(service, http_host, http_port)
     log.info(

@@ -12,7 +12,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from router.errors import InvalidRequest
+from sluiceway.router.errors import InvalidRequest
 
 __all__ = ["CHAT_ROLES", "encode_chat", "encode_prompt", "load_tokenizer"]
 

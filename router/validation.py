@@ -11,8 +11,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from router.errors import InvalidRequest
 from sluiceway.internal.v1 import scheduler_pb2
+from sluiceway.router.errors import InvalidRequest
 from sluiceway.v1 import inference_pb2
 
 __all__ = [

@@ -32,8 +32,8 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from scheduler.sequence import Sequence
 from sluiceway.prefix_hash import ROOT_HASH, hash_block
+from sluiceway.scheduler.sequence import Sequence
 
 __all__ = ["ROOT_HASH", "Block", "BlockManager", "hash_block"]
 

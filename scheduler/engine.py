@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from scheduler import metrics
-from scheduler.config import SchedulerConfig
-from scheduler.scheduler import Scheduler, SchedulerOutput
-from scheduler.sequence import Sequence
-from scheduler.worker_group import WorkerGroup, WorkerInfo, kv_pool_mismatch
 from sluiceway.internal.v1 import scheduler_pb2, worker_pb2
+from sluiceway.scheduler import metrics
+from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.scheduler.scheduler import Scheduler, SchedulerOutput
+from sluiceway.scheduler.sequence import Sequence
+from sluiceway.scheduler.worker_group import WorkerGroup, WorkerInfo, kv_pool_mismatch
 from sluiceway.v1 import inference_pb2
 
 log = structlog.get_logger("scheduler")

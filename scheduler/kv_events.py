@@ -20,8 +20,8 @@ import asyncio
 from collections import Counter
 from collections.abc import Callable
 
-from scheduler.block_manager import BlockManager
 from sluiceway.internal.v1 import scheduler_pb2
+from sluiceway.scheduler.block_manager import BlockManager
 
 # Hashes per message at most: a snapshot of a large pool is split (32 bytes per hash).
 MAX_HASHES_PER_MESSAGE = 8192

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from sluiceway.metrics import COUNT_BUCKETS, PREFIX, STEP_BUCKETS, TOKEN_COUNT_BUCKETS
 
 if TYPE_CHECKING:
-    from scheduler.engine import Engine
+    from sluiceway.scheduler.engine import Engine
 
 SCHEDULER_STEP_SECONDS = Histogram(
     f"{PREFIX}scheduler_step_seconds",

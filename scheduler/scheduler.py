@@ -49,9 +49,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler.block_manager import BlockManager
-from scheduler.config import SchedulerConfig
-from scheduler.sequence import Sequence, SequenceStatus
+from sluiceway.scheduler.block_manager import BlockManager
+from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.scheduler.sequence import Sequence, SequenceStatus
 from sluiceway.v1 import inference_pb2
 
 if TYPE_CHECKING:

@@ -8,11 +8,6 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine, NotReady, QueueFull, RegistrationError, WorkerUnavailable
-from scheduler.kv_events import KvEventPublisher, run_publisher
-from scheduler.metrics import REQUESTS_RECEIVED, init_series
-from scheduler.worker_group import WorkerInfo
 from sluiceway.grpc_server import (
     REQUEST_ID_METADATA,
     abort,
@@ -22,6 +17,17 @@ from sluiceway.grpc_server import (
     set_health,
 )
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.scheduler.engine import (
+    Engine,
+    NotReady,
+    QueueFull,
+    RegistrationError,
+    WorkerUnavailable,
+)
+from sluiceway.scheduler.kv_events import KvEventPublisher, run_publisher
+from sluiceway.scheduler.metrics import REQUESTS_RECEIVED, init_series
+from sluiceway.scheduler.worker_group import WorkerInfo
 from sluiceway.v1 import inference_pb2
 
 log = structlog.get_logger("scheduler")
@@ -171,8 +177,8 @@ async def serve(
     if metrics_port is not None:
         from prometheus_client import REGISTRY
 
-        from scheduler.metrics import SchedulerCollector
         from sluiceway.metrics import serve_metrics
+        from sluiceway.scheduler.metrics import SchedulerCollector
 
         REGISTRY.register(SchedulerCollector(engine))
         serve_metrics(metrics_port, metrics_host)

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from scheduler.block_manager import BlockManager
-from scheduler.config import SchedulerConfig
-from scheduler.scheduler import Scheduler
 from sluiceway.grpc_server import channel_options
 from sluiceway.internal.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
+from sluiceway.scheduler.block_manager import BlockManager
+from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.scheduler.scheduler import Scheduler
 
 # A block copy is a few milliseconds per megabyte; a decode worker that does not answer in this
 # long is stuck, and the sequences keep decoding where they were prefilled.

@@ -103,7 +103,8 @@ missing = []
 for mod in ("grpc", "google.protobuf", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection",
             "structlog", "uvloop", "prometheus_client", "yaml", "safetensors", "transformers",
             "sluiceway.internal.v1.worker_pb2_grpc", "sluiceway.v1.inference_pb2_grpc",
-            "sluiceway.cli", "router.server", "scheduler.server", "worker.server"):
+            "sluiceway.cli", "sluiceway.router.server", "sluiceway.scheduler.server",
+            "sluiceway.worker.server"):
     try:
         m = importlib.import_module(mod)
         if mod in ("grpc", "google.protobuf"):

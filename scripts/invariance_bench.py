@@ -79,7 +79,7 @@ def run(device: Any, warmup: int, iters: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from kernels.triton_matmul import CONFIG, triton_linear
+    from sluiceway.kernels.triton_matmul import CONFIG, triton_linear
 
     cuda = device.type == "cuda"
     if not cuda:
@@ -130,9 +130,9 @@ def run(device: Any, warmup: int, iters: int) -> dict[str, Any]:
 def _attention(device: Any, ms: Callable[[Callable[[], object]], float], cuda: bool) -> dict:
     import torch
 
-    from kernels.paged_attention import kv_pool_shape
-    from kernels.triton_backend import TritonAttentionBackend
-    from kernels.varlen_metadata import build_varlen_metadata
+    from sluiceway.kernels.paged_attention import kv_pool_shape
+    from sluiceway.kernels.triton_backend import TritonAttentionBackend
+    from sluiceway.kernels.varlen_metadata import build_varlen_metadata
 
     hq, hkv, d, bs = (32, 32, 128, 16) if cuda else (4, 2, 16, 16)
     ctx, prefill = (1024, 2048) if cuda else (40, 48)

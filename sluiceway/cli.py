@@ -480,9 +480,9 @@ def _run_async(coro) -> int:  # type: ignore[no-untyped-def]
 
 
 def _run_router(args: argparse.Namespace) -> int:
-    from router.balancer import parse_scheduler_addresses
-    from router.server import serve
     from sluiceway.model_files import resolve_model
+    from sluiceway.router.balancer import parse_scheduler_addresses
+    from sluiceway.router.server import serve
 
     try:
         schedulers = parse_scheduler_addresses(args.scheduler)
@@ -523,9 +523,9 @@ def _metrics_port(args: argparse.Namespace) -> int | None:
 
 
 def _run_scheduler(args: argparse.Namespace) -> int:
-    from scheduler.config import SchedulerConfig
-    from scheduler.server import serve
     from sluiceway.preflight import check_step_budget
+    from sluiceway.scheduler.config import SchedulerConfig
+    from sluiceway.scheduler.server import serve
 
     try:
         check_step_budget(args.max_num_seqs, args.max_num_batched_tokens)
@@ -556,9 +556,9 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     from sluiceway.model_files import resolve_model, served_model_name
     from sluiceway.preflight import check_device
-    from worker.kv_pool import SharedKvPool, allocate_shared_kv_pool
-    from worker.model_runner import ModelRunner
-    from worker.server import Placement, serve
+    from sluiceway.worker.kv_pool import SharedKvPool, allocate_shared_kv_pool
+    from sluiceway.worker.model_runner import ModelRunner
+    from sluiceway.worker.server import Placement, serve
 
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
     try:
@@ -572,7 +572,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     tp = args.tensor_parallel_size
     if tp > 1:
-        from worker.parallel import init_tensor_parallel
+        from sluiceway.worker.parallel import init_tensor_parallel
 
         if not args.distributed_init_method:
             print("sluiceway worker: --tensor-parallel-size > 1 needs --distributed-init-method "

@@ -158,10 +158,10 @@ def serve_command(args: argparse.Namespace) -> int:
     """Starts the stack, waits until each process is SERVING, prints the address, waits for a
     signal. Returns 0 once stopped; 2 with one line on stderr for a configuration error found
     before the start or by a child that exits 2 while starting; 1 for another failure."""
-    from scheduler.config import SchedulerConfig
     from sluiceway.logs import configure_logging
     from sluiceway.model_files import resolve_model, served_model_name
     from sluiceway.preflight import check_device, check_max_model_len, check_step_budget
+    from sluiceway.scheduler.config import SchedulerConfig
 
     t0 = time.monotonic()
     configure_logging("serve", args.log_format, args.log_level)

@@ -398,8 +398,8 @@ def _check_model_splits(where: str, size: int, workers: dict[str, argparse.Names
     """The model the workers serve can be split `size` ways: the check each rank makes at
     start (a refused model exits 2, and the orchestrator restarts it forever)."""
     from sluiceway.model_files import resolve_model
-    from worker.loader import load_config
-    from worker.parallel import check_tensor_parallel
+    from sluiceway.worker.loader import load_config
+    from sluiceway.worker.parallel import check_tensor_parallel
 
     (model,) = {a.model for a in workers.values()}
     assert model is None or model.startswith("/models/"), f"{where}: --model {model}"
@@ -511,7 +511,7 @@ def test_envoy_balances_http_over_the_routers_http_api() -> None:
 def test_envoy_http_health_check_asks_a_route_the_router_serves() -> None:
     from fastapi.testclient import TestClient
 
-    from router.openai_api import build_app
+    from sluiceway.router.openai_api import build_app
 
     _, cluster = _envoy_upstream("http_health_check")
     (check,) = [

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.varlen_metadata import VarlenMetadata
-from worker.model import LlamaForCausalLM
+from sluiceway.kernels.varlen_metadata import VarlenMetadata
+from sluiceway.worker.model import LlamaForCausalLM
 
 __all__ = ["CUDA_GRAPH_BATCH_SIZES", "DecodeCudaGraphs"]
 

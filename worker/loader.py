@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from worker.model import LlamaForCausalLM, ModelConfig
-from worker.parallel import TensorParallelGroup
+from sluiceway.worker.model import LlamaForCausalLM, ModelConfig
+from sluiceway.worker.parallel import TensorParallelGroup
 
 __all__ = [
     "ModelLoadError",

@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 from sluiceway.metrics import PREFIX, STEP_BUCKETS
 
 if TYPE_CHECKING:
-    from worker.model_runner import ModelRunner, ScheduledChunk
+    from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk
 
 Phase = Literal["prefill", "decode"]  # the `phase` label
 PHASES: tuple[Phase, ...] = get_args(Phase)

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_ops, onednn_linear
-from kernels.backend import AttentionBackend, TorchAttentionBackend
+from sluiceway.kernels import cpu_ops, onednn_linear
+from sluiceway.kernels.backend import AttentionBackend, TorchAttentionBackend
 from sluiceway.model_files import context_window
-from worker.parallel import TensorParallelGroup
+from sluiceway.worker.parallel import TensorParallelGroup
 
 __all__ = ["DecoderLayer", "LlamaForCausalLM", "ModelConfig", "UnsupportedModelError"]
 
@@ -172,8 +172,8 @@ class TritonOps:
     @classmethod
     def load(cls) -> TritonOps:
         """Import the kernels (Triton is optional: imported only here)."""
-        from kernels.triton_matmul import triton_linear
-        from kernels.triton_norm import triton_fused_add_rms_norm, triton_rms_norm
+        from sluiceway.kernels.triton_matmul import triton_linear
+        from sluiceway.kernels.triton_norm import triton_fused_add_rms_norm, triton_rms_norm
 
         return cls(triton_linear, triton_rms_norm, triton_fused_add_rms_norm)
 

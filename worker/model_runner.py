@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernels import cpu_ops, onednn_linear
-from kernels.backend import get_attention_backend
-from kernels.paged_attention import kv_pool_shape
+from sluiceway.kernels import cpu_ops, onednn_linear
+from sluiceway.kernels.backend import get_attention_backend
+from sluiceway.kernels.paged_attention import kv_pool_shape
 from sluiceway.model_files import resolve_max_model_len, served_model_name
-from worker.loader import load_config, load_model
-from worker.model import LlamaForCausalLM, ModelConfig
-from worker.parallel import check_tensor_parallel, joined_group
-from worker.sampler import SamplingOptions, sample
+from sluiceway.worker.loader import load_config, load_model
+from sluiceway.worker.model import LlamaForCausalLM, ModelConfig
+from sluiceway.worker.parallel import check_tensor_parallel, joined_group
+from sluiceway.worker.sampler import SamplingOptions, sample
 
 if TYPE_CHECKING:
-    from worker.cuda_graphs import DecodeCudaGraphs
+    from sluiceway.worker.cuda_graphs import DecodeCudaGraphs
 
 __all__ = [
     "ModelRunner",
@@ -285,7 +285,7 @@ class ModelRunner:
             and self.tp.world_size == 1
             and not enforce_eager
         ):
-            from worker.cuda_graphs import DecodeCudaGraphs
+            from sluiceway.worker.cuda_graphs import DecodeCudaGraphs
 
             self.cuda_graphs = DecodeCudaGraphs(
                 self.model,

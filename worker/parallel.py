@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:  # worker.model imports this module
-    from worker.model import ModelConfig
+    from sluiceway.worker.model import ModelConfig
 
 __all__ = [
     "BACKEND_ENV",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_ops
+from sluiceway.kernels import cpu_ops
 
 __all__ = [
     "SampleResult",

@@ -30,9 +30,9 @@ from sluiceway.grpc_server import (
     on_shutdown_signal,
 )
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from worker.kv_pool import SharedKvPool, copy_blocks, open_kv_pool
-from worker.metrics import FORWARD_SECONDS, step_phase
-from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
+from sluiceway.worker.kv_pool import SharedKvPool, copy_blocks, open_kv_pool
+from sluiceway.worker.metrics import FORWARD_SECONDS, step_phase
+from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
 
 log = structlog.get_logger("worker")
 
@@ -384,7 +384,7 @@ async def serve(
         from prometheus_client import REGISTRY
 
         from sluiceway.metrics import serve_metrics
-        from worker.metrics import WorkerCollector, init_series
+        from sluiceway.worker.metrics import WorkerCollector, init_series
 
         REGISTRY.register(WorkerCollector(runner, model_id))
         init_series(model_id)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from sluiceway.sizes import parse_size
 
 if TYPE_CHECKING:
-    from worker.model_runner import ModelRunner, ScheduledChunk
+    from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk
 
 # Built-in configs for `--random-model` (HF config.json fields, read by ModelConfig).
 RANDOM_MODELS: dict[str, dict[str, Any]] = {
@@ -106,8 +106,8 @@ def context_lengths(num_seqs: int, fixed: int | None, seed: int) -> list[int]:
     prompt length (vLLM's sampling) plus a uniform 1..128 tokens generated so far."""
     if fixed is not None:
         return [fixed] * num_seqs
-    from router.tokenizer import load_tokenizer
     from sluiceway.model_files import resolve_model
+    from sluiceway.router.tokenizer import load_tokenizer
     from sluiceway.sharegpt import sample_requests
 
     requests = sample_requests(load_tokenizer(resolve_model(None)), num_seqs, seed=seed)
@@ -181,10 +181,10 @@ def step_command(args: argparse.Namespace) -> int:
     import torch
 
     from sluiceway.model_files import resolve_model
-    from worker.loader import load_config, random_model
-    from worker.model import ModelConfig
-    from worker.model_runner import ModelRunner, ScheduledChunk, resolve_dtype
-    from worker.sampler import SamplingOptions
+    from sluiceway.worker.loader import load_config, random_model
+    from sluiceway.worker.model import ModelConfig
+    from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, resolve_dtype
+    from sluiceway.worker.sampler import SamplingOptions
 
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
     sizes = _batch_sizes(args)

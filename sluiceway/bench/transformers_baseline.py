@@ -81,10 +81,10 @@ def run_transformers(
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from router.server import eos_token_ids
-    from router.tokenizer import encode_prompt, load_tokenizer
     from sluiceway.model_files import resolve_model
-    from worker.model_runner import resolve_dtype
+    from sluiceway.router.server import eos_token_ids
+    from sluiceway.router.tokenizer import encode_prompt, load_tokenizer
+    from sluiceway.worker.model_runner import resolve_dtype
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")

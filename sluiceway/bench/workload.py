@@ -94,8 +94,8 @@ def random_requests(
 
 def load_requests(args: argparse.Namespace) -> list[SampledRequest]:
     """The workload of `--dataset-name` (printing how many ShareGPT records were read)."""
-    from router.tokenizer import load_tokenizer
     from sluiceway.model_files import resolve_model
+    from sluiceway.router.tokenizer import load_tokenizer
     from sluiceway.sharegpt import load_conversations, sample_requests
 
     tokenizer = load_tokenizer(resolve_model(args.model))

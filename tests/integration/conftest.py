@@ -88,8 +88,8 @@ def stack() -> Iterator[Stack]:
 
 @pytest.fixture(scope="session")
 def tokenizer():  # type: ignore[no-untyped-def]
-    from router.tokenizer import load_tokenizer
     from sluiceway.model_files import resolve_model
+    from sluiceway.router.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model(None))
 

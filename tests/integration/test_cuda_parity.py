@@ -111,7 +111,7 @@ def build_model_folder(path: pathlib.Path) -> pathlib.Path:
     `path`; returns `path`. Checks that the router's tokenizer loader reads the folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from router.tokenizer import load_tokenizer
+    from sluiceway.router.tokenizer import load_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
@@ -144,7 +144,7 @@ def build_model_folder(path: pathlib.Path) -> pathlib.Path:
 
 def prompt_ids(folder: pathlib.Path) -> list[list[int]]:
     """The token ids of :data:`PROMPTS`, as the router encodes them."""
-    from router.tokenizer import encode_prompt, load_tokenizer
+    from sluiceway.router.tokenizer import encode_prompt, load_tokenizer
 
     tokenizer = load_tokenizer(folder)
     return [encode_prompt(tokenizer, text) for text in PROMPTS]

@@ -51,7 +51,7 @@ def test_three_processes_and_the_capital_of_france(stack: Stack) -> None:
 
 
 def test_greedy_tokens_equal_transformers(stack: Stack, oracle, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    from router.tokenizer import encode_chat, encode_prompt
+    from sluiceway.router.tokenizer import encode_chat, encode_prompt
 
     prompts = [
         encode_chat(tokenizer, [("user", text)])
@@ -170,7 +170,7 @@ def test_model_info(stack: Stack) -> None:
 
 
 def test_tokenize(stack: Stack, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    from router.tokenizer import encode_chat, encode_prompt
+    from sluiceway.router.tokenizer import encode_chat, encode_prompt
 
     with stack.client() as client:
         reply = client.stub.Tokenize(inference_pb2.TokenizeRequest(prompt="北京 is a city"))

@@ -22,8 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import FAILURE_CODES, PROTOCOLS
 from sluiceway.client import Client, wait_until_serving
+from sluiceway.router.metrics import FAILURE_CODES, PROTOCOLS
 from sluiceway.v1 import inference_pb2
 from tests.integration.conftest import free_port
 

@@ -66,7 +66,7 @@ def test_greedy_tokens_are_the_same_in_every_mode(
 
 
 def test_a_shared_system_prompt_is_computed_once(stack: Stack, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    from router.tokenizer import encode_chat
+    from sluiceway.router.tokenizer import encode_chat
 
     system = f"Session {time.time_ns()}. " + " ".join(
         f"Rule {i}: answer politely, cite sources and keep replies short." for i in range(30)
@@ -133,7 +133,7 @@ def decode_gaps_during_long_prefill(
 
 
 def test_chunked_prefill_keeps_decodes_flowing(tokenizer) -> None:  # type: ignore[no-untyped-def]
-    from router.tokenizer import encode_prompt
+    from sluiceway.router.tokenizer import encode_prompt
 
     text = " ".join(
         f"Paragraph {i} describes the river, the mill and the sluice gates." for i in range(200)

@@ -16,8 +16,8 @@ def worst_logit_difference(
     of two sequences in float32: seq 0 in two prefill chunks (the second over a cached
     prefix) beside seq 1's whole prompt, then decodes of both together (teacher forcing: the
     reference's argmax is appended to both)."""
+    from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
     from tests.worker.tiny_models import make_tiny_model
-    from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
 
     model_dir = make_tiny_model(tmp_path / "llama", "llama-untied", seed=3)
     runners = {

@@ -9,7 +9,7 @@ import pathlib
 import pytest
 import torch
 
-from kernels import cpu_ops
+from sluiceway.kernels import cpu_ops
 
 cpu_ops.load()
 needs_bf16 = pytest.mark.skipif(
@@ -129,8 +129,8 @@ def test_model_logits_kernel_choice(
         pytest.skip("this CPU has no AVX512-BF16")
     if not bf16_kernel:
         monkeypatch.setattr(cpu_ops, "bf16_gemm_supported", lambda: False)
+    from sluiceway.worker.model_runner import ModelRunner
     from tests.worker.tiny_models import make_tiny_model
-    from worker.model_runner import ModelRunner
 
     model_dir = make_tiny_model(tmp_path / "llama", "llama-untied", seed=3)
     runner = ModelRunner(

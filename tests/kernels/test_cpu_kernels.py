@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops, onednn_linear
-from kernels.backend import get_attention_backend
-from kernels.cpu_backend import CpuAttentionBackend
-from kernels.paged_attention import key_blocks, kv_pool_shape, value_blocks, write_kv
+from sluiceway.kernels import cpu_ops, onednn_linear
+from sluiceway.kernels.backend import get_attention_backend
+from sluiceway.kernels.cpu_backend import CpuAttentionBackend
+from sluiceway.kernels.paged_attention import key_blocks, kv_pool_shape, value_blocks, write_kv
+from sluiceway.worker.model import LINEAR_WEIGHTS, _apply_rope, _rms_norm
 from tests.kernels.runner_parity import worst_logit_difference
 from tests.kernels.test_paged_attention import _run_case
-from worker.model import LINEAR_WEIGHTS, _apply_rope, _rms_norm
 
 cpu_ops.load()
 BACKEND = CpuAttentionBackend()
@@ -253,8 +253,8 @@ def test_a_failed_build_falls_back_to_torch_and_is_tried_once() -> None:
             raise RuntimeError("Error building extension: c++: command not found")
 
         cpp_extension.load = no_compiler
-        from kernels import cpu_ops, onednn_linear
-        from kernels.backend import get_attention_backend
+        from sluiceway.kernels import cpu_ops, onednn_linear
+        from sluiceway.kernels.backend import get_attention_backend
 
         assert get_attention_backend("auto", "cpu").name == "torch"
         assert get_attention_backend("auto", "cpu").name == "torch"
@@ -303,7 +303,7 @@ def test_argmax_log_normalizer_matches_torch() -> None:
 
 
 def test_sampler_with_cpu_kernels_picks_the_same_tokens() -> None:
-    from worker.sampler import SamplingOptions, sample
+    from sluiceway.worker.sampler import SamplingOptions, sample
 
     torch.manual_seed(5)
     logits = torch.randn(6, 1000) * 3
@@ -328,8 +328,8 @@ def test_cpu_runner_packs_linear_weights_for_onednn(
     still counted; bfloat16 results equal F.linear's bit for bit; not batch invariant
     (tests/kernels/test_bf16_gemm.py covers the other choice)."""
     monkeypatch.setattr(cpu_ops, "bf16_gemm_supported", lambda: False)
+    from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
     from tests.worker.tiny_models import make_tiny_model
-    from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
 
     model_dir = make_tiny_model(tmp_path / "llama", "llama-untied", seed=3)
     runners = {
@@ -360,7 +360,7 @@ def test_cpu_runner_packs_linear_weights_for_onednn(
 def test_greedy_rows_read_bfloat16_logits_as_they_are() -> None:
     """All rows greedy, no penalties, no logprobs: the sampler reads the model-dtype logits
     without a float32 copy; tokens and logprobs equal those from the float32 widening."""
-    from worker.sampler import SamplingOptions, sample
+    from sluiceway.worker.sampler import SamplingOptions, sample
 
     torch.manual_seed(6)
     logits = (torch.randn(5, 49_160) * 4).bfloat16()
@@ -382,8 +382,8 @@ def test_greedy_rows_read_bfloat16_logits_as_they_are() -> None:
 def test_float16_serves_through_the_cpu_backend(tmp_path: pathlib.Path) -> None:
     """float16 on CPU: the C++ attention and fused ops, no oneDNN packing (its fp16 path needs
     AVX512-FP16), float32 logits for the sampler; greedy steps run and agree with torch."""
+    from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
     from tests.worker.tiny_models import make_tiny_model
-    from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
 
     model_dir = make_tiny_model(tmp_path / "llama", "llama-untied", seed=3)
     tokens = {}

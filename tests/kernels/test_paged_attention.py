@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.backend import AttentionBackend, TorchAttentionBackend
-from kernels.paged_attention import (
+from sluiceway.kernels.backend import AttentionBackend, TorchAttentionBackend
+from sluiceway.kernels.paged_attention import (
     build_attention_metadata,
     dense_causal_attention,
     key_blocks,
@@ -136,7 +136,7 @@ def test_slot_mapping_and_tables() -> None:
 
 
 def test_decode_buckets_minimize_padding_plus_overhead() -> None:
-    from kernels.paged_attention import split_decode_buckets
+    from sluiceway.kernels.paged_attention import split_decode_buckets
 
     # Padding 1 with 70 to one bucket costs 2 * 70 + 128 = 268; two buckets 1 + 70 + 256 = 327.
     assert split_decode_buckets([70, 1]) == [[0, 1]]

@@ -17,12 +17,16 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.paged_attention import build_attention_metadata, kv_pool_shape, paged_attention
-from kernels.triton_backend import TritonAttentionBackend
-from kernels.triton_matmul import triton_linear
-from kernels.triton_norm import triton_fused_add_rms_norm, triton_rms_norm
-from kernels.triton_unified_attention import triton_unified_attention
-from kernels.varlen_metadata import build_varlen_metadata
+from sluiceway.kernels.paged_attention import (
+    build_attention_metadata,
+    kv_pool_shape,
+    paged_attention,
+)
+from sluiceway.kernels.triton_backend import TritonAttentionBackend
+from sluiceway.kernels.triton_matmul import triton_linear
+from sluiceway.kernels.triton_norm import triton_fused_add_rms_norm, triton_rms_norm
+from sluiceway.kernels.triton_unified_attention import triton_unified_attention
+from sluiceway.kernels.varlen_metadata import build_varlen_metadata
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")

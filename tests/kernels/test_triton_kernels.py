@@ -19,17 +19,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.backend import get_attention_backend
-from kernels.paged_attention import (
+from sluiceway.kernels.backend import get_attention_backend
+from sluiceway.kernels.paged_attention import (
     build_attention_metadata,
     kv_pool_shape,
     paged_attention,
     write_kv,
 )
-from kernels.triton_backend import TritonAttentionBackend
-from kernels.triton_decode_attention import triton_decode_attention
-from kernels.triton_kv_write import triton_write_kv
-from kernels.varlen_metadata import VarlenMetadata
+from sluiceway.kernels.triton_backend import TritonAttentionBackend
+from sluiceway.kernels.triton_decode_attention import triton_decode_attention
+from sluiceway.kernels.triton_kv_write import triton_write_kv
+from sluiceway.kernels.varlen_metadata import VarlenMetadata
 from tests.kernels.runner_parity import worst_logit_difference
 
 CUDA = torch.cuda.is_available()
@@ -301,8 +301,8 @@ def test_imports_and_torch_backend_without_triton() -> None:
             pass
         else:
             raise SystemExit("triton still imports")
-        import kernels.backend as backend
-        import worker.model_runner  # noqa: F401
+        import sluiceway.kernels.backend as backend
+        import sluiceway.worker.model_runner  # noqa: F401
 
         assert not backend.triton_available()
 

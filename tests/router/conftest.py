@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from router.tokenizer import load_tokenizer
+from sluiceway.router.tokenizer import load_tokenizer
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

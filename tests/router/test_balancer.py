@@ -17,14 +17,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
-from router.balancer import (
+from sluiceway.grpc_server import abort, bind, new_server
+from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from sluiceway.router.balancer import (
     SchedulerPool,
     merge_scheduler_infos,
     parse_scheduler_addresses,
 )
-from router.server import InferenceService, Router, start_router
-from sluiceway.grpc_server import abort, bind, new_server
-from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from sluiceway.router.server import InferenceService, Router, start_router
 from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE

@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from router.balancer import DEFAULT_BALANCE_ABS_THRESHOLD, DEFAULT_CACHE_THRESHOLD, SchedulerPool
-from router.kv_index import KvIndex
 from sluiceway.internal.v1 import scheduler_pb2
 from sluiceway.prefix_hash import prompt_block_hashes
+from sluiceway.router.balancer import (
+    DEFAULT_BALANCE_ABS_THRESHOLD,
+    DEFAULT_CACHE_THRESHOLD,
+    SchedulerPool,
+)
+from sluiceway.router.kv_index import KvIndex
 
 BS = 16
 SYSTEM = list(range(1, 17))  # one block every prompt shares (a chat template's system prompt)

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import router.detokenizer as detok_module
-from router.detokenizer import IncrementalDetokenizer
+import sluiceway.router.detokenizer as detok_module
+from sluiceway.router.detokenizer import IncrementalDetokenizer
 
 TEXTS = {
     "english": "The quick brown fox jumps over the lazy dog. It's 3:45 p.m., isn't it?",

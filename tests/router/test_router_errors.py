@@ -10,9 +10,9 @@ from typing import Any
 
 import grpc
 
-from router.errors import INTERNAL_DETAILS, TRANSPORT_DETAILS
-from router.server import Router
 from sluiceway.internal.v1 import scheduler_pb2
+from sluiceway.router.errors import INTERNAL_DETAILS, TRANSPORT_DETAILS
+from sluiceway.router.server import Router
 from tests.router.test_balancer import FakeScheduler, _generate, _request, _with_router, run
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE

@@ -19,11 +19,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from prometheus_client import REGISTRY
 
-from router.handlers import MalformedRequest, lenient_deserializer
-from router.server import InferenceService, Router, start_router
-from router.tokenizer import encode_prompt
 from sluiceway.grpc_server import bind, new_server
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from sluiceway.router.handlers import MalformedRequest, lenient_deserializer
+from sluiceway.router.server import InferenceService, Router, start_router
+from sluiceway.router.tokenizer import encode_prompt
 from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY
 
-from router.metrics import RequestRecorder
+from sluiceway.router.metrics import RequestRecorder
 
 
 def sample(name: str, **labels: str) -> float:
@@ -66,7 +66,7 @@ def test_recorder_single_token_has_no_tpot_and_failures_count_by_code() -> None:
 
 
 def test_init_series_exports_every_label_set_at_zero() -> None:
-    from router.metrics import FAILURE_CODES, FINISHED_REASONS, PROTOCOLS, init_series
+    from sluiceway.router.metrics import FAILURE_CODES, FINISHED_REASONS, PROTOCOLS, init_series
 
     model = "unit-init-series"
     assert sample("sluiceway:request_failure_total", model_name=model) == 0.0  # not yet

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from tokenizers import processors
 
-from router.errors import InvalidRequest
-from router.tokenizer import encode_chat, encode_prompt, load_tokenizer
+from sluiceway.router.errors import InvalidRequest
+from sluiceway.router.tokenizer import encode_chat, encode_prompt, load_tokenizer
 
 CONVERSATIONS: list[list[tuple[str, str]]] = [
     [("user", "hi")],

@@ -6,14 +6,14 @@ import math
 
 import pytest
 
-from router.errors import InvalidRequest
-from router.validation import (
+from sluiceway.internal.v1 import scheduler_pb2
+from sluiceway.router.errors import InvalidRequest
+from sluiceway.router.validation import (
     DEFAULT_MAX_TOKENS,
     ResolvedSampling,
     resolve_request,
     validate_prompt_token_ids,
 )
-from sluiceway.internal.v1 import scheduler_pb2
 from sluiceway.v1 import inference_pb2
 
 VOCAB = 49152
@@ -222,7 +222,7 @@ def test_prompt_too_long_rejected() -> None:
 
 
 def test_request_id_length_is_bounded() -> None:
-    from router.validation import MAX_REQUEST_ID_CHARS, validate_request_id
+    from sluiceway.router.validation import MAX_REQUEST_ID_CHARS, validate_request_id
 
     validate_request_id("x" * MAX_REQUEST_ID_CHARS)
     with pytest.raises(InvalidRequest) as err:

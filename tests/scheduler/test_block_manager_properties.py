@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from scheduler.block_manager import BlockManager
-from scheduler.config import SchedulerConfig
-from scheduler.scheduler import Scheduler, SchedulerOutput
-from scheduler.sequence import Sequence, SequenceStatus
 from sluiceway.internal.v1 import scheduler_pb2
+from sluiceway.scheduler.block_manager import BlockManager
+from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.scheduler.scheduler import Scheduler, SchedulerOutput
+from sluiceway.scheduler.sequence import Sequence, SequenceStatus
 from sluiceway.v1 import inference_pb2
 
 BLOCK_SIZE = 4

@@ -14,11 +14,11 @@ import asyncio
 import grpc
 import pytest
 
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.server import SchedulerService
 from sluiceway.grpc_server import bind, new_server
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.scheduler.engine import Engine
+from sluiceway.scheduler.server import SchedulerService
 from tests.scheduler.test_engine import add_request
 
 BLOCK = 16

@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
-from scheduler.block_manager import BlockManager
-from scheduler.config import SchedulerConfig
-from scheduler.kv_events import KvEventPublisher, SubscriberOverflow
-from scheduler.scheduler import Scheduler
-from scheduler.sequence import Sequence
 from sluiceway.internal.v1 import scheduler_pb2
 from sluiceway.prefix_hash import prompt_block_hashes
+from sluiceway.scheduler.block_manager import BlockManager
+from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.scheduler.kv_events import KvEventPublisher, SubscriberOverflow
+from sluiceway.scheduler.scheduler import Scheduler
+from sluiceway.scheduler.sequence import Sequence
 
 BS = 4
 

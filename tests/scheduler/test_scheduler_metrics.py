@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.metrics import SchedulerCollector
-from scheduler.scheduler import Scheduler
-from scheduler.worker_group import WorkerInfo
+from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.scheduler.engine import Engine
+from sluiceway.scheduler.metrics import SchedulerCollector
+from sluiceway.scheduler.scheduler import Scheduler
+from sluiceway.scheduler.worker_group import WorkerInfo
 from tests.scheduler.test_scheduler import make_scheduler, make_seq, run_step
 
 
@@ -72,7 +72,7 @@ def test_collector_sums_the_groups_of_a_disaggregated_scheduler() -> None:
 def test_init_series_exports_the_step_histograms_and_requests_at_zero() -> None:
     from prometheus_client import REGISTRY
 
-    from scheduler.metrics import init_series
+    from sluiceway.scheduler.metrics import init_series
 
     labels = {"model_name": "unit-scheduler-init"}
     assert REGISTRY.get_sample_value("sluiceway:scheduler_requests_total", labels) is None

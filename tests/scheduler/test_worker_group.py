@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from scheduler.config import SchedulerConfig
-from scheduler.worker_group import WorkerGroup, WorkerInfo
+from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.scheduler.worker_group import WorkerGroup, WorkerInfo
 
 
 def rank(r: int, worker_id: str) -> WorkerInfo:

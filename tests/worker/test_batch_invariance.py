@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_ops
+from sluiceway.kernels import cpu_ops
 from sluiceway.model_files import resolve_model
-from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
+from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
 
 pytestmark = pytest.mark.skipif(
     not cpu_ops.bf16_gemm_supported(),
@@ -172,7 +172,7 @@ def test_a_rows_sample_and_logprob_do_not_depend_on_the_other_rows() -> None:
     count draws the same tokens beside a row with top_k 1000 (the batch's candidate count
     used to decide its path), and a greedy row's chosen logprob is bitwise the same beside a
     row that asks for top logprobs (one formula for every row)."""
-    from worker.sampler import sample
+    from sluiceway.worker.sampler import sample
 
     vocab = 49_152
     g = torch.Generator().manual_seed(0)

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
+from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 16

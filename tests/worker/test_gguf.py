@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from sluiceway.model_files import resolve_model
+from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
 from tests.oracle import greedy
-from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from sluiceway.internal.v1 import scheduler_pb2
-from worker import kv_pool
-from worker.kv_pool import (
+from sluiceway.worker import kv_pool
+from sluiceway.worker.kv_pool import (
     SHM_PREFIX,
     ShmReservationError,
     allocate_shared_kv_pool,

@@ -9,15 +9,15 @@ import random
 import pytest
 import torch
 
-from tests.worker.tiny_models import VARIANTS, make_tiny_model
-from worker.loader import ModelLoadError
-from worker.model import UnsupportedModelError
-from worker.model_runner import (
+from sluiceway.worker.loader import ModelLoadError
+from sluiceway.worker.model import UnsupportedModelError
+from sluiceway.worker.model_runner import (
     ModelRunner,
     SamplingOptions,
     ScheduledChunk,
     SequenceData,
 )
+from tests.worker.tiny_models import VARIANTS, make_tiny_model
 
 BLOCK = 4
 
@@ -178,7 +178,7 @@ def test_bad_folders(tmp_path: pathlib.Path, tiny_models: dict[str, pathlib.Path
 
 
 def test_sharded_checkpoint(tmp_path: pathlib.Path) -> None:
-    from worker.loader import load_model
+    from sluiceway.worker.loader import load_model
 
     whole = make_tiny_model(tmp_path / "whole", "llama-untied", seed=3)
     sharded = make_tiny_model(tmp_path / "sharded", "llama-untied", seed=3, max_shard_size="40KB")
@@ -219,7 +219,7 @@ def test_checkpoint_mismatch(
 def test_a_runner_around_a_prebuilt_model_computes_what_the_loaded_one_does(
     tiny_models: dict[str, pathlib.Path],
 ) -> None:
-    from worker.loader import load_model, random_model
+    from sluiceway.worker.loader import load_model, random_model
 
     model_dir = tiny_models["llama-untied"]
     loaded = ModelRunner(model_dir, dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 20)

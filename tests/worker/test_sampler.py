@@ -10,8 +10,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from worker import sampler
-from worker.sampler import (
+from sluiceway.worker import sampler
+from sluiceway.worker.sampler import (
     SamplingOptions,
     apply_repetition_penalty,
     sample,
@@ -177,7 +177,7 @@ def test_invalid_options() -> None:
 
 
 def test_presence_and_frequency_penalties_use_output_counts_only() -> None:
-    from worker.sampler import apply_output_penalties
+    from sluiceway.worker.sampler import apply_output_penalties
 
     logits = torch.zeros(2, 6)
     apply_output_penalties(logits, [[1, 1, 3], []], presence=[0.5, 0.5], frequency=[0.25, 0.25])
@@ -210,7 +210,7 @@ def test_min_tokens_masks_stop_ids_until_reached() -> None:
 
 
 def test_min_p_keeps_tokens_near_the_top() -> None:
-    from worker.sampler import min_p_mask
+    from sluiceway.worker.sampler import min_p_mask
 
     scaled = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     kept = min_p_mask(scaled, torch.tensor([0.5]))  # threshold 0.25

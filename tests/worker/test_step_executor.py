@@ -7,10 +7,10 @@ import pathlib
 import pytest
 import torch
 
-from kernels.paged_attention import key_blocks, value_blocks
 from sluiceway.internal.v1 import scheduler_pb2, worker_pb2
-from worker.model_runner import ModelRunner
-from worker.server import StepExecutor
+from sluiceway.kernels.paged_attention import key_blocks, value_blocks
+from sluiceway.worker.model_runner import ModelRunner
+from sluiceway.worker.server import StepExecutor
 
 BLOCK = 4
 PROMPT = [5, 9, 11, 200, 3, 17, 42, 8, 99, 61]  # 10 tokens: blocks 0, 1 and half of 2

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from sluiceway.launcher import free_port
-from worker.loader import load_config, load_model
-from worker.model import LlamaForCausalLM, ModelConfig
-from worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
-from worker.parallel import TensorParallelGroup, check_tensor_parallel
+from sluiceway.worker.loader import load_config, load_model
+from sluiceway.worker.model import LlamaForCausalLM, ModelConfig
+from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
+from sluiceway.worker.parallel import TensorParallelGroup, check_tensor_parallel
 
 BLOCK = 4
 WORLD = 2
@@ -222,7 +222,7 @@ def _scenario(runner: ModelRunner) -> dict[str, Any]:
 def _rank_main(rank: int, port: int, model_dirs: list[str], results: Any) -> None:
     """One spawned rank: join the group, run the scenario on each model, report, and (rank 1)
     die, so that rank 0 sees what a dead peer does to a step."""
-    from worker.parallel import destroy_tensor_parallel, init_tensor_parallel
+    from sluiceway.worker.parallel import destroy_tensor_parallel, init_tensor_parallel
 
     try:
         torch.set_num_threads(1)
@@ -328,7 +328,7 @@ def test_two_gloo_ranks_match_one(tp_models: dict[str, pathlib.Path]) -> None:
 def test_the_backend_override(
     monkeypatch: pytest.MonkeyPatch, value: str, device: str, expected: str
 ) -> None:
-    from worker.parallel import BACKEND_ENV, _backend
+    from sluiceway.worker.parallel import BACKEND_ENV, _backend
 
     monkeypatch.setenv(BACKEND_ENV, value)
     if expected in ("gloo", "nccl"):

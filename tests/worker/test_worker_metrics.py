@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from worker.metrics import init_series, step_phase
-from worker.model_runner import ScheduledChunk, SequenceData
-from worker.sampler import SamplingOptions
+from sluiceway.worker.metrics import init_series, step_phase
+from sluiceway.worker.model_runner import ScheduledChunk, SequenceData
+from sluiceway.worker.sampler import SamplingOptions
 
 
 def chunk(tokens: int, prompt: int, computed: int, new: int) -> ScheduledChunk:
