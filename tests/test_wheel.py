@@ -43,3 +43,20 @@ def test_the_wheel_installs_one_namespace_and_carries_its_protos(tmp_path: Path)
         [sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True
     ).stdout.split()
     assert all(path.startswith(str(site)) for path in out), out
+
+
+def test_the_code_imports_the_process_packages_only_under_sluiceway() -> None:
+    """A module imported as top-level `worker.server` would be a second copy of
+    `sluiceway.worker.server` (its globals patched or read apart from the real one)."""
+    code = (
+        "import pkgutil, importlib, sys, sluiceway\n"
+        "for m in pkgutil.walk_packages(sluiceway.__path__, 'sluiceway.'):\n"
+        "    if '.v1' not in m.name and 'triton' not in m.name and 'cuda' not in m.name:\n"
+        "        importlib.import_module(m.name)\n"
+        "tops = {n.split('.')[0] for n in sys.modules}\n"
+        "print(sorted(tops & {'router', 'scheduler', 'worker', 'kernels'}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout
+    assert out.strip() == "[]"

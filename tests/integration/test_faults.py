@@ -118,7 +118,7 @@ def test_requests_beyond_max_waiting_requests_get_resource_exhausted() -> None:
 def test_worker_without_a_scheduler_exits_1_with_a_clear_error() -> None:
     # The first registration's wait (60 s) shortened to 2 s, in the real entry point.
     script = (
-        "import sys, worker.server as w; w.FIRST_REGISTRATION_TIMEOUT_S = 2.0; "
+        "import sys, sluiceway.worker.server as w; w.FIRST_REGISTRATION_TIMEOUT_S = 2.0; "
         "from sluiceway.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     address = f"127.0.0.1:{free_port()}"
