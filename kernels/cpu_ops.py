@@ -4,8 +4,9 @@ bfloat16 GEMM of the linear layers and the logits, and greedy sampling's reducti
 They are compiled once per machine with the system C++ compiler through
 :func:`torch.utils.cpp_extension.load` (``-O3 -march=native``: the vector width of this CPU) and
 cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), keyed by the
-sources and this CPU's instruction-set flags; ``make install`` builds them, so a first ``serve``
-only loads the library (well under a second). Why C++ and not ``torch.compile``: Inductor
+sources, the flags, torch's version and installation folder and this CPU's instruction-set
+flags; ``make install`` builds them, so a first ``serve`` only loads the library (well under
+a second). Why C++ and not ``torch.compile``: Inductor
 compiles the model again at every start (vLLM's CPU build takes 51-90 s to start on this
 model on 2 cores, most of it there), and a fixed per-row reduction order is ours to write.
 
@@ -78,12 +79,16 @@ def _cpu_flags() -> str:
 
 
 def _extension_name() -> str:
-    """``sluiceway_cpu_<hash>``: a new build for other sources, flags, torch or CPU."""
+    """``sluiceway_cpu_<hash>``: a new build for other sources, flags, torch version, torch
+    installation or CPU. The installation (torch's folder, resolved) keeps two virtualenvs on
+    one machine (a dev venv, a CI clone's) from rebuilding the same build folder in turn: its
+    build.ninja names one torch's include paths."""
     h = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         h.update((CSRC / name).read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
+    h.update(str(pathlib.Path(torch.__file__).resolve().parent).encode())
     h.update(_cpu_flags().encode())
     return f"sluiceway_cpu_{h.hexdigest()[:12]}"
 

@@ -417,3 +417,17 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path: pathlib.Path) 
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while torch builds
     with open(build_dir / "sluiceway.flock") as f:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # and released after
+
+
+def test_the_build_is_keyed_by_the_torch_installation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two virtualenvs with the same torch version on one machine get a build folder each
+    (one folder would be rebuilt at every switch: its build.ninja names one torch's paths)."""
+    name = cpu_ops._extension_name()
+    assert name == cpu_ops._extension_name()
+    other = pathlib.Path("/opt/ci-clone/.venv/lib/python3.11/site-packages/torch/__init__.py")
+    monkeypatch.setattr(torch, "__file__", str(other))
+    elsewhere = cpu_ops._extension_name()
+    assert elsewhere != name and elsewhere.startswith("sluiceway_cpu_")
+    assert cpu_ops._extension_name() == elsewhere
+    monkeypatch.undo()
+    assert cpu_ops._extension_name() == name
