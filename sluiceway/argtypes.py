@@ -4,6 +4,8 @@ traceback, and the help formatter every `sluiceway` parser uses."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import NoReturn
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -22,40 +24,113 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """An `argparse.ArgumentParser` whose help (and its subcommands') uses `HelpFormatter`."""
+    """An `argparse.ArgumentParser` whose help (and its subcommands') uses `HelpFormatter` and
+    whose usage errors are one line on stderr, exit 2 (README: a configuration error is one
+    line), e.g. ``sluiceway serve: error: argument --port: ... (see sluiceway serve --help)``.
+    `add_subparsers` makes its subcommands' parsers of the same class."""
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
+    def parse_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def,override]
+        """As argparse's, but unrecognized arguments are the error of the (sub)command that
+        was given them (``sluiceway serve: error: ...``), not of the top-level parser."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._subcommand(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
 
-def positive_int(text: str) -> int:
-    """An int >= 1. Raises argparse.ArgumentTypeError otherwise."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    def _subcommand(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                sub = action.choices.get(getattr(parsed, action.dest, None) or "")
+                if isinstance(sub, ArgumentParser):
+                    return sub._subcommand(parsed)
+        return self
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def positive_float(text: str) -> float:
-    """A float > 0 (``inf`` allowed, NaN not). Raises argparse.ArgumentTypeError otherwise."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+# The protobuf scalar types a flag's value is sent as (its constructor refuses the rest with a
+# ValueError, a traceback for a command line).
+INT32 = (-(2**31), 2**31 - 1)
+UINT32 = (0, 2**32 - 1)
+UINT64 = (0, 2**64 - 1)
 
 
-def non_negative_int(text: str) -> int:
-    """An int >= 0. Raises argparse.ArgumentTypeError otherwise."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def bounded_int(
+    low: int | None = None, high: int | None = None, *, kind: str = ""
+) -> Callable[[str], int]:
+    """An argparse type: an int in [low, high] (None: no bound there), else
+    argparse.ArgumentTypeError ("must be >= 1, got 0", "must be <= 4294967295 (uint32), got
+    5000000000" with ``kind="uint32"``: the type whose limit ``high`` is)."""
+    suffix = f" ({kind})" if kind else ""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if low is not None and value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}{suffix}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def bounded_float(
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> Callable[[str], float]:
+    """An argparse type: a float between low and high (each bound included unless ``*_open``;
+    None: no bound there; NaN refused), else argparse.ArgumentTypeError ("must be in [0, 1],
+    got 2", "must be > 0, got 0")."""
+    lo = "" if low is None else f"{'(' if low_open else '['}{low:g}"
+    hi = "" if high is None else f"{high:g}{')' if high_open else ']'}"
+    if low is None:
+        want = f"must be {'<' if high_open else '<='} {high:g}"
+    elif high is None:
+        want = f"must be {'>' if low_open else '>='} {low:g}"
+    else:
+        want = f"must be in {lo}, {hi}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        ok = value == value  # not NaN
+        if low is not None:
+            ok = ok and (value > low if low_open else value >= low)
+        if high is not None:
+            ok = ok and (value < high if high_open else value <= high)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"{want}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+positive_int = bounded_int(1)
+non_negative_int = bounded_int(0)
+positive_float = bounded_float(0, low_open=True)
+non_negative_float = bounded_float(0)
+fraction = bounded_float(0, 1)  # [0, 1]
+_integer = bounded_int()
 
 
 def port_number(text: str) -> int:
     """A TCP port, 0..65535 (0: one the OS picks). Raises argparse.ArgumentTypeError otherwise."""
-    value = int(text)
+    value = _integer(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number 0..65535, got {value}")
     return value
@@ -63,14 +138,47 @@ def port_number(text: str) -> int:
 
 def metrics_port_number(text: str) -> int:
     """A TCP port for /metrics, or -1 for none. Raises argparse.ArgumentTypeError otherwise."""
-    value = int(text)
+    value = _integer(text)
     if not -1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number 0..65535 or -1 (off), got {value}")
     return value
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """A stdlib logging level name, any case (returned upper-case). Raises
+    argparse.ArgumentTypeError otherwise."""
+    if text.upper() not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"must be one of {', '.join(_LOG_LEVELS)} (any case), got {text!r}"
+        )
+    return text.upper()
+
+
+def byte_size(zero_reason: str) -> Callable[[str], int]:
+    """An argparse type: a byte size of at least 1 (:func:`sluiceway.sizes.parse_size`: bytes,
+    or a number with KiB/MiB/GiB/TiB or KB/MB/GB/TB, e.g. 4GiB), else
+    argparse.ArgumentTypeError; 0 is refused with ``zero_reason`` (what 0 would mean)."""
+
+    def parse(text: str) -> int:
+        from sluiceway.sizes import parse_size
+
+        try:
+            size = parse_size(text, allow_zero=True)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if size == 0:
+            raise argparse.ArgumentTypeError(f"must be at least 1 byte, got 0 ({zero_reason})")
+        return size
+
+    parse.__name__ = "size"
+    return parse
+
+
 def token_id_list(text: str) -> list[int]:
-    """Comma-separated token ids, each >= 0 (``2,7``). Raises argparse.ArgumentTypeError
+    """Comma-separated token ids, each a uint32 (``2,7``). Raises argparse.ArgumentTypeError
     otherwise."""
     try:
         ids = [int(part) for part in text.split(",")]
@@ -78,4 +186,6 @@ def token_id_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"must be token ids like 2,7, got {text!r}") from None
     if any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError(f"token ids must be >= 0, got {text!r}")
+    if any(i > UINT32[1] for i in ids):
+        raise argparse.ArgumentTypeError(f"token ids must be <= {UINT32[1]} (uint32), got {text!r}")
     return ids

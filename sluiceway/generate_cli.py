@@ -6,12 +6,16 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from sluiceway.argtypes import non_negative_int, positive_int, token_id_list
+from sluiceway.argtypes import INT32, UINT32, UINT64, bounded_int, token_id_list
 
 if TYPE_CHECKING:
     from sluiceway.v1 import inference_pb2
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+# Integer flags bounded by their SamplingParams field's type (the protobuf constructor raises
+# ValueError past it); the server checks the tighter limits (n <= 16, logprobs <= 20, ...).
+_COUNT = bounded_int(1, UINT32[1], kind="uint32")
+_UINT32 = bounded_int(*UINT32, kind="uint32")
 _FINISH = {1: "stop", 2: "length", 3: "abort"}
 # flag dest -> SamplingParams field, sent only when given (the server's defaults otherwise)
 _SAMPLING_FIELDS = (
@@ -45,11 +49,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="a system message before PROMPT; implies --chat (default: none)",
     )
     gen.add_argument(
-        "--max-tokens", type=positive_int, default=None, help="tokens to generate (default: 16)"
+        "--max-tokens", type=_COUNT, default=None, help="tokens to generate (default: 16)"
     )
     gen.add_argument(
         "--min-tokens",
-        type=non_negative_int,
+        type=_UINT32,
         default=None,
         help="no EOS, stop token id or stop string ends the output before this many tokens "
         "(default: 0)",
@@ -59,7 +63,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--top-p", type=float, default=None, help="nucleus sampling, in (0, 1] (default: 1.0, off)"
     )
     gen.add_argument(
-        "--top-k", type=int, default=None, help="the K most likely tokens only (default: 0, off)"
+        "--top-k",
+        type=bounded_int(*INT32, kind="int32"),
+        default=None,
+        help="the K most likely tokens only (default: 0, off)",
     )
     gen.add_argument(
         "--min-p",
@@ -69,7 +76,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     gen.add_argument(
         "--seed",
-        type=int,
+        type=bounded_int(*UINT64, kind="uint64"),
         default=None,
         help="sampling seed, for repeatable samples (default: none)",
     )
@@ -119,7 +126,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     gen.add_argument(
         "--logprobs",
-        type=non_negative_int,
+        type=_UINT32,
         default=None,
         metavar="N",
         help="print each generated token's log-probability and the top N alternatives "
@@ -128,7 +135,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     gen.add_argument(
         "-n",
         "--n",
-        type=positive_int,
+        type=_COUNT,
         default=None,
         help="samples of the prompt (1..16), printed one after the other under a "
         "'--- sample I ---' line (default: 1)",

@@ -23,16 +23,19 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, allow_zero: bool = False) -> int:
     """Bytes in `text`: a number with an optional unit (KiB/MiB/GiB/TiB powers of 1024,
     KB/MB/GB/TB powers of 1000, K/M/G/T as binary, as vLLM's `--kv-cache-memory`).
 
-    Raises ValueError for anything else or a size under one byte.
+    Raises ValueError for anything else, or a size under one byte (0 with ``allow_zero``).
     """
     m = _SIZE.match(text)
     if m is None or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 2000000000)")
+        raise ValueError(
+            f"not a size: {text!r} (bytes, or a number with KiB, MiB, GiB, TiB or KB, MB, GB, "
+            "TB, e.g. 4GiB, 512MiB, 2000000000)"
+        )
     size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if size < 1:
-        raise ValueError(f"size must be at least 1 byte: {text!r}")
+    if size < (0 if allow_zero else 1) or (size == 0 and float(m.group(1)) > 0):
+        raise ValueError(f"size must be at least 1 byte, got {text!r}")
     return size

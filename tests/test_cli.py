@@ -4,7 +4,9 @@ the one-line configuration errors of `serve` (exit 2, no traceback)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
+import io
 import json
 import pathlib
 import subprocess
@@ -133,8 +135,184 @@ def test_generate_without_flags_leaves_every_sampling_param_to_the_server() -> N
 )
 def test_generate_bad_flag_is_a_usage_error(flag: str, error: str) -> None:
     result = run_cli("generate", "Hi", flag)
-    assert result.returncode == 2
-    assert result.stderr.splitlines()[-1] == f"sluiceway generate: error: {error}"
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"sluiceway generate: error: {error} (see sluiceway generate --help)\n"
+    )  # one line, no usage block
+
+
+def usage_error(*argv: str) -> str:
+    """Parses `sluiceway *argv` in this process, asserts exit 2 and one stderr line (no usage
+    block); returns that line."""
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as exit_, contextlib.redirect_stderr(err):
+        build_parser().parse_args(list(argv))
+    assert exit_.value.code == 2
+    assert len(err.getvalue().splitlines()) == 1, err.getvalue()
+    return err.getvalue().rstrip("\n")
+
+
+U32, U64, I32 = 2**32 - 1, 2**64 - 1, 2**31 - 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+        (
+            ["--seed", "18446744073709551616"],
+            f"argument --seed: must be <= {U64} (uint64), got 18446744073709551616",
+        ),
+        (["--seed", "x"], "argument --seed: must be an integer, got 'x'"),
+        (
+            ["--max-tokens", "5000000000"],
+            f"argument --max-tokens: must be <= {U32} (uint32), got 5000000000",
+        ),
+        (
+            ["--min-tokens", "5000000000"],
+            f"argument --min-tokens: must be <= {U32} (uint32), got 5000000000",
+        ),
+        (["--min-tokens", "-1"], "argument --min-tokens: must be >= 0, got -1"),
+        (
+            ["--logprobs", "5000000000"],
+            f"argument --logprobs: must be <= {U32} (uint32), got 5000000000",
+        ),
+        (["-n", "5000000000"], f"argument -n/--n: must be <= {U32} (uint32), got 5000000000"),
+        (["-n", "0"], "argument -n/--n: must be >= 1, got 0"),
+        (
+            ["--stop-token-ids", "2,5000000000"],
+            f"argument --stop-token-ids: token ids must be <= {U32} (uint32), got '2,5000000000'",
+        ),
+        (
+            ["--top-k", "3000000000"],
+            f"argument --top-k: must be <= {I32} (int32), got 3000000000",
+        ),
+        (
+            ["--top-k", "-3000000000"],
+            f"argument --top-k: must be >= {-I32 - 1}, got -3000000000",
+        ),
+    ],
+)
+def test_generate_integers_past_their_proto_type_are_usage_errors(
+    argv: list[str], error: str
+) -> None:
+    assert usage_error("generate", *argv, "hi") == (
+        f"sluiceway generate: error: {error} (see sluiceway generate --help)"
+    )
+
+
+def test_generate_integers_at_their_proto_types_bounds_make_a_request() -> None:
+    args = build_parser().parse_args(
+        ["generate", "hi", "--seed", str(U64), "--max-tokens", str(U32), "--min-tokens",
+         str(U32), "--logprobs", str(U32), "-n", str(U32), "--stop-token-ids", f"0,{U32}",
+         "--top-k", str(-I32 - 1)]
+    )  # fmt: skip
+    s = build_request(args, "hi").sampling
+    assert (s.seed, s.max_tokens, s.min_tokens, s.logprobs, s.n) == (U64, U32, U32, U32, U32)
+    assert (list(s.stop_token_ids), s.top_k) == ([0, U32], -I32 - 1)
+    assert build_request(build_parser().parse_args(["generate", "hi", "--top-k", "-1"]), "hi")
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["serve", "--num-threads", "-1"], "argument --num-threads: must be >= 1, got -1"),
+        (["worker", "--num-threads", "0"], "argument --num-threads: must be >= 1, got 0"),
+        (["bench", "step", "--num-threads", "0"], "argument --num-threads: must be >= 1, got 0"),
+        *(
+            (
+                [*command, "--log-level", "FOO"],
+                "argument --log-level: must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL "
+                "(any case), got 'FOO'",
+            )
+            for command in (["serve"], ["router"], ["scheduler"], ["worker"], ["convert"])
+        ),
+        (
+            ["serve", "--kv-cache-memory", "4XB"],
+            "argument --kv-cache-memory: not a size: '4XB' (bytes, or a number with KiB, MiB, "
+            "GiB, TiB or KB, MB, GB, TB, e.g. 4GiB, 512MiB, 2000000000)",
+        ),
+        (
+            ["worker", "--kv-cache-memory", "0"],
+            "argument --kv-cache-memory: must be at least 1 byte, got 0 (no room for a KV block)",
+        ),
+        (
+            ["serve", "--kv-cache-memory", "0.5"],
+            "argument --kv-cache-memory: size must be at least 1 byte, got '0.5'",
+        ),
+        (
+            ["router", "--max-message-size", "0MiB"],
+            "argument --max-message-size: must be at least 1 byte, got 0 (every message would "
+            "be refused)",
+        ),
+        (["serve", "--max-model-len", "0"], "argument --max-model-len: must be >= 2, got 0"),
+        (["scheduler", "--max-model-len", "1"], "argument --max-model-len: must be >= 2, got 1"),
+        (["worker", "--max-model-len", "1"], "argument --max-model-len: must be >= 2, got 1"),
+        (
+            ["serve", "--max-waiting-requests", "-1"],
+            "argument --max-waiting-requests: must be >= 1, got -1",
+        ),
+        (
+            ["serve", "--cache-threshold", "2"],
+            "argument --cache-threshold: must be in [0, 1], got 2",
+        ),
+        (
+            ["router", "--cache-threshold", "-1"],
+            "argument --cache-threshold: must be in [0, 1], got -1",
+        ),
+        (
+            ["serve", "--balance-abs-threshold", "-1"],
+            "argument --balance-abs-threshold: must be >= 0, got -1",
+        ),
+        (["router", "--drain-timeout", "-1"], "argument --drain-timeout: must be >= 0, got -1"),
+        (
+            ["serve", "--gpu-memory-utilization", "5"],
+            "argument --gpu-memory-utilization: must be in (0, 1], got 5",
+        ),
+        (
+            ["worker", "--gpu-memory-utilization", "0"],
+            "argument --gpu-memory-utilization: must be in (0, 1], got 0",
+        ),
+        (
+            ["scheduler", "--static-batch-size", "0"],
+            "argument --static-batch-size: must be >= 1, got 0",
+        ),
+        (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["bench", "serve", "--port", "1"], "unrecognized arguments: --port 1"),
+    ],
+)
+def test_a_bad_flag_is_one_line_naming_it(argv: list[str], error: str) -> None:
+    command = " ".join(a for a in argv[:2] if not a.startswith("-"))
+    assert usage_error(*argv) == (
+        f"sluiceway {command}: error: {error} (see sluiceway {command} --help)"
+    )
+
+
+def test_flags_at_their_bounds_are_accepted() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--log-level", "debug", "--num-threads", "1", "--max-model-len", "2",
+         "--cache-threshold", "0", "--balance-abs-threshold", "0", "--drain-timeout", "0",
+         "--gpu-memory-utilization", "1", "--static-batch-size", "1",
+         "--max-waiting-requests", "1", "--kv-cache-memory", "1", "--max-message-size", "4KiB"]
+    )  # fmt: skip
+    assert (args.log_level, args.num_threads, args.max_model_len) == ("DEBUG", 1, 2)
+    assert (args.cache_threshold, args.balance_abs_threshold, args.drain_timeout) == (0, 0, 0)
+    assert (args.gpu_memory_utilization, args.static_batch_size) == (1, 1)
+    assert (args.max_waiting_requests, args.kv_cache_memory, args.max_message_size) == (
+        1,
+        1,
+        4096,
+    )
+
+
+def test_a_usage_error_is_one_line_from_the_command_line() -> None:
+    result = run_cli("serve", "--kv-cache-memory", "4XB")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        "sluiceway serve: error: argument --kv-cache-memory: not a size: '4XB' (bytes, or a "
+        "number with KiB, MiB, GiB, TiB or KB, MB, GB, TB, e.g. 4GiB, 512MiB, 2000000000) "
+        "(see sluiceway serve --help)\n"
+    )
 
 
 def one_line_error(*argv: str) -> str:
@@ -218,3 +396,4 @@ def test_convert_refuses_a_folder_that_is_not_empty(tmp_path: pathlib.Path) -> N
         export_hf_folder(None, tmp_path)
     with pytest.raises(ModelFilesError, match=r"x is not a \.gguf file"):
         export_hf_folder(tmp_path / "x", tmp_path / "out")
+

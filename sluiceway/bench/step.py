@@ -30,7 +30,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from sluiceway.sizes import parse_size
+from sluiceway.argtypes import byte_size, positive_int
 
 if TYPE_CHECKING:
     from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk
@@ -404,7 +404,7 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-cache-memory",
-        type=parse_size,
+        type=byte_size("no room for a KV block"),
         default=None,
         help="KV pool size (e.g. 40GiB; default: exactly the blocks of the largest batch)",
     )
@@ -415,7 +415,10 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
         help="device memory bandwidth for the bound, bytes/s (default: H200's 4.8e12)",
     )
     p.add_argument(
-        "--num-threads", type=int, default=None, help="torch CPU threads (default: every core)"
+        "--num-threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads (default: every core)",
     )
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--iters", type=int, default=10, help="timed steps")
