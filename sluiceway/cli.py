@@ -462,6 +462,9 @@ def _convert(args: argparse.Namespace) -> int:
     except ModelFilesError as e:
         print(f"sluiceway convert: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # reading the GGUF, or the conversion cache
+        print(f"sluiceway convert: {e.filename or args.model}: {e.strerror or e}", file=sys.stderr)
+        return 2
     print(f"sluiceway convert: wrote {folder}; serve it with: sluiceway serve --model {folder}")
     return 0
 

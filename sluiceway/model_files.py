@@ -164,20 +164,27 @@ def export_hf_folder(
     is served under its own name. Returns ``output``.
 
     Raises:
-        ModelFilesError: ``gguf`` is not a GGUF file (see :func:`resolve_model`), or ``output``
-            exists and is not an empty folder.
+        ModelFilesError: ``gguf`` is not a GGUF file (see :func:`resolve_model`), ``output``
+            exists and is not an empty folder, or it cannot be written ("cannot write DIR:
+            REASON", any OSError of its creation or of a copy).
     """
     out = pathlib.Path(output).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ModelFilesError(f"--output {out} exists and is not an empty folder")
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ModelFilesError(f"--output {out} exists and is not an empty folder")
+    except OSError as e:
+        raise ModelFilesError(f"cannot write {out}: {e.strerror or e}") from None
     source = embedded_model_path() if gguf is None else pathlib.Path(gguf).expanduser()
     if source.is_dir() or source.suffix.lower() != ".gguf":
         raise ModelFilesError(f"{source} is not a .gguf file")
     folder = resolve_model(source)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in folder.iterdir():
-        if f.name != "sluiceway.json":
-            shutil.copyfile(f, out / f.name)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for f in folder.iterdir():
+            if f.name != "sluiceway.json":
+                shutil.copyfile(f, out / f.name)
+    except OSError as e:  # a read-only or missing parent, a full disk, /proc, ...
+        raise ModelFilesError(f"cannot write {out}: {e.strerror or e}") from None
     return out
 
 

@@ -30,10 +30,16 @@ def default_dataset_path() -> Path:
 
 
 def iter_records(path: Path) -> Iterator[dict[str, Any]]:
-    """Yields each complete top-level record of a JSON array file, stopping at a truncation."""
+    """Yields each complete top-level record of a JSON array file, stopping at a truncation.
+
+    Raises OSError for a file that cannot be read, ValueError for one that is not UTF-8 or
+    has no JSON array."""
     text = path.read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
+    start = text.find("[")
+    if start < 0:
+        raise ValueError("no JSON array")
+    pos = start + 1
     n = len(text)
     while True:
         while pos < n and text[pos] in " \t\r\n,":

@@ -397,3 +397,25 @@ def test_convert_refuses_a_folder_that_is_not_empty(tmp_path: pathlib.Path) -> N
     with pytest.raises(ModelFilesError, match=r"x is not a \.gguf file"):
         export_hf_folder(tmp_path / "x", tmp_path / "out")
 
+
+def test_convert_an_output_that_cannot_be_written() -> None:
+    result = run_cli("convert", "--output", "/proc/forbidden")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.splitlines()[-1:] == [
+        "sluiceway convert: cannot write /proc/forbidden: No such file or directory"
+    ]
+    assert "Traceback" not in result.stderr
+
+
+def test_convert_raises_model_files_error_for_any_os_error(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ModelFilesError, match=r"^cannot write .*file/out: Not a directory$"):
+        export_hf_folder(None, tmp_path / "file" / "out")
+
+
+def test_bench_serve_a_dataset_path_that_does_not_exist() -> None:
+    result = run_cli("bench", "serve", "--dataset-path", "/nonexist.json", "--num-prompts", "2")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        "sluiceway bench serve: --dataset-path /nonexist.json: No such file or directory\n"
+    )

@@ -228,7 +228,11 @@ def compare_command(args: argparse.Namespace) -> int:
             f"sluiceway bench compare: --reference {reference!r} not in {labels}", file=sys.stderr
         )
         return 2
-    requests = load_requests(args)
+    try:
+        requests = load_requests(args)
+    except ValueError as e:
+        print(f"sluiceway bench compare: {e}", file=sys.stderr)
+        return 2
     intervals = request_intervals(len(requests), args.request_rate, args.burstiness, args.seed)
     extra = shlex.split(args.serve_args)
     runs: dict[str, BenchRun] = {}

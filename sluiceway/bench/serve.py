@@ -185,8 +185,14 @@ def _serve_openai(
 def serve_command(args: argparse.Namespace) -> int:
     """`bench serve`: runs the workload, prints the figures, saves JSON / PNG when asked.
 
-    Returns 1 (with the reason on stderr) when the server cannot be reached."""
-    requests = load_requests(args)
+    Returns 1 (with the reason on stderr) when the server cannot be reached, 2 for a workload
+    that cannot be loaded (a `--dataset-path` that cannot be read, a `--model` that is no
+    model)."""
+    try:
+        requests = load_requests(args)
+    except ValueError as e:
+        print(f"sluiceway bench serve: {e}", file=sys.stderr)
+        return 2
     intervals = request_intervals(len(requests), args.request_rate, args.burstiness, args.seed)
     if args.backend == "openai":
         return _serve_openai(args, requests, intervals)

@@ -93,7 +93,12 @@ def random_requests(
 
 
 def load_requests(args: argparse.Namespace) -> list[SampledRequest]:
-    """The workload of `--dataset-name` (printing how many ShareGPT records were read)."""
+    """The workload of `--dataset-name` (printing how many ShareGPT records were read).
+
+    Raises:
+        ValueError: a `--model` that is no model, or a `--dataset-path` that cannot be read
+            or is no JSON array (one line for the command to print).
+    """
     from sluiceway.model_files import resolve_model
     from sluiceway.router.tokenizer import load_tokenizer
     from sluiceway.sharegpt import load_conversations, sample_requests
@@ -109,7 +114,13 @@ def load_requests(args: argparse.Namespace) -> list[SampledRequest]:
             args.seed,
         )
     path = Path(args.dataset_path) if args.dataset_path else None
-    num_records, convs = load_conversations(path)
+    where = f"--dataset-path {path}" if path else "the ShareGPT dataset"
+    try:
+        num_records, convs = load_conversations(path)
+    except OSError as e:
+        raise ValueError(f"{where}: {e.strerror or e}") from None
+    except ValueError as e:  # not UTF-8, no JSON array
+        raise ValueError(f"{where}: not a ShareGPT JSON file ({e})") from None
     print(f"ShareGPT: {num_records} complete records read, {len(convs)} conversations")
     return sample_requests(
         tokenizer,
