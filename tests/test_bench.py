@@ -193,3 +193,46 @@ def test_printed_counts_are_integers_and_the_other_figures_have_two_decimals(
     assert lines["request_throughput"].split()[1] == "2.50"
     assert lines["mean_ttft_ms"].split()[1] == "100.00"
     assert lines["kv_cache_utilization_pct"].split()[1] == "0.00"
+
+
+@pytest.mark.parametrize("backend", ["sluiceway", "openai"])
+def test_bench_serve_saves_per_request_figures_and_plots_for_either_backend(
+    backend: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from sluiceway.bench import openai_client, serve
+    from sluiceway.cli import build_parser
+    from sluiceway.sharegpt import SampledRequest
+
+    requests = [SampledRequest("a", 3, 4), SampledRequest("b", 5, 2)]
+    results = [
+        RequestResult(ok=True, prompt_len=3, output_len=4, ttft=0.25, e2e=1.0, itl=[0.25] * 3),
+        RequestResult(ok=False, prompt_len=5, error="UNAVAILABLE: gone"),
+    ]
+
+    async def grpc_workload(target, reqs, intervals, max_concurrency, ignore_eos):  # type: ignore[no-untyped-def]
+        assert (target, reqs) == ("127.0.0.1:50051", requests)
+        return serve.BenchRun(results, summarize(results, 2.0), ["UNAVAILABLE: gone"])
+
+    async def http_workload(base_url, model, reqs, intervals, max_concurrency, ignore_eos):  # type: ignore[no-untyped-def]
+        assert (base_url, reqs) == ("http://127.0.0.1:8000", requests)
+        return results, summarize(results, 2.0)
+
+    monkeypatch.setattr(serve, "load_requests", lambda args: requests)
+    monkeypatch.setattr(serve, "run_workload", grpc_workload)
+    monkeypatch.setattr(openai_client, "run_openai_workload", http_workload)
+    out, png = tmp_path / "result.json", tmp_path / "result.png"
+    args = build_parser().parse_args(
+        ["bench", "serve", "--backend", backend, "--num-prompts", "2",
+         "--save-result", str(out), "--plot", str(png)]
+    )  # fmt: skip
+    assert serve.serve_command(args) == 1  # a request failed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads(out.read_text())
+    assert (saved["successful_requests"], saved["errors"]) == (1, ["UNAVAILABLE: gone"])
+    assert saved["requests"] == [
+        {"ok": True, "prompt_len": 3, "output_len": 4, "ttft_ms": 250.0, "e2e_ms": 1000.0},
+        {"ok": False, "prompt_len": 5, "output_len": 0, "ttft_ms": 0.0, "e2e_ms": 0.0,
+         "error": "UNAVAILABLE: gone"},
+    ]  # fmt: skip

@@ -158,6 +158,44 @@ def json_safe(value: object) -> object:
     return value
 
 
+def per_request(results: list[RequestResult]) -> list[dict[str, object]]:
+    """Each request's figures, in request order, for the saved JSON: ok, prompt and output
+    tokens, TTFT and E2E latency (ms; 0 for a failed request) and the error, if any."""
+    return [
+        {
+            "ok": r.ok,
+            "prompt_len": r.prompt_len,
+            "output_len": r.output_len,
+            "ttft_ms": r.ttft * 1e3,
+            "e2e_ms": r.e2e * 1e3,
+            **({"error": r.error} if r.error else {}),
+        }
+        for r in results
+    ]
+
+
+def report(args: argparse.Namespace, label: str, run: BenchRun) -> int:
+    """Prints the figures; writes `--save-result` (the args, every figure, the errors and
+    the per-request figures) and `--plot` (series `label`) when asked. Returns the exit code:
+    1 when a request failed, else 0."""
+    print_figures(run.figures, run.errors)
+    if args.save_result:
+        result = {
+            "args": vars(args),
+            **run.figures,
+            "errors": run.errors,
+            "requests": per_request(run.results),
+        }
+        with open(args.save_result, "w") as f:
+            json.dump(json_safe(result), f, indent=2, default=str)
+    if args.plot:
+        from sluiceway.bench.plot import PlotSeries, plot_runs
+
+        plot_runs([PlotSeries.from_run(label, run)], args.plot)
+        print(f"plot saved to {args.plot}")
+    return 1 if run.figures["failed_requests"] else 0
+
+
 def _serve_openai(
     args: argparse.Namespace, requests: list[SampledRequest], intervals: list[float]
 ) -> int:
@@ -174,16 +212,12 @@ def _serve_openai(
         print(f"sluiceway bench serve: {args.base_url}: {e}", file=sys.stderr)
         return 1
     errors = sorted({r.error for r in results if not r.ok})
-    print_figures(figures, errors)
-    if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump(json_safe({"args": vars(args), **figures, "errors": errors}), f, indent=2,
-                      default=str)  # fmt: skip
-    return 1 if figures["failed_requests"] else 0
+    return report(args, args.base_url, BenchRun(results, figures, errors))
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    """`bench serve`: runs the workload, prints the figures, saves JSON / PNG when asked.
+    """`bench serve`: runs the workload, prints the figures, saves JSON / PNG when asked
+    (either backend).
 
     Returns 1 (with the reason on stderr) when the server cannot be reached, 2 for a workload
     that cannot be loaded (a `--dataset-path` that cannot be read, a `--model` that is no
@@ -204,14 +238,4 @@ def serve_command(args: argparse.Namespace) -> int:
         detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else e
         print(f"sluiceway bench serve: {args.target}: {detail}", file=sys.stderr)
         return 1
-    print_figures(run.figures, run.errors)
-    if args.save_result:
-        with open(args.save_result, "w") as f:
-            result = {"args": vars(args), **run.figures, "errors": run.errors}
-            json.dump(json_safe(result), f, indent=2, default=str)
-    if args.plot:
-        from sluiceway.bench.plot import PlotSeries, plot_runs
-
-        plot_runs([PlotSeries.from_run(args.target, run)], args.plot)
-        print(f"plot saved to {args.plot}")
-    return 1 if run.figures["failed_requests"] else 0
+    return report(args, args.target, run)

@@ -175,13 +175,14 @@ def test_bench_serve_through_the_http_api(stack: Stack, tmp_path) -> None:  # ty
     import subprocess
     import sys
 
-    out = tmp_path / "bench.json"
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     subprocess.run(
         [
             sys.executable, "-m", "sluiceway.cli", "bench", "serve", "--backend", "openai",
             "--base-url", http_base_url(stack).removesuffix("/v1"),
             "--dataset-name", "random", "--num-prompts", "6", "--random-input-len", "32",
             "--random-output-len", "8", "--ignore-eos", "--save-result", str(out),
+            "--plot", str(png),
         ],
         check=True, timeout=300, capture_output=True,
     )  # fmt: skip
@@ -189,6 +190,9 @@ def test_bench_serve_through_the_http_api(stack: Stack, tmp_path) -> None:  # ty
     assert result["successful_requests"] == 6 and result["failed_requests"] == 0
     assert result["total_output_tokens"] == 48 and result["total_input_tokens"] == 6 * 32
     assert result["median_ttft_ms"] > 0 and result["median_itl_ms"] > 0
+    assert [r["output_len"] for r in result["requests"]] == [8] * 6
+    assert all(0 < r["ttft_ms"] <= r["e2e_ms"] for r in result["requests"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_http_requests_are_counted_by_protocol(api: openai.OpenAI, stack: Stack) -> None:
