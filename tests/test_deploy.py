@@ -19,6 +19,7 @@ import contextlib
 import functools
 import io
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -723,3 +724,29 @@ def test_healthcheck_exits_1_when_nothing_listens() -> None:
     from sluiceway.launcher import free_port
 
     assert _run_healthcheck(f"127.0.0.1:{free_port()}", "--timeout", "1") == 1
+
+
+def test_nginx_conf_listens_and_balances_like_envoy() -> None:
+    """deploy/nginx/nginx.conf, the alternative to Envoy (run for real by
+    tests/integration/test_load_balancer.py): the same public ports, the compose routers'
+    ports upstream, nothing that would hold a stream back or cut it."""
+    text = (ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
+    conf = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    (router_name,) = _by_process()["router"]
+    args = _by_process()["router"][router_name]
+    _, http_port = _http_address(args)
+    assert re.findall(r"listen (\d+) http2;", conf) == [str(cli.DEFAULT_PORT)]
+    assert re.findall(r"listen (\d+);", conf) == [str(cli.DEFAULT_HTTP_PORT)]
+    servers = re.findall(r"server ([\w.-]+):(\d+) ", conf)
+    assert servers == [(router_name, str(_grpc_port(args))), (router_name, str(http_port))]
+    assert "grpc_pass grpc://routers_grpc;" in conf
+    assert "proxy_pass http://routers_http;" in conf
+    assert "proxy_buffering off;" in conf and "gzip on" not in conf
+    for directive in ("grpc_read_timeout", "grpc_send_timeout", "proxy_read_timeout"):
+        assert re.search(rf"{directive} \d+d;", conf), directive
+    # Envoy listens on the same two ports.
+    listen = sorted(
+        listener["address"]["socket_address"]["port_value"]
+        for listener in _envoy()["static_resources"]["listeners"]
+    )
+    assert listen == sorted([cli.DEFAULT_PORT, cli.DEFAULT_HTTP_PORT])
