@@ -261,6 +261,17 @@ def argmax_log_normalizer(
     return argmax, row_max, shifted
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: ``logits[r, t] = -inf`` for each ``r`` in ``rows`` (int64 ``[N]``) and every
+    token ``t`` whose bit is clear in ``bitmask[r]`` (int32 ``[R, ceil(V / 32)]``, bit
+    ``t % 32`` of word ``t // 32``); ``logits`` float32 ``[R, V]``, rows contiguous.
+
+    Raises:
+        RuntimeError: other dtypes or shapes, or a row out of range.
+    """
+    torch.ops.sluiceway.apply_token_bitmask(logits, bitmask, rows)
+
+
 def bf16_gemm_supported() -> bool:
     """Whether :func:`bf16_linear` runs here: the kernels load and were built for a CPU with
     AVX512-BF16 (``-march=native``)."""

@@ -31,14 +31,14 @@ import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from sluiceway.router.errors import InvalidRequest
 from sluiceway.router.server import InferenceService, RequestFailed
@@ -85,6 +85,39 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or
+    ``json_schema``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's extra-body ``structured_outputs``: exactly one of its fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(BaseModel):
     """The parameters both endpoints share: OpenAI's names, then vLLM's extra-body names."""
 
@@ -112,6 +145,8 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     request_id: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
 
 class ChatMessage(BaseModel):
@@ -150,6 +185,8 @@ class DetokenizeRequest(BaseModel):
 
 
 # -- mapping ----------------------------------------------------------------------------------
+
+_CONSTRAINT_FIELD = "sampling.structured_outputs"
 
 # gRPC field names (router/validation.py) -> this API's, where they differ
 _PARAM_NAMES = {
@@ -227,10 +264,52 @@ def _sampling_params(
         ]
     if logprobs is not None:
         params["logprobs"] = _in_range(logprobs, "logprobs", logprobs_param)
+    constraint = _structured_outputs(body)
+    if constraint is not None:
+        params["structured_outputs"] = constraint
     params["ignore_eos"] = body.ignore_eos
     params["skip_special_tokens"] = body.skip_special_tokens
     params["include_stop_str_in_output"] = body.include_stop_str_in_output
     return params
+
+
+def _structured_outputs(body: _Sampling) -> inference_pb2.StructuredOutputs | None:
+    """The constraint of ``response_format`` (OpenAI) or ``structured_outputs`` (vLLM's extra
+    body), None for neither (or ``{"type": "text"}``); a 400 for both, or for a
+    ``structured_outputs`` that sets not exactly one field. The shared validation checks the
+    rest."""
+    fmt, so = body.response_format, body.structured_outputs
+    if fmt is not None and fmt.type != "text" and so is not None:
+        raise ApiError(
+            400, "structured_outputs: give it or response_format, not both", "structured_outputs"
+        )
+    if fmt is not None and fmt.type == "json_object":
+        return inference_pb2.StructuredOutputs(json_object=True)
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            param = "response_format.json_schema.schema"
+            raise ApiError(400, f"{param}: required with type json_schema", param)
+        return inference_pb2.StructuredOutputs(json=json.dumps(fmt.json_schema.json_schema))
+    if so is None:
+        return None
+    given = [k for k in ("json_", "regex", "choice", "grammar", "json_object")
+             if getattr(so, k) is not None]  # fmt: skip
+    if len(given) != 1:
+        raise ApiError(
+            400,
+            "structured_outputs: set exactly one of json, regex, choice, grammar, json_object",
+            "structured_outputs",
+        )
+    if so.json_ is not None:
+        text = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+        return inference_pb2.StructuredOutputs(json=text)
+    if so.choice is not None:
+        return inference_pb2.StructuredOutputs(choice=inference_pb2.Choices(choices=so.choice))
+    if so.json_object is not None:
+        return inference_pb2.StructuredOutputs(json_object=so.json_object)
+    if so.regex is not None:
+        return inference_pb2.StructuredOutputs(regex=so.regex)
+    return inference_pb2.StructuredOutputs(grammar=so.grammar)
 
 
 def _message_text(message: ChatMessage, index: int) -> str:
@@ -521,10 +600,27 @@ class _Run:
     def _api_error(self, e: RequestFailed) -> ApiError:
         status, _ = HTTP_STATUS.get(e.code, (500, ""))
         message = e.details
-        param = _param(e.field, self.chat)
-        if e.field is not None and param is not None and message.startswith(e.field + ":"):
-            message = param + message[len(e.field) :]
+        field = e.field
+        if field is None and message.startswith(_CONSTRAINT_FIELD):  # a worker's compile error
+            field = message.split(":", 1)[0]
+        param = _param(field, self.chat)
+        if field is not None and field.startswith(_CONSTRAINT_FIELD):
+            param = self._constraint_param(field)
+        if field is not None and param is not None and message.startswith(field + ":"):
+            message = param + message[len(field) :]
         return ApiError(status, message, param)
+
+    def _constraint_param(self, field: str) -> str:
+        """The body field a structured-outputs error names: ``response_format...`` when the
+        constraint came from there, else vLLM's ``structured_outputs.<kind>``."""
+        fmt = self.body.response_format
+        if fmt is not None and fmt.type != "text":
+            return (
+                "response_format.json_schema.schema"
+                if field.endswith(".json")
+                else "response_format"
+            )
+        return field.removeprefix("sampling.")
 
     async def _whole(self, prompts: list[inference_pb2.GenerateRequest]) -> dict[str, Any]:
         texts: dict[int, list[str]] = {}

@@ -7,6 +7,7 @@ naming the field in the public proto's words ("sampling.top_p",
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -18,10 +19,13 @@ from sluiceway.v1 import inference_pb2
 __all__ = [
     "DEFAULT_MAX_TOKENS",
     "GREEDY_TEMPERATURE_EPS",
+    "MAX_CHOICES",
+    "MAX_CONSTRAINT_BYTES",
     "MAX_N",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_BYTES",
     "ResolvedSampling",
+    "check_structured_outputs",
     "resolve_request",
     "validate_prompt_token_ids",
 ]
@@ -42,6 +46,10 @@ MAX_N = 16
 PENALTY_LIMIT = 2.0
 #: A temperature below this is greedy sampling (vLLM's `_SAMPLING_EPS`).
 GREEDY_TEMPERATURE_EPS = 1e-5
+#: A structured-outputs JSON schema, regex or grammar at most, UTF-8 bytes.
+MAX_CONSTRAINT_BYTES = 64 * 1024
+#: Alternatives of a `choice` constraint at most.
+MAX_CHOICES = 256
 
 
 @dataclass(slots=True)
@@ -234,6 +242,9 @@ def resolve_request(
         min_tokens=min_tokens,
         stop_token_ids=stop_token_ids if min_tokens else [],
     )
+    if sp.HasField("structured_outputs"):
+        check_structured_outputs(sp.structured_outputs)
+        resolved.structured_outputs.CopyFrom(sp.structured_outputs)
     if sp.HasField("seed"):
         resolved.seed = sp.seed
     if logprobs is not None:
@@ -249,6 +260,50 @@ def resolve_request(
         logprobs=logprobs,
         n=n,
     )
+
+
+def check_structured_outputs(c: inference_pb2.StructuredOutputs) -> None:
+    """Checks what can be checked without the tokenizer (the workers compile it: a schema
+    or grammar xgrammar refuses is INVALID_ARGUMENT from there, naming the field too).
+
+    Raises:
+        InvalidRequest("sampling.structured_outputs"): no constraint set.
+        InvalidRequest("sampling.structured_outputs.<kind>"): json not JSON text of an
+            object or boolean schema, json_object false, an empty regex or grammar, text over
+            MAX_CONSTRAINT_BYTES, no choices, an empty choice or over MAX_CHOICES of them.
+    """
+    kind = c.WhichOneof("constraint")
+    field = f"sampling.structured_outputs.{kind}"
+    if kind is None:
+        raise InvalidRequest(
+            "sampling.structured_outputs",
+            "set one of json, json_object, regex, choice, grammar (or leave it unset)",
+        )
+    if kind == "json_object":
+        if not c.json_object:
+            raise InvalidRequest(field, "must be true when set (unset: no constraint)")
+        return
+    if kind == "choice":
+        choices = c.choice.choices
+        if not 1 <= len(choices) <= MAX_CHOICES:
+            raise InvalidRequest(field, f"needs 1 to {MAX_CHOICES} choices; got {len(choices)}")
+        for i, choice in enumerate(choices):
+            if not choice:
+                raise InvalidRequest(f"{field}.choices[{i}]", "must not be empty")
+        return
+    text = getattr(c, kind)
+    size = len(text.encode("utf-8"))
+    if not 0 < size <= MAX_CONSTRAINT_BYTES:
+        raise InvalidRequest(field, f"must be 1 to {MAX_CONSTRAINT_BYTES} UTF-8 bytes; got {size}")
+    if kind == "json":
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise InvalidRequest(field, f"not valid JSON: {e}") from None
+        if not isinstance(schema, dict | bool):
+            raise InvalidRequest(
+                field, f"a JSON schema is an object or a boolean; got {type(schema).__name__}"
+            )
 
 
 def validate_prompt_token_ids(ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:

@@ -60,6 +60,11 @@ def step_timeout_s(out: SchedulerOutput) -> float:
     )
 
 
+# A compile that takes longer is a worker in trouble (xgrammar compiles a JSON schema of a
+# few KiB in tens of milliseconds on one core).
+PREPARE_STRUCTURED_OUTPUTS_TIMEOUT_S = 60.0
+
+
 class WorkerUnavailable(Exception):
     """The worker failed a step; the requests it held end with UNAVAILABLE."""
 
@@ -394,6 +399,31 @@ class Engine:
             await g.close()
 
     # -- requests ---------------------------------------------------------------
+
+    async def prepare_structured_outputs(
+        self, constraint: inference_pb2.StructuredOutputs
+    ) -> float:
+        """Has every rank of every group (the prefill workers sample a request's first token,
+        the decode workers the rest) compile `constraint` before the request is queued, so
+        that no step waits for a compile; returns the longest compile, seconds.
+
+        Raises ValueError (it does not compile: the message names the field) or NotReady (a
+        worker missing or failing).
+        """
+        if not self.ready:
+            raise NotReady("no worker has registered yet")
+        try:
+            times = await asyncio.gather(
+                *(
+                    g.prepare_structured_outputs(constraint, PREPARE_STRUCTURED_OUTPUTS_TIMEOUT_S)
+                    for g in self.groups
+                )
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(e.details()) from None
+            raise NotReady(f"a worker failed to compile the constraint: {e.code().name}") from None
+        return max(times)
 
     def new_sequence(self, req: scheduler_pb2.AddRequestRequest) -> Sequence:
         """Validates and queues a request on the least loaded group that prefills.

@@ -56,6 +56,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         )
         rlog = log.bind(request_id=request_id)
         try:
+            if request.sampling.HasField("structured_outputs"):
+                await self.engine.prepare_structured_outputs(request.sampling.structured_outputs)
             seq = self.engine.new_sequence(request)
         except NotReady as e:
             rlog.warning("request_rejected", code="UNAVAILABLE", error=str(e))

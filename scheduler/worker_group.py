@@ -20,6 +20,7 @@ from sluiceway.internal.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from sluiceway.scheduler.block_manager import BlockManager
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.scheduler import Scheduler
+from sluiceway.v1 import inference_pb2
 
 # A block copy is a few milliseconds per megabyte; a decode worker that does not answer in this
 # long is stuck, and the sequences keep decoding where they were prefilled.
@@ -202,6 +203,20 @@ class WorkerGroup:
             )
         )
         return sum(r.num_bytes for r in responses)
+
+    async def prepare_structured_outputs(
+        self, constraint: inference_pb2.StructuredOutputs, timeout_s: float
+    ) -> float:
+        """Has every rank compile `constraint` into its grammar cache; returns the longest
+        compile, seconds. Raises grpc.aio.AioRpcError from the first rank that fails
+        (INVALID_ARGUMENT: it does not compile)."""
+        responses = await asyncio.gather(
+            *(
+                self._stubs[r].PrepareStructuredOutputs(constraint, timeout=timeout_s)
+                for r in range(self.tensor_parallel_size)
+            )
+        )
+        return max(r.compile_seconds for r in responses)
 
     async def probe(self, timeout_s: float) -> None:
         """Health-checks every rank; raises grpc.aio.AioRpcError from the first that fails."""

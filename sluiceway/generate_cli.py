@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -140,6 +141,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="samples of the prompt (1..16), printed one after the other under a "
         "'--- sample I ---' line (default: 1)",
     )
+    constraint = gen.add_argument_group(
+        "structured outputs (at most one; README, Structured outputs)"
+    ).add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema",
+        metavar="SCHEMA",
+        default=None,
+        help="the output is JSON valid against this schema: JSON text, or @FILE (default: none)",
+    )
+    constraint.add_argument(
+        "--json-object", action="store_true", help="the output is a JSON object"
+    )
+    constraint.add_argument(
+        "--regex", default=None, help="the whole output matches this regex (default: none)"
+    )
+    constraint.add_argument(
+        "--choice",
+        action="append",
+        default=None,
+        help="the output is one of these strings; repeat it for each (default: none)",
+    )
+    constraint.add_argument(
+        "--grammar",
+        default=None,
+        help="the output follows this EBNF grammar (a root rule): text, or @FILE (default: none)",
+    )
     gen.add_argument(
         "--show-usage",
         action="store_true",
@@ -159,12 +186,40 @@ def build_request(args: argparse.Namespace, prompt: str) -> inference_pb2.Genera
     for flag in ("ignore_eos", "include_stop_str_in_output"):
         if getattr(args, flag):
             sampling[flag] = True
+    structured = _structured_outputs(args)
+    if structured is not None:
+        sampling["structured_outputs"] = structured
     if args.chat or args.system_prompt is not None:
         messages = [("user", prompt)]
         if args.system_prompt is not None:
             messages.insert(0, ("system", args.system_prompt))
         return Client.request(messages=messages, **sampling)
     return Client.request(prompt, **sampling)
+
+
+def _structured_outputs(args: argparse.Namespace) -> inference_pb2.StructuredOutputs | None:
+    """The constraint of ``--json-schema``, ``--json-object``, ``--regex``, ``--choice`` or
+    ``--grammar`` (``@FILE`` reads a schema or grammar from FILE), None for none.
+
+    Raises:
+        OSError: an @FILE that cannot be read.
+    """
+    from sluiceway.v1 import inference_pb2
+
+    def text(value: str) -> str:
+        return pathlib.Path(value[1:]).read_text() if value.startswith("@") else value
+
+    if args.json_schema is not None:
+        return inference_pb2.StructuredOutputs(json=text(args.json_schema))
+    if args.json_object:
+        return inference_pb2.StructuredOutputs(json_object=True)
+    if args.regex is not None:
+        return inference_pb2.StructuredOutputs(regex=args.regex)
+    if args.choice is not None:
+        return inference_pb2.StructuredOutputs(choice=inference_pb2.Choices(choices=args.choice))
+    if args.grammar is not None:
+        return inference_pb2.StructuredOutputs(grammar=text(args.grammar))
+    return None
 
 
 def generate_command(args: argparse.Namespace) -> int:

@@ -236,3 +236,25 @@ def test_bench_serve_saves_per_request_figures_and_plots_for_either_backend(
         {"ok": False, "prompt_len": 5, "output_len": 0, "ttft_ms": 0.0, "e2e_ms": 0.0,
          "error": "UNAVAILABLE: gone"},
     ]  # fmt: skip
+
+
+def test_bench_grammar_prints_compile_times_and_the_per_step_mask_cost() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "sluiceway.cli", "bench", "grammar", "--num-seqs", "4"],
+        check=True, capture_output=True, text=True, timeout=300,
+    ).stdout  # fmt: skip
+    rows = {line[:40].strip(): line[40:].split() for line in out.splitlines()[2:]}
+    for kind in ("json (6-property schema)", "json_object", "regex (phone number)",
+                 "choice (3 strings)", "grammar (EBNF)"):  # fmt: skip
+        cold, ms, cached, ms2 = rows[kind]
+        assert ms == ms2 == "ms" and float(cold) > 0 and float(cached) >= 0
+    assert "per step at 4 constrained sequences" in out
+    for label in ("fill bitmask", "apply to logits", "advance matchers"):
+        value, unit, _, per_unit = rows[label]
+        assert unit == "ms" and per_unit == "us/seq" and float(value) >= 0
+    total = float(rows["total"][0])
+    parts = sum(float(rows[k][0]) for k in ("fill bitmask", "apply to logits", "advance matchers"))
+    assert abs(total - parts) < 0.02

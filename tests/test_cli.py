@@ -92,7 +92,7 @@ def test_generate_has_a_flag_for_every_sampling_param() -> None:
          "--seed", "3", "--repetition-penalty", "1.2", "--presence-penalty", "0.5",
          "--frequency-penalty", "-0.5", "--stop", "a", "--stop", "b c", "--stop-token-ids",
          "2,7", "--ignore-eos", "--include-stop-str-in-output", "--no-skip-special-tokens",
-         "--logprobs", "5", "-n", "2"]
+         "--logprobs", "5", "-n", "2", "--choice", "yes", "--choice", "no"]
     )  # fmt: skip
     req = build_request(args, "Hi")
     s = req.sampling
@@ -110,10 +110,35 @@ def test_generate_has_a_flag_for_every_sampling_param() -> None:
         True,
         False,
     )
+    assert list(s.structured_outputs.choice.choices) == ["yes", "no"]
     assert [(m.role, m.content) for m in req.messages.messages] == [
         ("system", "Be brief."),
         ("user", "Hi"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--json-schema", '{"type": "object"}'], inference_pb2.StructuredOutputs(json='{"type": "object"}')),
+        (["--json-object"], inference_pb2.StructuredOutputs(json_object=True)),
+        (["--regex", "[0-9]+"], inference_pb2.StructuredOutputs(regex="[0-9]+")),
+        (["--grammar", 'root ::= "a"'], inference_pb2.StructuredOutputs(grammar='root ::= "a"')),
+    ],
+)  # fmt: skip
+def test_generate_structured_outputs_flags(flags: list[str], expected: object) -> None:
+    req = build_request(build_parser().parse_args(["generate", "Hi", *flags]), "Hi")
+    assert req.sampling.structured_outputs == expected
+
+
+def test_generate_reads_a_schema_from_a_file_and_takes_one_constraint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "integer"}')
+    args = build_parser().parse_args(["generate", "Hi", "--json-schema", f"@{schema}"])
+    assert build_request(args, "Hi").sampling.structured_outputs.json == '{"type": "integer"}'
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["generate", "Hi", "--regex", "a", "--json-object"])
+    assert info.value.code == 2
 
 
 def test_generate_without_flags_leaves_every_sampling_param_to_the_server() -> None:

@@ -26,6 +26,11 @@ from sluiceway.worker.loader import load_config, load_model
 from sluiceway.worker.model import LlamaForCausalLM, ModelConfig
 from sluiceway.worker.parallel import check_tensor_parallel, joined_group
 from sluiceway.worker.sampler import SamplingOptions, sample
+from sluiceway.worker.structured_output import (
+    ConstraintMatcher,
+    allow_all_bitmask,
+    apply_token_bitmask,
+)
 
 if TYPE_CHECKING:
     from sluiceway.worker.cuda_graphs import DecodeCudaGraphs
@@ -58,6 +63,13 @@ class SequenceData:
     sampling: SamplingOptions
     generator: torch.Generator | None = None  # created by ModelRunner when sampling.seed is set
     num_prompt_tokens: int = 0  # the original prompt's length; the rest of token_ids is output
+    constraint: ConstraintMatcher | None = None  # structured outputs: its grammar's state
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        """Appends tokens generated since the last step (and moves the constraint on)."""
+        self.token_ids.extend(token_ids)
+        if self.constraint is not None:
+            self.constraint.accept(token_ids)
 
 
 @dataclass(slots=True)
@@ -205,6 +217,7 @@ class ModelRunner:
         model: LlamaForCausalLM | None = None,
     ) -> None:
         model_dir = pathlib.Path(model_dir)
+        self.model_dir = model_dir
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self._device = torch.device(device)
@@ -516,6 +529,9 @@ class ModelRunner:
             if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
                 return []
             seqs = [chunks[i].seq for i in sampling]
+            constrained = [j for j, s in enumerate(seqs) if s.constraint is not None]
+            if constrained:
+                logits = self._mask_logits(logits, seqs, constrained)
             result = sample(
                 logits,
                 [s.sampling for s in seqs],
@@ -538,6 +554,20 @@ class ModelRunner:
                         token.top_ids, token.top_logprobs = top_ids[i][:n], top_lps[i][:n]
             timings.sample_s += time.perf_counter() - t2
         return out
+
+    def _mask_logits(
+        self, logits: torch.Tensor, seqs: list[SequenceData], constrained: list[int]
+    ) -> torch.Tensor:
+        """``logits`` (``[R, V]``) as float32 with every token the grammar of row ``j`` (for
+        ``j`` in ``constrained``) does not allow next set to ``-inf``."""
+        logits = logits.float()
+        bitmask = allow_all_bitmask(logits.shape[0], logits.shape[1])
+        for j in constrained:
+            matcher = seqs[j].constraint
+            assert matcher is not None
+            matcher.fill(bitmask, j)
+        apply_token_bitmask(logits, bitmask, constrained)
+        return logits
 
     def _is_graph_decode(self, chunks: list[ScheduledChunk], graph: DecodeCudaGraphs) -> bool:
         """Whether the step is decodes only (one new token each, the last of its sequence,

@@ -331,7 +331,10 @@ def sample(
     for i, o in enumerate(options):
         if o.min_tokens and o.stop_token_ids and len(output_of(i)) < o.min_tokens:
             stop_ids = torch.tensor(o.stop_token_ids, device=device)
+            kept = logits[i, stop_ids].clone()
             logits[i, stop_ids] = float("-inf")
+            if not torch.isfinite(logits[i]).any():  # a grammar that allows only a stop id
+                logits[i, stop_ids] = kept
 
     greedy = [i for i, o in enumerate(options) if o.temperature == 0]
     sampled = [i for i, o in enumerate(options) if o.temperature != 0]

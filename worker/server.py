@@ -30,9 +30,11 @@ from sluiceway.grpc_server import (
     on_shutdown_signal,
 )
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from sluiceway.v1 import inference_pb2
 from sluiceway.worker.kv_pool import SharedKvPool, copy_blocks, open_kv_pool
 from sluiceway.worker.metrics import FORWARD_SECONDS, step_phase
 from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
+from sluiceway.worker.structured_output import ConstraintError, GrammarCompiler
 
 log = structlog.get_logger("worker")
 
@@ -80,18 +82,25 @@ class StepExecutor:
         self.runner = runner
         self.model_name = model_name
         self.sequences: dict[int, SequenceData] = {}
+        self.grammars = GrammarCompiler(runner.model_dir, runner.vocab_size, runner.eos_token_ids)
 
     def execute(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         t0 = time.perf_counter()
         for seq_id in request.finished_seq_ids:
             self.sequences.pop(seq_id, None)
         for new in request.new_sequences:
-            self.sequences[new.seq_id] = self.runner.make_sequence(
+            record = self.runner.make_sequence(
                 new.seq_id,
                 list(new.prompt_token_ids),
                 sampling_options(new.sampling),
                 new.num_prompt_tokens or None,
             )
+            if new.sampling.HasField("structured_outputs"):
+                generated = record.token_ids[record.num_prompt_tokens :]
+                record.constraint = self.grammars.matcher(
+                    new.sampling.structured_outputs, generated
+                )
+            self.sequences[new.seq_id] = record
             log.info(
                 "sequence_added",
                 request_id=new.request_id,
@@ -111,7 +120,7 @@ class StepExecutor:
             seq = self.sequences.get(s.seq_id)
             if seq is None:
                 raise ValueError(f"step {request.step_id} names unknown sequence {s.seq_id}")
-            seq.token_ids.extend(s.appended_token_ids)
+            seq.append(s.appended_token_ids)
             if s.HasField("copied_last_block_id"):
                 if not seq.block_table:
                     raise ValueError(f"sequence {s.seq_id}: no block to copy on write")
@@ -162,7 +171,7 @@ class StepExecutor:
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    """`ExecuteStep` and `CopyBlocks` over one `StepExecutor`.
+    """`ExecuteStep`, `CopyBlocks` and `PrepareStructuredOutputs` over one `StepExecutor`.
 
     `broken` is set when a collective of a tensor-parallel step fails (a peer rank died or
     timed out): this rank's process group cannot recover, so `serve` exits with status 1 for
@@ -173,6 +182,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.executor = executor
         # One thread: steps are sequential, and torch keeps its own intra-op threads.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self._compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.broken = asyncio.Event()
 
     async def ExecuteStep(
@@ -191,6 +201,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self.broken.set()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "tensor-parallel group broken")
             raise
+
+    async def PrepareStructuredOutputs(
+        self, request: inference_pb2.StructuredOutputs, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrepareStructuredOutputsResponse:
+        loop = asyncio.get_running_loop()
+        try:
+            # A thread of its own: a compile never delays a step.
+            _, seconds = await loop.run_in_executor(
+                self._compile_pool, self.executor.grammars.compile, request
+            )
+        except ConstraintError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise
+        return worker_pb2.PrepareStructuredOutputsResponse(compile_seconds=seconds)
 
     async def CopyBlocks(
         self, request: worker_pb2.CopyBlocksRequest, context: grpc.aio.ServicerContext

@@ -19,6 +19,7 @@ void rotary_embedding_write_kv(at::Tensor& qkv, const at::Tensor& positions,
                                at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                                int64_t num_heads, int64_t num_kv_heads);
 void argmax_logsumexp(at::Tensor& argmax, at::Tensor& logsumexp, const at::Tensor& logits);
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
 bool bf16_gemm_supported();
 void bf16_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                const std::optional<at::Tensor>& bias);
@@ -36,6 +37,7 @@ TORCH_LIBRARY(sluiceway, m) {
       "rotary_embedding_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor(b!) kv_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
   m.def("argmax_logsumexp(Tensor(a!) argmax, Tensor(b!) logsumexp, Tensor logits) -> ()");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("bf16_gemm_supported() -> bool");
   m.def("bf16_gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
 }
@@ -47,6 +49,7 @@ TORCH_LIBRARY_IMPL(sluiceway, CPU, m) {
   m.impl("silu_and_mul", &sluiceway::silu_and_mul);
   m.impl("rotary_embedding_write_kv", &sluiceway::rotary_embedding_write_kv);
   m.impl("argmax_logsumexp", &sluiceway::argmax_logsumexp);
+  m.impl("apply_token_bitmask", &sluiceway::apply_token_bitmask);
   m.impl("bf16_gemm", &sluiceway::bf16_gemm);
 }
 

@@ -88,4 +88,42 @@ void argmax_logsumexp(at::Tensor& argmax, at::Tensor& logsumexp, const at::Tenso
   }
 }
 
+// Structured outputs: logits[r, t] = -inf for each row r in `rows` and every token t whose bit
+// (bit t % 32 of word t / 32 of bitmask[r], int32) is clear. A word that allows all 32 tokens
+// is skipped; the others are a branch-free select the compiler vectorizes.
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat,
+              "logits must be float32 [R, V] with contiguous rows");
+  const int64_t v = logits.size(1), words = (v + 31) / 32;
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.stride(1) == 1 &&
+                  bitmask.size(0) == logits.size(0) && bitmask.size(1) >= words,
+              "bitmask must be int32 [R, >= ceil(V / 32)] with contiguous rows");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "rows must be a contiguous int64 [N]");
+  const int64_t n = rows.numel(), stride = logits.stride(0), bm_stride = bitmask.stride(0);
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < logits.size(0), "row ", row_ids[i], " out of range");
+  }
+  float* base = logits.data_ptr<float>();
+  const uint32_t* masks = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* x = base + row_ids[i] * stride;
+      const uint32_t* w = masks + row_ids[i] * bm_stride;
+      for (int64_t k = 0; k < words; ++k) {
+        const uint32_t m = w[k];
+        if (m == 0xffffffffu) continue;
+        float* xk = x + k * 32;
+        if (k * 32 + 32 <= v) {
+          for (int b = 0; b < 32; ++b) xk[b] = ((m >> b) & 1u) ? xk[b] : neg_inf;
+        } else {
+          for (int64_t b = 0; b < v - k * 32; ++b) xk[b] = ((m >> b) & 1u) ? xk[b] : neg_inf;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace sluiceway

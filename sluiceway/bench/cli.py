@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from sluiceway.argtypes import positive_int
+from sluiceway.bench.grammar import add_grammar_args
 from sluiceway.bench.step import add_step_args
 from sluiceway.bench.workload import add_workload_args
 
@@ -77,6 +78,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "step", help="time the worker's model step on a synthetic decode batch (the hot path)"
     )
     add_step_args(step)
+    grammar = bench_sub.add_parser(
+        "grammar",
+        help="structured outputs: compile time per constraint kind and the token mask's "
+        "cost per step at --num-seqs constrained sequences",
+    )
+    add_grammar_args(grammar)
 
 
 def bench_command(args: argparse.Namespace) -> int:
@@ -84,6 +91,10 @@ def bench_command(args: argparse.Namespace) -> int:
         from sluiceway.bench.step import step_command
 
         return step_command(args)
+    if args.bench_command == "grammar":
+        from sluiceway.bench.grammar import grammar_command
+
+        return grammar_command(args)
     if args.bench_command == "compare":
         from sluiceway.bench.compare import compare_command
 

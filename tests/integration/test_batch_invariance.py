@@ -4,7 +4,8 @@ dozen ShareGPT requests of mixed lengths (chunked), after preemptions, with stat
 no chunking, long prefills capped and run side by side, disaggregated prefill/decode, two
 replicas, and tensor parallelism; and the n
 samples of a parallel-sampling request (forked prompt blocks) give the tokens of n single
-requests with seeds seed + i, in every mode. No near-tie tolerance: the ids must be equal."""
+requests with seeds seed + i, in every mode; so does a seeded request under a JSON-schema
+constraint (structured outputs). No near-tie tolerance: the ids must be equal."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ PROBES = [
                    max_tokens=32, ignore_eos=True),
     Client.request(messages=[("user", "Write a short poem about rivers.")], temperature=0.8,
                    seed=1234, top_k=50, max_tokens=32, ignore_eos=True),
+    # structured outputs: the grammar's token mask is applied per row
+    Client.request(messages=[("user", "Describe a city as JSON.")], temperature=1.0, seed=5,
+                   max_tokens=40, structured_outputs=inference_pb2.StructuredOutputs(
+                       json='{"type": "object", "properties": {"name": {"type": "string"}, '
+                            '"population": {"type": "integer"}}, "required": ["name"]}')),
 ]  # fmt: skip
 # n = 3 samples of one prompt, amid the noise; PROBES' last three entries (made in `probes`)
 # are its samples as single requests

@@ -302,6 +302,27 @@ def test_argmax_log_normalizer_matches_torch() -> None:
     torch.testing.assert_close(lse[finite].double(), ref[finite], atol=1e-5, rtol=1e-6)
 
 
+def test_apply_token_bitmask_matches_the_unpacked_mask() -> None:
+    torch.manual_seed(6)
+    vocab = 1000 + 7  # not a multiple of 32: the last word is partial
+    logits = torch.randn(5, vocab)
+    bitmask = torch.randint(-(1 << 31), (1 << 31) - 1, (5, (vocab + 31) // 32), dtype=torch.int32)
+    bitmask[1] = -1  # every token allowed
+    bitmask[2] = 0  # none
+    bitmask[3, 0] = 1 << 5  # only token 5 of the first word
+    bits = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool()
+    allowed = bits.flatten(1)[:, :vocab]
+    rows = [0, 1, 2, 3]  # row 4 is left as it is
+    expected = logits.clone()
+    expected[rows] = expected[rows].masked_fill(~allowed[rows], float("-inf"))
+    out = logits.clone()
+    cpu_ops.apply_token_bitmask(out, bitmask, torch.tensor(rows))
+    assert torch.equal(out, expected)
+    assert torch.equal(out[4], logits[4]) and torch.isinf(out[2]).all()
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_ops.apply_token_bitmask(out, bitmask, torch.tensor([5]))
+
+
 def test_sampler_with_cpu_kernels_picks_the_same_tokens() -> None:
     from sluiceway.worker.sampler import SamplingOptions, sample
 

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SequenceSamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "min_p", "presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids", "num_logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "min_p", "presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids", "num_logprobs", "structured_outputs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class SequenceSamplingParams(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -31,7 +32,8 @@ class SequenceSamplingParams(_message.Message):
     min_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., num_logprobs: _Optional[int] = ...) -> None: ...
+    structured_outputs: _inference_pb2.StructuredOutputs
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., num_logprobs: _Optional[int] = ..., structured_outputs: _Optional[_Union[_inference_pb2.StructuredOutputs, _Mapping]] = ...) -> None: ...
 
 class AddRequestRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "min_tokens", "parent_request_id", "output_token_ids")

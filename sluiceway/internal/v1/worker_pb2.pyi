@@ -1,4 +1,5 @@
 from sluiceway.internal.v1 import scheduler_pb2 as _scheduler_pb2
+from sluiceway.v1 import inference_pb2 as _inference_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -6,6 +7,12 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrepareStructuredOutputsResponse(_message.Message):
+    __slots__ = ("compile_seconds",)
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    compile_seconds: float
+    def __init__(self, compile_seconds: _Optional[float] = ...) -> None: ...
 
 class CopyBlocksRequest(_message.Message):
     __slots__ = ("source", "src_block_ids", "dst_block_ids")

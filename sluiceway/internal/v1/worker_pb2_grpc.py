@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from sluiceway.internal.v1 import worker_pb2 as sluiceway_dot_internal_dot_v1_dot_worker__pb2
+from sluiceway.v1 import inference_pb2 as sluiceway_dot_v1_dot_inference__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -44,6 +45,11 @@ class WorkerStub:
                 request_serializer=sluiceway_dot_internal_dot_v1_dot_worker__pb2.CopyBlocksRequest.SerializeToString,
                 response_deserializer=sluiceway_dot_internal_dot_v1_dot_worker__pb2.CopyBlocksResponse.FromString,
                 _registered_method=True)
+        self.PrepareStructuredOutputs = channel.unary_unary(
+                '/sluiceway.internal.v1.Worker/PrepareStructuredOutputs',
+                request_serializer=sluiceway_dot_v1_dot_inference__pb2.StructuredOutputs.SerializeToString,
+                response_deserializer=sluiceway_dot_internal_dot_v1_dot_worker__pb2.PrepareStructuredOutputsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -65,6 +71,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareStructuredOutputs(self, request, context):
+        """Compiles a structured-outputs constraint into the worker's grammar cache, off
+        the step thread, and returns once it is there: the scheduler admits a
+        constrained request only after every worker that may sample it answered, so
+        that a step never waits for a compile. INVALID_ARGUMENT when it does not
+        compile (the message names the field).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +94,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.CopyBlocks,
                     request_deserializer=sluiceway_dot_internal_dot_v1_dot_worker__pb2.CopyBlocksRequest.FromString,
                     response_serializer=sluiceway_dot_internal_dot_v1_dot_worker__pb2.CopyBlocksResponse.SerializeToString,
+            ),
+            'PrepareStructuredOutputs': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareStructuredOutputs,
+                    request_deserializer=sluiceway_dot_v1_dot_inference__pb2.StructuredOutputs.FromString,
+                    response_serializer=sluiceway_dot_internal_dot_v1_dot_worker__pb2.PrepareStructuredOutputsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +155,33 @@ class Worker:
             '/sluiceway.internal.v1.Worker/CopyBlocks',
             sluiceway_dot_internal_dot_v1_dot_worker__pb2.CopyBlocksRequest.SerializeToString,
             sluiceway_dot_internal_dot_v1_dot_worker__pb2.CopyBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareStructuredOutputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluiceway.internal.v1.Worker/PrepareStructuredOutputs',
+            sluiceway_dot_v1_dot_inference__pb2.StructuredOutputs.SerializeToString,
+            sluiceway_dot_internal_dot_v1_dot_worker__pb2.PrepareStructuredOutputsResponse.FromString,
             options,
             channel_credentials,
             insecure,
