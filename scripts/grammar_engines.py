@@ -5,9 +5,9 @@ then mask 64 sequences that follow 64 JSON documents token by token (the same do
 every engine; a token an engine refuses is an error), timing the mask and the advance.
 
 Run it in a scratch venv, outside the project (only xgrammar is a dependency):
-    python3 -m venv /tmp/gv && /tmp/gv/bin/pip install torch==2.13.0 xgrammar llguidance \\
+    python3 -m venv /tmp/gv && /tmp/gv/bin/pip install torch==2.13.0 protobuf xgrammar llguidance \\
         outlines-core transformers
-    /tmp/gv/bin/python scripts/grammar_engines.py [MODEL_DIR]
+    PYTHONPATH=. /tmp/gv/bin/python scripts/grammar_engines.py [MODEL_DIR]
 MODEL_DIR: an HF folder with the tokenizer (default: the converted embedded GGUF under
 ~/.cache/sluiceway, which any `sluiceway serve` makes).
 """
@@ -25,40 +25,12 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z]+\\.[a-z]{2,3}$"},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-    "required": ["name", "age", "role"],
-    "additionalProperties": False,
-}
+from sluiceway.bench.grammar import PERSON as SCHEMA
+from sluiceway.bench.grammar import person_document as document
+
 REGEX = r"\(?[0-9]{3}\)?[ -][0-9]{3}-[0-9]{4}"
 CHOICE = "positive|negative|neutral"
 SEQS = 64
-WORDS = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy"]
-
-
-def document(rnd: random.Random, i: int) -> str:
-    return json.dumps(
-        {
-            "name": f"{rnd.choice(WORDS).title()} {rnd.choice(WORDS).title()}",
-            "age": rnd.randint(0, 99),
-            "email": f"{rnd.choice(WORDS)}.{i}@example.com",
-            "tags": rnd.sample(WORDS, rnd.randint(0, 4)),
-            "role": rnd.choice(["admin", "user", "guest"]),
-            "address": {"city": rnd.choice(WORDS).title(), "zip": f"{rnd.randint(10000, 99999)}"},
-        }
-    )
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
