@@ -147,6 +147,11 @@ class _Sampling(BaseModel):
     request_id: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    # vLLM's names before structured_outputs (removed in vLLM 0.12): the same constraints
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -275,10 +280,20 @@ def _sampling_params(
 
 def _structured_outputs(body: _Sampling) -> inference_pb2.StructuredOutputs | None:
     """The constraint of ``response_format`` (OpenAI) or ``structured_outputs`` (vLLM's extra
-    body), None for neither (or ``{"type": "text"}``); a 400 for both, or for a
+    body; or its older ``guided_json``, ``guided_regex``, ``guided_choice``,
+    ``guided_grammar``), None for none (or ``{"type": "text"}``); a 400 for two, or for a
     ``structured_outputs`` that sets not exactly one field. The shared validation checks the
     rest."""
     fmt, so = body.response_format, body.structured_outputs
+    guided = {k: getattr(body, "guided_" + k) for k in ("json", "regex", "choice", "grammar")}
+    if any(v is not None for v in guided.values()):
+        if so is not None:
+            raise ApiError(
+                400, "structured_outputs: give it or guided_*, not both", "structured_outputs"
+            )
+        so = StructuredOutputsBody.model_validate(
+            {k: v for k, v in guided.items() if v is not None}
+        )
     if fmt is not None and fmt.type != "text" and so is not None:
         raise ApiError(
             400, "structured_outputs: give it or response_format, not both", "structured_outputs"

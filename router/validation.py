@@ -304,6 +304,27 @@ def check_structured_outputs(c: inference_pb2.StructuredOutputs) -> None:
             raise InvalidRequest(
                 field, f"a JSON schema is an object or a boolean; got {type(schema).__name__}"
             )
+        external = _external_ref(schema)
+        if external is not None:  # the engine would leave that part unconstrained
+            raise InvalidRequest(
+                field, f"only local $ref (#/...) can be resolved; got $ref {external!r}"
+            )
+
+
+def _external_ref(schema: object) -> str | None:
+    """The first ``$ref`` in ``schema`` (at any depth) that does not point into the document
+    itself (``#...``), or None."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                return ref
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
 
 
 def validate_prompt_token_ids(ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:

@@ -225,14 +225,20 @@ def _structured_outputs(args: argparse.Namespace) -> inference_pb2.StructuredOut
 def generate_command(args: argparse.Namespace) -> int:
     """Runs `sluiceway generate`: the text to stdout (streamed when n is 1), the rest to stderr.
 
-    Returns 0, or 1 with "sluiceway generate: CODE: details" on a failed call. Raises
+    Returns 0, 1 with "sluiceway generate: CODE: details" on a failed call, or 2 when an
+    @FILE cannot be read. Raises
     KeyboardInterrupt on Ctrl-C (the caller prints one line and exits 130).
     """
     import grpc
 
     from sluiceway.client import Client
 
-    req = build_request(args, sys.stdin.read().rstrip("\n") if args.prompt == "-" else args.prompt)
+    prompt = sys.stdin.read().rstrip("\n") if args.prompt == "-" else args.prompt
+    try:
+        req = build_request(args, prompt)
+    except OSError as e:  # an @FILE of --json-schema or --grammar
+        print(f"sluiceway generate: {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
     n = args.n or 1
     texts = [""] * n
     ids: list[list[int]] = [[] for _ in range(n)]

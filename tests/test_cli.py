@@ -444,3 +444,12 @@ def test_bench_serve_a_dataset_path_that_does_not_exist() -> None:
     assert result.stderr == (
         "sluiceway bench serve: --dataset-path /nonexist.json: No such file or directory\n"
     )
+
+
+def test_generate_with_an_unreadable_schema_file_is_one_line_and_exit_2(capsys) -> None:  # type: ignore[no-untyped-def]
+    from sluiceway.cli import main
+
+    assert main(["generate", "--grammar", "@/nonexistent/g.ebnf", "x"]) == 2
+    assert capsys.readouterr().err == (
+        "sluiceway generate: /nonexistent/g.ebnf: No such file or directory\n"
+    )

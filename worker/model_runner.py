@@ -550,8 +550,11 @@ class ModelRunner:
                 top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
                 for i, (s, token) in enumerate(zip(seqs, out, strict=True)):
                     n = s.sampling.num_logprobs
-                    if n:
-                        token.top_ids, token.top_logprobs = top_ids[i][:n], top_lps[i][:n]
+                    if n:  # tokens the grammar or min_tokens masked (-inf) are no alternative
+                        pairs = zip(top_ids[i][:n], top_lps[i][:n], strict=True)
+                        kept = [(t, lp) for t, lp in pairs if lp != float("-inf")]
+                        token.top_ids = [t for t, _ in kept]
+                        token.top_logprobs = [lp for _, lp in kept]
             timings.sample_s += time.perf_counter() - t2
         return out
 

@@ -8,6 +8,7 @@ disaggregated prefill/decode with a constraint: tests/integration/test_batch_inv
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import grpc
@@ -169,6 +170,9 @@ def test_a_constraint_cut_short_ends_with_length(stack: Stack) -> None:
         (inference_pb2.StructuredOutputs(json_object=False),
          "sampling.structured_outputs.json_object: must be true when set (unset: no "
          "constraint)"),
+        (inference_pb2.StructuredOutputs(json='{"$ref": "http://example.com/s.json"}'),
+         "sampling.structured_outputs.json: only local $ref (#/...) can be resolved; got $ref "
+         "'http://example.com/s.json'"),
         (inference_pb2.StructuredOutputs(regex=""),
          "sampling.structured_outputs.regex: must be 1 to 65536 UTF-8 bytes; got 0"),
     ],
@@ -200,9 +204,19 @@ def test_http_response_format_and_structured_outputs(stack: Stack) -> None:
         assert follows_schema(choice.message.content or ""), choice.message.content
     completion = api.completions.create(
         model=MODEL, prompt="The review 'loved every minute' is", temperature=1.0, seed=2, n=4,
-        max_tokens=8, extra_body={"structured_outputs": {"choice": SENTIMENTS}},
+        max_tokens=8, logprobs=5, extra_body={"structured_outputs": {"choice": SENTIMENTS}},
     )  # fmt: skip
     assert all(c.text in SENTIMENTS for c in completion.choices), completion.choices
+    # the grammar allows fewer than 5 tokens at some steps: only the finite ones are listed
+    tops = [t for c in completion.choices for t in c.logprobs.top_logprobs]  # type: ignore[union-attr]
+    assert any(len(t) < 5 for t in tops) and all(
+        math.isfinite(lp) for t in tops for lp in t.values()
+    )
+    older = api.completions.create(  # vLLM's names before structured_outputs
+        model=MODEL, prompt="Call me at", temperature=1.0, seed=2, n=4, max_tokens=24,
+        extra_body={"guided_regex": PHONE},
+    )  # fmt: skip
+    assert all(re.fullmatch(PHONE, c.text) for c in older.choices), older.choices
     with pytest.raises(openai.BadRequestError) as info:
         api.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Hi"}],

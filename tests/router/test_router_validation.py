@@ -274,3 +274,27 @@ def test_min_p_is_off_for_greedy_and_min_tokens_capped_with_max_tokens() -> None
 )
 def test_new_sampling_values_rejected(fields: dict[str, object], field: str) -> None:
     assert field_of(**fields) == field
+
+
+@pytest.mark.parametrize(
+    ("schema", "error"),
+    [
+        ({"type": "object", "properties": {"a": {"items": [{"$ref": "other.json#/x"}]}}},
+         "sampling.structured_outputs.json: only local $ref (#/...) can be resolved; got $ref "
+         "'other.json#/x'"),
+        ({"$defs": {"p": {"type": "integer"}}, "properties": {"$ref": {"$ref": "#/$defs/p"}}},
+         None),  # a local $ref, and a property that happens to be named "$ref"
+    ],
+)  # fmt: skip
+def test_json_schemas_with_an_external_ref_are_refused(schema: object, error: str | None) -> None:
+    import json
+
+    from sluiceway.router.validation import check_structured_outputs
+
+    constraint = inference_pb2.StructuredOutputs(json=json.dumps(schema))
+    if error is None:
+        check_structured_outputs(constraint)
+    else:
+        with pytest.raises(InvalidRequest) as info:
+            check_structured_outputs(constraint)
+        assert str(info.value) == error
