@@ -392,9 +392,17 @@ class Engine:
         ]
 
     async def stop(self) -> None:
-        for task in self._loop_tasks:
-            task.cancel()
-        await asyncio.gather(*self._loop_tasks, return_exceptions=True)
+        """Stops the step loops and closes the workers' channels.
+
+        Cancels until every loop has ended: on Python 3.11 `asyncio.wait_for` returns its
+        result instead of raising when a cancel arrives just as the awaited event is set
+        (CPython gh-86296, bpo-42130; fixed in 3.12), so one cancel of a loop idling in
+        `wait_for(wakeup.wait())` can be swallowed and the loop goes on."""
+        pending = set(self._loop_tasks)
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.1)
         for g in self.groups:
             await g.close()
 

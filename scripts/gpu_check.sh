@@ -49,6 +49,10 @@ main() {
 echo "== gpu_check: $(date -u +%FT%TZ) on $(hostname), repo $PWD, budget ${BUDGET}s"
 
 # -- environment ---------------------------------------------------------------------------
+# sluiceway/router etc. are symlinks to the top-level folders: remake any a copy dropped
+for pkg in router scheduler worker kernels; do
+    [ -e "sluiceway/$pkg" ] || ln -s "../$pkg" "sluiceway/$pkg"
+done
 py_minor=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 shopt -s nullglob
 wheels=(.gpu/wheels/*.whl)

@@ -10,6 +10,11 @@ fails the step.
 from __future__ import annotations
 
 import asyncio
+import io
+import sys
+import warnings
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import grpc
 import pytest
@@ -23,6 +28,30 @@ from tests.scheduler.test_engine import add_request
 
 BLOCK = 16
 FAKES: dict[str, FakePagedWorker] = {}
+HANG_S = 60.0
+TEARDOWN_S = 10.0
+
+
+def run_bounded(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """``asyncio.run(main())``, failing after HANG_S with every task's stack (a lost wakeup or
+    a lost request would otherwise idle until pytest's 600 s timeout, which shows no task)."""
+
+    async def bounded() -> None:
+        task = asyncio.ensure_future(main())
+        done, _ = await asyncio.wait({task}, timeout=HANG_S)
+        if not done:
+            stacks = io.StringIO()
+            for t in asyncio.all_tasks():
+                if t is not asyncio.current_task():
+                    frames = [f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}"
+                              for f in t.get_stack()]  # fmt: skip
+                    print(t.get_name(), t.get_coro(), *frames, sep="\n  ", file=stacks)
+            print(stacks.getvalue(), file=sys.stderr)
+            task.cancel()
+            raise AssertionError(f"no progress in {HANG_S:.0f} s; the tasks' stacks are above")
+        task.result()
+
+    asyncio.run(bounded())
 
 
 class FakePagedWorker(worker_pb2_grpc.WorkerServicer):
@@ -106,11 +135,18 @@ async def _serve_disaggregated(prefill: FakePagedWorker, decode: FakePagedWorker
         await stub.RegisterWorker(registration(fake, group))
 
     async def close() -> None:
-        await channel.close()
-        await sched_server.stop(None)
-        await engine.stop()
-        for server in servers:
-            await server.stop(None)
+        # each bounded: a teardown that does not return is reported, not waited for (seen
+        # once in a few hundred runs under load, after every assertion had passed)
+        steps = [("channel.close()", channel.close()), ("scheduler server.stop()",
+                 sched_server.stop(None)), ("engine.stop()", engine.stop()),
+                 *((f"worker server {i}.stop()", s.stop(None)) for i, s in enumerate(servers))]  # fmt: skip
+        for what, step in steps:
+            try:
+                await asyncio.wait_for(step, TEARDOWN_S)
+            except TimeoutError:
+                warnings.warn(
+                    f"teardown: {what} did not return in {TEARDOWN_S:.0f} s", stacklevel=1
+                )
 
     return stub, engine, close
 
@@ -138,7 +174,7 @@ async def _generate_all(stub, lens: list[int], max_tokens: int) -> list[list[int
 
 
 async def _info(stub) -> scheduler_pb2.SchedulerInfo:  # type: ignore[no-untyped-def]
-    return await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
+    return await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest(), timeout=10)
 
 
 LENS = [5, 16, 17, 40, 64, 3, 33, 100]
@@ -172,7 +208,7 @@ def test_prompts_prefill_on_one_worker_and_decode_on_the_other() -> None:
         finally:
             await close()
 
-    asyncio.run(main())
+    run_bounded(main)
 
 
 def test_a_full_decode_pool_leaves_sequences_decoding_where_they_were_prefilled() -> None:
@@ -199,7 +235,7 @@ def test_a_full_decode_pool_leaves_sequences_decoding_where_they_were_prefilled(
         finally:
             await close()
 
-    asyncio.run(main())
+    run_bounded(main)
 
 
 def test_a_failed_copy_keeps_the_sequence_on_the_prefill_worker() -> None:
@@ -219,7 +255,7 @@ def test_a_failed_copy_keeps_the_sequence_on_the_prefill_worker() -> None:
         finally:
             await close()
 
-    asyncio.run(main())
+    run_bounded(main)
 
 
 @pytest.mark.parametrize(
@@ -245,7 +281,7 @@ def test_workers_the_layout_does_not_have_are_refused(
         finally:
             await close()
 
-    asyncio.run(main())
+    run_bounded(main)
 
 
 COPY_HINT = (
@@ -298,7 +334,7 @@ def test_a_worker_whose_kv_pool_does_not_match_the_other_groups_is_refused(
         finally:
             await close()
 
-    asyncio.run(main())
+    run_bounded(main)
 
 
 def test_a_worker_without_a_shared_pool_is_refused_in_disaggregated_mode() -> None:
@@ -315,7 +351,7 @@ def test_a_worker_without_a_shared_pool_is_refused_in_disaggregated_mode() -> No
         finally:
             await close()
 
-    asyncio.run(main())
+    run_bounded(main)
 
 
 def test_blocks_the_decode_pool_has_cached_are_reused_not_copied() -> None:
@@ -337,4 +373,4 @@ def test_blocks_the_decode_pool_has_cached_are_reused_not_copied() -> None:
         finally:
             await close()
 
-    asyncio.run(main())
+    run_bounded(main)
