@@ -408,6 +408,13 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------
 
+    def _check_ready(self) -> None:
+        """Raises NotReady, with the first lost group's reason, unless every group is ready."""
+        if not self.ready:
+            missing = [g for g in self.groups if not g.ready.is_set()]
+            reasons = [g.lost_reason for g in missing if g.lost_reason]
+            raise NotReady(reasons[0] if reasons else "no worker has registered yet")
+
     async def prepare_structured_outputs(
         self, constraint: inference_pb2.StructuredOutputs
     ) -> float:
@@ -418,8 +425,7 @@ class Engine:
         Raises ValueError (it does not compile: the message names the field) or NotReady (a
         worker missing or failing).
         """
-        if not self.ready:
-            raise NotReady("no worker has registered yet")
+        self._check_ready()
         try:
             times = await asyncio.gather(
                 *(
@@ -442,10 +448,7 @@ class Engine:
         Raises NotReady (a worker missing), QueueFull (`max_waiting_requests` waiting), or
         ValueError if it can never run.
         """
-        if not self.ready:
-            missing = [g for g in self.groups if not g.ready.is_set()]
-            reasons = [g.lost_reason for g in missing if g.lost_reason]
-            raise NotReady(reasons[0] if reasons else "no worker has registered yet")
+        self._check_ready()
         entry = [g for g in self.groups if g.role != "decode"]
         waiting = sum(len(g.scheduler.waiting) for g in entry if g.scheduler is not None)
         if waiting >= self.config.max_waiting_requests:

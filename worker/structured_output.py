@@ -197,10 +197,6 @@ class GrammarCompiler:
         m.accept(output_token_ids)
         return m
 
-    def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        """An ``int32 [rows, ceil(V / 32)]`` bitmask, every token allowed."""
-        return allow_all_bitmask(rows, self.vocab_size)
-
 
 # xgrammar's messages start with a time and a C++ source location: "[17:28:05]
 # /project/cpp/regex_converter.cc:94: ", sometimes "Check failed: (...) is false: " too.

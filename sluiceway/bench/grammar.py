@@ -21,7 +21,11 @@ from sluiceway.argtypes import positive_int
 from sluiceway.model_files import resolve_model, served_model_name
 from sluiceway.v1 import inference_pb2
 from sluiceway.worker.loader import load_config
-from sluiceway.worker.structured_output import GrammarCompiler, apply_token_bitmask
+from sluiceway.worker.structured_output import (
+    GrammarCompiler,
+    allow_all_bitmask,
+    apply_token_bitmask,
+)
 
 PERSON = {
     "type": "object",
@@ -115,7 +119,7 @@ def grammar_command(args: argparse.Namespace) -> int:
     accept_s: list[float] = []
     for step in range(max(map(len, paths))):
         live = [j for j in rows if step < len(paths[j])]
-        bitmask = grammars.allocate_bitmask(args.num_seqs)
+        bitmask = allow_all_bitmask(args.num_seqs, config.vocab_size)
         t0 = time.perf_counter()
         for j in live:
             matchers[j].fill(bitmask, j)

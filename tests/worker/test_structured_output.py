@@ -18,6 +18,7 @@ from sluiceway.worker.sampler import SamplingOptions, sample
 from sluiceway.worker.structured_output import (
     ConstraintError,
     GrammarCompiler,
+    allow_all_bitmask,
     apply_token_bitmask,
     choice_grammar,
 )
@@ -40,7 +41,7 @@ def grammars(model_dir) -> GrammarCompiler:  # type: ignore[no-untyped-def]
 
 
 def allowed_ids(grammars: GrammarCompiler, matcher) -> list[int]:  # type: ignore[no-untyped-def]
-    bitmask = grammars.allocate_bitmask(1)
+    bitmask = allow_all_bitmask(1, grammars.vocab_size)
     matcher.fill(bitmask, 0)
     logits = torch.zeros(1, grammars.vocab_size)
     apply_token_bitmask(logits, bitmask, [0])
