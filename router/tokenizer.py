@@ -12,7 +12,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from sluiceway.router.errors import InvalidRequest
+from sluiceway.status import FieldError
 
 __all__ = ["CHAT_ROLES", "encode_chat", "encode_prompt", "load_tokenizer"]
 
@@ -55,7 +55,7 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     Special tokens (a BOS, for tokenizers that add one) are added the way the
     tokenizer does by default, as vLLM does for a completion prompt. An empty
     `text` gives only those special tokens, possibly none: the caller
-    rejects an empty prompt (`validate_prompt_token_ids`).
+    rejects an empty prompt (`check_prompt_token_ids`).
     """
     return [int(i) for i in tokenizer.encode(text)]
 
@@ -71,23 +71,21 @@ def encode_chat(tokenizer: Any, messages: Sequence[tuple[str, str]]) -> list[int
     added a second time.
 
     Raises:
-        InvalidRequest("messages", ...): no messages, the model has no chat
+        FieldError("messages", ...): no messages, the model has no chat
             template, or the template refused the conversation (e.g. roles
             that do not alternate, for templates that check it).
-        InvalidRequest("messages[i].role", ...): a role other than system,
+        FieldError("messages[i].role", ...): a role other than system,
             user, assistant or tool.
     """
     if not messages:
-        raise InvalidRequest("messages", "must hold at least one message")
+        raise FieldError("messages", "must hold at least one message")
     for i, (role, _content) in enumerate(messages):
         if role not in CHAT_ROLES:
-            raise InvalidRequest(
+            raise FieldError(
                 f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {role!r}"
             )
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequest(
-            "messages", "this model has no chat template; send a plain prompt instead"
-        )
+        raise FieldError("messages", "this model has no chat template; send a plain prompt instead")
     from jinja2 import TemplateError  # a dependency of transformers' chat templates
 
     conversation = [{"role": role, "content": content} for role, content in messages]
@@ -96,5 +94,5 @@ def encode_chat(tokenizer: Any, messages: Sequence[tuple[str, str]]) -> list[int
             conversation, add_generation_prompt=True, tokenize=True, return_dict=False
         )
     except TemplateError as e:  # raise_exception(...) in the template, or a render error
-        raise InvalidRequest("messages", f"the chat template refused them: {e}") from e
+        raise FieldError("messages", f"the chat template refused them: {e}") from e
     return [int(i) for i in ids]

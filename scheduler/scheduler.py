@@ -167,12 +167,7 @@ class Scheduler:
     # -- queue changes ----------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queues a new sequence. Raises ValueError for a prompt at or over `max_model_len`
-        (the capped one: such a prompt could never run)."""
-        if seq.num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {seq.num_tokens} tokens, max_model_len is {self.max_model_len}"
-            )
+        """Queues a new sequence, shorter than `max_model_len` (the engine's gate checks it)."""
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self._join_parent(seq)
@@ -481,9 +476,10 @@ class Scheduler:
             seq.num_tokens_on_worker = 0
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        if token in seq.stop_token_ids and len(seq.output_token_ids) >= seq.min_tokens:
+        sampling = seq.sampling
+        if token in seq.stop_token_ids and len(seq.output_token_ids) >= sampling.min_tokens:
             return inference_pb2.FINISH_REASON_STOP
-        if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+        if len(seq.output_token_ids) >= sampling.max_tokens or seq.num_tokens >= self.max_model_len:
             return inference_pb2.FINISH_REASON_LENGTH
         return None
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sluiceway.internal.v1 import scheduler_pb2
+from sluiceway.sampling_params import SamplingParams
 from sluiceway.v1 import inference_pb2
 
 if TYPE_CHECKING:
@@ -24,19 +24,17 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One generation request.
 
-    `num_computed_tokens` counts the tokens whose K/V are in the KV pool;
-    the next token is sampled once it equals `num_tokens`. `num_tokens_on_worker`
-    is how many of `token_ids` the worker's own record holds (0 = the worker
-    has not heard of this sequence, or forgot it on preemption).
+    `sampling` is resolved (the router's `SamplingParams.resolve`): its `max_tokens`,
+    `stop_token_ids` and `min_tokens` end the sequence. `num_computed_tokens` counts the
+    tokens whose K/V are in the KV pool; the next token is sampled once it equals
+    `num_tokens`. `num_tokens_on_worker` is how many of `token_ids` the worker's own record
+    holds (0 = the worker has not heard of this sequence, or forgot it on preemption).
     """
 
     seq_id: int
     request_id: str
     prompt_token_ids: list[int]
-    sampling: scheduler_pb2.SequenceSamplingParams
-    max_tokens: int
-    stop_token_ids: frozenset[int]
-    min_tokens: int = 0  # stop_token_ids end the sequence only after this many outputs
+    sampling: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # time.monotonic() of its first step
     output_token_ids: list[int] = field(default_factory=list)
@@ -49,6 +47,12 @@ class Sequence:
     num_preemptions: int = 0
     # the request whose n samples this sequence is one of (parallel sampling), else None
     parent_request_id: str | None = None
+
+    # sampling.stop_token_ids as a set: looked up for every sampled token
+    stop_token_ids: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = frozenset(self.sampling.stop_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,6 @@ import structlog
 
 from sluiceway.grpc_server import (
     REQUEST_ID_METADATA,
-    abort,
     bind,
     new_server,
     on_shutdown_signal,
@@ -18,16 +17,12 @@ from sluiceway.grpc_server import (
 )
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sluiceway.scheduler.config import SchedulerConfig
-from sluiceway.scheduler.engine import (
-    Engine,
-    NotReady,
-    QueueFull,
-    RegistrationError,
-    WorkerUnavailable,
-)
+from sluiceway.scheduler.engine import Engine
 from sluiceway.scheduler.kv_events import KvEventPublisher, run_publisher
 from sluiceway.scheduler.metrics import REQUESTS_RECEIVED, init_series
+from sluiceway.scheduler.registration import RegistrationError
 from sluiceway.scheduler.worker_group import WorkerInfo
+from sluiceway.status import RequestError, abort
 from sluiceway.v1 import inference_pb2
 
 log = structlog.get_logger("scheduler")
@@ -56,31 +51,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         )
         rlog = log.bind(request_id=request_id)
         try:
-            if request.sampling.HasField("structured_outputs"):
-                await self.engine.prepare_structured_outputs(request.sampling.structured_outputs)
-            seq = self.engine.new_sequence(request)
-        except NotReady as e:
-            rlog.warning("request_rejected", code="UNAVAILABLE", error=str(e))
-            await abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-        except QueueFull as e:
-            rlog.warning("request_rejected", code="RESOURCE_EXHAUSTED", error=str(e))
-            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except ValueError as e:
-            rlog.warning("request_rejected", code="INVALID_ARGUMENT", error=str(e))
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            seq = await self.engine.add_request(request)
+        except RequestError as e:
+            rlog.warning("request_rejected", code=e.code.name, error=e.details)
+            await abort(context, e)
         REQUESTS_RECEIVED.labels(self.engine.model_id).inc()
         rlog.info(
             "request_added",
             seq_id=seq.seq_id,
             prompt_tokens=len(seq.prompt_token_ids),
-            max_tokens=seq.max_tokens,
+            max_tokens=seq.sampling.max_tokens,
         )
         stream = self.engine.stream(seq)
         try:
             async for event in stream:
                 yield event
-        except WorkerUnavailable as e:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        except RequestError as e:
+            await abort(context, e)
         finally:
             await stream.aclose()  # on cancel: aborts the sequence, frees its blocks
             rlog.info(

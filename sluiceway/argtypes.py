@@ -53,13 +53,6 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-# The protobuf scalar types a flag's value is sent as (its constructor refuses the rest with a
-# ValueError, a traceback for a command line).
-INT32 = (-(2**31), 2**31 - 1)
-UINT32 = (0, 2**32 - 1)
-UINT64 = (0, 2**64 - 1)
-
-
 def bounded_int(
     low: int | None = None, high: int | None = None, *, kind: str = ""
 ) -> Callable[[str], int]:
@@ -175,17 +168,3 @@ def byte_size(zero_reason: str) -> Callable[[str], int]:
 
     parse.__name__ = "size"
     return parse
-
-
-def token_id_list(text: str) -> list[int]:
-    """Comma-separated token ids, each a uint32 (``2,7``). Raises argparse.ArgumentTypeError
-    otherwise."""
-    try:
-        ids = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be token ids like 2,7, got {text!r}") from None
-    if any(i < 0 for i in ids):
-        raise argparse.ArgumentTypeError(f"token ids must be >= 0, got {text!r}")
-    if any(i > UINT32[1] for i in ids):
-        raise argparse.ArgumentTypeError(f"token ids must be <= {UINT32[1]} (uint32), got {text!r}")
-    return ids

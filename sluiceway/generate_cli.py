@@ -5,29 +5,31 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-from sluiceway.argtypes import INT32, UINT32, UINT64, bounded_int, token_id_list
-
-if TYPE_CHECKING:
-    from sluiceway.v1 import inference_pb2
+from sluiceway.argtypes import bounded_float, bounded_int
+from sluiceway.sampling_params import FIELDS, python_type, wire_range
+from sluiceway.v1 import inference_pb2
 
 DEFAULT_TARGET = "127.0.0.1:50051"
-# Integer flags bounded by their SamplingParams field's type (the protobuf constructor raises
-# ValueError past it); the server checks the tighter limits (n <= 16, logprobs <= 20, ...).
-_COUNT = bounded_int(1, UINT32[1], kind="uint32")
-_UINT32 = bounded_int(*UINT32, kind="uint32")
 _FINISH = {1: "stop", 2: "length", 3: "abort"}
-# flag dest -> SamplingParams field, sent only when given (the server's defaults otherwise)
-_SAMPLING_FIELDS = (
-    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "stop_token_ids",
-    "skip_special_tokens", "logprobs", "n",
-)  # fmt: skip
+
+# How `generate` presents some sampling flags (metavar, a word on its output, a short name);
+# every flag's name, type, bounds, default and help come from the sampling contract.
+_PRESENTATION: dict[str, dict[str, str]] = {
+    "stop": {"metavar": "STRING", "more": "; repeat for several"},
+    "stop_token_ids": {"metavar": "ID[,ID...]", "more": ", comma-separated"},
+    "logit_bias": {"metavar": "ID=BIAS[,ID=BIAS...]", "more": ", comma-separated"},
+    "logprobs": {"metavar": "N", "more": "; printed to stderr after the text"},
+    "n": {"short": "-n", "more": "; printed one after the other under a '--- sample I ---' line"},
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Adds the `generate` subcommand to `sub` (flags named as vLLM's `SamplingParams`)."""
+    """Adds the `generate` subcommand to `sub`: a flag for every `SamplingParams` field
+    (named as vLLM's, derived from sluiceway/sampling_params.py), the constraint flags and
+    how to send the prompt."""
     gen = sub.add_parser(
         "generate",
         help="stream one completion from a running server",
@@ -49,98 +51,85 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=None,
         help="a system message before PROMPT; implies --chat (default: none)",
     )
+    for name in FIELDS:
+        if python_type(name) is not None:  # a message: structured_outputs, below
+            _add_sampling_flag(gen, name)
+    _add_constraint_flags(gen)
     gen.add_argument(
-        "--max-tokens", type=_COUNT, default=None, help="tokens to generate (default: 16)"
-    )
-    gen.add_argument(
-        "--min-tokens",
-        type=_UINT32,
-        default=None,
-        help="no EOS, stop token id or stop string ends the output before this many tokens "
-        "(default: 0)",
-    )
-    gen.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 1.0)")
-    gen.add_argument(
-        "--top-p", type=float, default=None, help="nucleus sampling, in (0, 1] (default: 1.0, off)"
-    )
-    gen.add_argument(
-        "--top-k",
-        type=bounded_int(*INT32, kind="int32"),
-        default=None,
-        help="the K most likely tokens only (default: 0, off)",
-    )
-    gen.add_argument(
-        "--min-p",
-        type=float,
-        default=None,
-        help="drop tokens less likely than this times the most likely one (default: 0, off)",
-    )
-    gen.add_argument(
-        "--seed",
-        type=bounded_int(*UINT64, kind="uint64"),
-        default=None,
-        help="sampling seed, for repeatable samples (default: none)",
-    )
-    gen.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=None,
-        help="> 1 discourages tokens of the prompt and output (CTRL's; default: 1.0, off)",
-    )
-    gen.add_argument(
-        "--presence-penalty",
-        type=float,
-        default=None,
-        help="in [-2, 2], subtracted from tokens already generated (default: 0, off)",
-    )
-    gen.add_argument(
-        "--frequency-penalty",
-        type=float,
-        default=None,
-        help="in [-2, 2], times each token's count in the output (default: 0, off)",
-    )
-    gen.add_argument(
-        "--stop",
-        action="append",
-        default=None,
-        metavar="STRING",
-        help="a stop string, left out of the output; repeat for several (default: none)",
-    )
-    gen.add_argument(
-        "--stop-token-ids",
-        type=token_id_list,
-        default=None,
-        metavar="ID[,ID...]",
-        help="token ids that end the output, comma-separated (default: none)",
-    )
-    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    gen.add_argument(
-        "--include-stop-str-in-output",
+        "--show-usage",
         action="store_true",
-        help="keep the matched stop string at the end of the output",
+        help="print the finish reason and the prompt and completion token counts to stderr",
     )
-    gen.add_argument(
-        "--skip-special-tokens",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="leave special tokens out of the text (default: on)",
-    )
-    gen.add_argument(
-        "--logprobs",
-        type=_UINT32,
-        default=None,
-        metavar="N",
-        help="print each generated token's log-probability and the top N alternatives "
-        "(N <= 20) to stderr after the text (default: none)",
-    )
-    gen.add_argument(
-        "-n",
-        "--n",
-        type=_COUNT,
-        default=None,
-        help="samples of the prompt (1..16), printed one after the other under a "
-        "'--- sample I ---' line (default: 1)",
-    )
+
+
+def _add_sampling_flag(gen: argparse.ArgumentParser, name: str) -> None:
+    """The flag of sampling field `name`; unset, the field is left to the server."""
+    default, rule = FIELDS[name]
+    extra = _PRESENTATION.get(name, {})
+    names = [f"--{name.replace('_', '-')}"]
+    if "short" in extra:
+        names.insert(0, extra["short"])
+    shown = "none" if default is None or default in ((), {}) else default
+    text = rule.help + extra.get("more", "")
+    if rule.low is not None or rule.high is not None:
+        text += f"; {rule.allowed()}"
+    kwargs: dict[str, Any] = {"default": None, "help": f"{text} (default: {shown})"}
+    if "metavar" in extra:
+        kwargs["metavar"] = extra["metavar"]
+    kind = python_type(name)
+    if kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        if not default:
+            kwargs["default"] = False
+    elif kind is float:
+        kwargs["type"] = bounded_float(
+            rule.low, rule.high, low_open=rule.low_open, high_open=rule.high_open
+        )
+    elif kind is int:
+        kwargs["type"] = _integer_type(name)
+    elif kind == list[str]:
+        kwargs["action"] = "append"
+    elif kind == list[int]:
+        kwargs["type"] = _id_list
+    else:
+        kwargs["type"] = _bias_map
+    gen.add_argument(*names, **kwargs)
+
+
+def _integer_type(name: str) -> Callable[[str], int]:
+    """An argparse type for integer sampling field `name`: its range, within its proto type."""
+    _, rule = FIELDS[name]
+    wire = wire_range(inference_pb2.SamplingParams.DESCRIPTOR.fields_by_name[name])
+    assert wire is not None
+    kind, lo, hi = wire
+    low = lo if rule.low is None else max(lo, int(rule.low))
+    if rule.high is None:
+        return bounded_int(low, hi, kind=kind)
+    return bounded_int(low, min(hi, int(rule.high)))
+
+
+_TOKEN_ID = bounded_int(0, 2**32 - 1, kind="uint32")  # TokenIds.ids and the id maps' keys
+
+
+def _id_list(text: str) -> list[int]:
+    """Comma-separated token ids (``2,7``), each a uint32."""
+    return [_TOKEN_ID(part) for part in text.split(",")]
+
+
+def _bias_map(text: str) -> dict[int, float]:
+    """``ID=BIAS,...`` (``28=100,29=-5``): token ids and the bias of each, in [-100, 100]."""
+    _, rule = FIELDS["logit_bias"]
+    bias = bounded_float(rule.low, rule.high)
+    out: dict[int, float] = {}
+    for part in text.split(","):
+        token, sep, value = part.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"must be ID=BIAS pairs like 28=100, got {text!r}")
+        out[_TOKEN_ID(token)] = bias(value)
+    return out
+
+
+def _add_constraint_flags(gen: argparse.ArgumentParser) -> None:
     constraint = gen.add_argument_group(
         "structured outputs (at most one; README, Structured outputs)"
     ).add_mutually_exclusive_group()
@@ -167,11 +156,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=None,
         help="the output follows this EBNF grammar (a root rule): text, or @FILE (default: none)",
     )
-    gen.add_argument(
-        "--show-usage",
-        action="store_true",
-        help="print the finish reason and the prompt and completion token counts to stderr",
-    )
 
 
 def build_request(args: argparse.Namespace, prompt: str) -> inference_pb2.GenerateRequest:
@@ -180,12 +164,12 @@ def build_request(args: argparse.Namespace, prompt: str) -> inference_pb2.Genera
     ``--system-prompt`` send ``prompt`` as a user message."""
     from sluiceway.client import Client
 
-    sampling: dict[str, Any] = {
-        name: getattr(args, name) for name in _SAMPLING_FIELDS if getattr(args, name) is not None
-    }
-    for flag in ("ignore_eos", "include_stop_str_in_output"):
-        if getattr(args, flag):
-            sampling[flag] = True
+    sampling: dict[str, Any] = {}
+    for name, (default, _) in FIELDS.items():
+        value = getattr(args, name, None)
+        # unset: None, or False for a store_true flag (a field whose default is false)
+        if value is not None and (value is not False or default):
+            sampling[name] = value
     structured = _structured_outputs(args)
     if structured is not None:
         sampling["structured_outputs"] = structured
@@ -204,7 +188,6 @@ def _structured_outputs(args: argparse.Namespace) -> inference_pb2.StructuredOut
     Raises:
         OSError: an @FILE that cannot be read.
     """
-    from sluiceway.v1 import inference_pb2
 
     def text(value: str) -> str:
         return pathlib.Path(value[1:]).read_text() if value.startswith("@") else value

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Callable
-from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -62,25 +61,6 @@ class SchedulerUnreachable(Exception):
 # binary ("-bin") key: the id is any string the client chose, and plain metadata values
 # must be printable ASCII. The value is the id's UTF-8 bytes.
 REQUEST_ID_METADATA = "x-request-id-bin"
-
-
-# Trailing metadata on a status a sluiceway server chose (`abort`), so that whoever forwards it
-# tells details written for clients from gRPC's own transport text ("failed to connect to all
-# addresses; last error: ... unix:/tmp/...", "Socket closed"), which names internal addresses.
-STATUS_SOURCE_METADATA = "x-sluiceway-status"
-
-
-async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
-    """Ends the call with `code` and `details`, marked as sluiceway's own (see
-    `written_by_sluiceway`). Raises what `context.abort` raises to end the handler."""
-    await context.abort(code, details, trailing_metadata=((STATUS_SOURCE_METADATA, "1"),))
-    raise AssertionError("context.abort returned")  # it raises; for the type checker
-
-
-def written_by_sluiceway(error: grpc.aio.AioRpcError) -> bool:
-    """Whether the status of a failed call was set by a sluiceway server through `abort`
-    (details meant for clients), not by gRPC (a transport failure, an uncaught exception)."""
-    return any(key == STATUS_SOURCE_METADATA for key, _ in error.trailing_metadata() or ())
 
 
 def new_server(

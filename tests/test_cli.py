@@ -92,7 +92,8 @@ def test_generate_has_a_flag_for_every_sampling_param() -> None:
          "--seed", "3", "--repetition-penalty", "1.2", "--presence-penalty", "0.5",
          "--frequency-penalty", "-0.5", "--stop", "a", "--stop", "b c", "--stop-token-ids",
          "2,7", "--ignore-eos", "--include-stop-str-in-output", "--no-skip-special-tokens",
-         "--logprobs", "5", "-n", "2", "--choice", "yes", "--choice", "no"]
+         "--logprobs", "5", "-n", "2", "--logit-bias", "28=100,29=-5.5", "--choice", "yes",
+         "--choice", "no"]
     )  # fmt: skip
     req = build_request(args, "Hi")
     s = req.sampling
@@ -110,6 +111,7 @@ def test_generate_has_a_flag_for_every_sampling_param() -> None:
         True,
         False,
     )
+    assert dict(s.logit_bias) == {28: 100.0, 29: -5.5}
     assert list(s.structured_outputs.choice.choices) == ["yes", "no"]
     assert [(m.role, m.content) for m in req.messages.messages] == [
         ("system", "Be brief."),
@@ -150,11 +152,8 @@ def test_generate_without_flags_leaves_every_sampling_param_to_the_server() -> N
 @pytest.mark.parametrize(
     ("flag", "error"),
     [
-        (
-            "--stop-token-ids=2,x",
-            "argument --stop-token-ids: must be token ids like 2,7, got '2,x'",
-        ),
-        ("--stop-token-ids=-1", "argument --stop-token-ids: token ids must be >= 0, got '-1'"),
+        ("--stop-token-ids=2,x", "argument --stop-token-ids: must be an integer, got 'x'"),
+        ("--stop-token-ids=-1", "argument --stop-token-ids: must be >= 0, got -1"),
         ("--max-tokens=0", "argument --max-tokens: must be >= 1, got 0"),
     ],
 )
@@ -198,27 +197,26 @@ U32, U64, I32 = 2**32 - 1, 2**64 - 1, 2**31 - 1
             f"argument --min-tokens: must be <= {U32} (uint32), got 5000000000",
         ),
         (["--min-tokens", "-1"], "argument --min-tokens: must be >= 0, got -1"),
-        (
-            ["--logprobs", "5000000000"],
-            f"argument --logprobs: must be <= {U32} (uint32), got 5000000000",
-        ),
-        (["-n", "5000000000"], f"argument -n/--n: must be <= {U32} (uint32), got 5000000000"),
+        (["--logprobs", "5000000000"], "argument --logprobs: must be <= 20, got 5000000000"),
+        (["--logprobs", "21"], "argument --logprobs: must be <= 20, got 21"),
+        (["-n", "5000000000"], "argument -n/--n: must be <= 16, got 5000000000"),
         (["-n", "0"], "argument -n/--n: must be >= 1, got 0"),
         (
             ["--stop-token-ids", "2,5000000000"],
-            f"argument --stop-token-ids: token ids must be <= {U32} (uint32), got '2,5000000000'",
+            f"argument --stop-token-ids: must be <= {U32} (uint32), got 5000000000",
         ),
+        (["--stop-token-ids", "2,x"], "argument --stop-token-ids: must be an integer, got 'x'"),
         (
             ["--top-k", "3000000000"],
             f"argument --top-k: must be <= {I32} (int32), got 3000000000",
         ),
-        (
-            ["--top-k", "-3000000000"],
-            f"argument --top-k: must be >= {-I32 - 1}, got -3000000000",
-        ),
+        (["--top-k", "-2"], "argument --top-k: must be >= -1, got -2"),
+        (["--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
+        (["--logit-bias", "28=101"], "argument --logit-bias: must be in [-100, 100], got 101"),
+        (["--logit-bias", "28"], "argument --logit-bias: must be ID=BIAS pairs like 28=100, got '28'"),
     ],
-)
-def test_generate_integers_past_their_proto_type_are_usage_errors(
+)  # fmt: skip
+def test_generate_numbers_outside_the_sampling_contract_are_usage_errors(
     argv: list[str], error: str
 ) -> None:
     assert usage_error("generate", *argv, "hi") == (
@@ -226,15 +224,16 @@ def test_generate_integers_past_their_proto_type_are_usage_errors(
     )
 
 
-def test_generate_integers_at_their_proto_types_bounds_make_a_request() -> None:
+def test_generate_numbers_at_the_bounds_of_the_sampling_contract_make_a_request() -> None:
     args = build_parser().parse_args(
         ["generate", "hi", "--seed", str(U64), "--max-tokens", str(U32), "--min-tokens",
-         str(U32), "--logprobs", str(U32), "-n", str(U32), "--stop-token-ids", f"0,{U32}",
-         "--top-k", str(-I32 - 1)]
+         str(U32), "--logprobs", "20", "-n", "16", "--stop-token-ids", f"0,{U32}",
+         "--top-k", str(I32), "--logit-bias", f"{U32}=-100"]
     )  # fmt: skip
     s = build_request(args, "hi").sampling
-    assert (s.seed, s.max_tokens, s.min_tokens, s.logprobs, s.n) == (U64, U32, U32, U32, U32)
-    assert (list(s.stop_token_ids), s.top_k) == ([0, U32], -I32 - 1)
+    assert (s.seed, s.max_tokens, s.min_tokens, s.logprobs, s.n) == (U64, U32, U32, 20, 16)
+    assert (list(s.stop_token_ids), s.top_k) == ([0, U32], I32)
+    assert dict(s.logit_bias) == {U32: -100.0}
     assert build_request(build_parser().parse_args(["generate", "hi", "--top-k", "-1"]), "hi")
 
 

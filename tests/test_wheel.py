@@ -36,7 +36,7 @@ def test_the_wheel_installs_one_namespace_and_carries_its_protos(tmp_path: Path)
     site = tmp_path / "site"
     code = (
         f"import sys; sys.path.insert(0, {str(site)!r}); "
-        "import sluiceway.router.validation as v, sluiceway.scheduler.block_manager as b; "
+        "import sluiceway.router.request_path as v, sluiceway.scheduler.block_manager as b; "
         "print(v.__file__); print(b.__file__)"
     )
     out = subprocess.run(

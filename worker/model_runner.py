@@ -22,10 +22,11 @@ from sluiceway.kernels import cpu_ops, onednn_linear
 from sluiceway.kernels.backend import get_attention_backend
 from sluiceway.kernels.paged_attention import kv_pool_shape
 from sluiceway.model_files import resolve_max_model_len, served_model_name
+from sluiceway.sampling_params import SamplingParams
 from sluiceway.worker.loader import load_config, load_model
 from sluiceway.worker.model import LlamaForCausalLM, ModelConfig
 from sluiceway.worker.parallel import check_tensor_parallel, joined_group
-from sluiceway.worker.sampler import SamplingOptions, sample
+from sluiceway.worker.sampler import sample
 from sluiceway.worker.structured_output import (
     ConstraintMatcher,
     allow_all_bitmask,
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 __all__ = [
     "ModelRunner",
     "SampledToken",
-    "SamplingOptions",
     "ScheduledChunk",
     "SequenceData",
     "cpu_has_fast_bf16",
@@ -60,7 +60,7 @@ class SequenceData:
     seq_id: int
     token_ids: list[int]  # prompt + generated so far
     block_table: list[int]  # physical KV block ids, in order
-    sampling: SamplingOptions
+    sampling: SamplingParams  # resolved by the router
     generator: torch.Generator | None = None  # created by ModelRunner when sampling.seed is set
     num_prompt_tokens: int = 0  # the original prompt's length; the rest of token_ids is output
     constraint: ConstraintMatcher | None = None  # structured outputs: its grammar's state
@@ -88,7 +88,7 @@ class ScheduledChunk:
 @dataclass(slots=True)
 class SampledToken:
     """A token sampled for a sequence, with its logprob (log-softmax of the penalized logits)
-    and, when the sequence asked, the ``num_logprobs`` most likely ids and their logprobs."""
+    and, when the sequence asked, the ``logprobs`` most likely ids and their logprobs."""
 
     seq_id: int
     token_id: int
@@ -413,7 +413,7 @@ class ModelRunner:
         self,
         seq_id: int,
         prompt_token_ids: list[int],
-        sampling: SamplingOptions,
+        sampling: SamplingParams,
         num_prompt_tokens: int | None = None,
     ) -> SequenceData:
         """A new record with an empty block table (and a seeded generator when ``sampling.seed``
@@ -549,7 +549,7 @@ class ModelRunner:
             if result.top_ids is not None and result.top_logprobs is not None:
                 top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
                 for i, (s, token) in enumerate(zip(seqs, out, strict=True)):
-                    n = s.sampling.num_logprobs
+                    n = s.sampling.logprobs
                     if n:  # tokens the grammar or min_tokens masked (-inf) are no alternative
                         pairs = zip(top_ids[i][:n], top_lps[i][:n], strict=True)
                         kept = [(t, lp) for t, lp in pairs if lp != float("-inf")]
@@ -696,7 +696,7 @@ class ModelRunner:
             hidden = self.model(ids, pos, metadata, list(pool.unbind(0)))
             rows = min(tokens, 256)
             logits = self.model.compute_logits(hidden[:rows])
-            sample(logits, [SamplingOptions(top_p=0.9)] * rows, [None] * rows, [[0]] * rows)
+            sample(logits, [SamplingParams(top_p=0.9)] * rows, [None] * rows, [[0]] * rows)
         torch.cuda.synchronize(self._device)
         peak = torch.cuda.max_memory_allocated(self._device) - pool_bytes
         del pool, hidden, logits

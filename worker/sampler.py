@@ -1,11 +1,15 @@
 """Sampling on the device for a batch of rows, each with its own parameters.
 
-Order, as in vLLM's sampler: penalties on the raw logits (repetition over prompt + output,
-CTRL / HF; then frequency and presence over the output, OpenAI / vLLM; stop ids masked while
-a sequence is under ``min_tokens``), then temperature, min-p, top-k, top-p, then one draw.
+Order, as in vLLM's sampler: ``logit_bias`` added to the raw logits, then the penalties
+(repetition over prompt + output, CTRL / HF; then frequency and presence over the output,
+OpenAI / vLLM; stop ids masked while a sequence is under ``min_tokens``), then temperature,
+min-p, top-k, top-p, then one draw.
 ``temperature == 0`` is greedy (argmax after the penalties). The logprobs returned (the chosen
-token's and the top ``num_logprobs``) come from ``log_softmax`` of the logits after the
-penalties (before temperature and truncation).
+token's and the top ``logprobs``) come from ``log_softmax`` of the logits after the bias and
+the penalties (before temperature and truncation).
+
+Each row's parameters are a resolved :class:`sluiceway.sampling_params.SamplingParams` (the one
+sampling contract; it checked its ranges when it was made).
 
 Rows that share nothing are handled together: one argmax for all greedy rows, one softmax and
 one inverse-CDF draw for all sampled rows; rows with top-k/top-p draw among their
@@ -17,16 +21,16 @@ batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from sluiceway.kernels import cpu_ops
+from sluiceway.sampling_params import SamplingParams
 
 __all__ = [
     "SampleResult",
-    "SamplingOptions",
     "apply_output_penalties",
     "apply_repetition_penalty",
     "min_p_mask",
@@ -34,38 +38,6 @@ __all__ = [
     "top_k_top_p_mask",
     "truncated_candidates",
 ]
-
-
-@dataclass(slots=True)
-class SamplingOptions:
-    """Per-sequence sampling parameters.
-
-    Attributes:
-        temperature: ``0`` = greedy; otherwise logits are divided by it (``> 0``).
-        top_p: nucleus mass in ``(0, 1]``; ``1`` = off.
-        top_k: keep the ``k`` most likely tokens; ``0`` = off.
-        repetition_penalty: CTRL penalty ``> 0`` over prompt + output tokens; ``1`` = off.
-        seed: when set, the sequence samples from its own generator seeded with it.
-        min_p: drop tokens whose probability (after temperature) is below ``min_p`` times the
-            most likely one's; ``0`` = off.
-        presence_penalty: subtracted from the logit of every token already in the output.
-        frequency_penalty: times its count in the output, subtracted from a token's logit.
-        min_tokens: while the output is shorter, ``stop_token_ids`` cannot be sampled.
-        stop_token_ids: the ids ``min_tokens`` masks (EOS and the request's stop ids).
-        num_logprobs: top log-probabilities to return per token; None = none.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    num_logprobs: int | None = None
 
 
 def apply_repetition_penalty(
@@ -205,7 +177,7 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x[:, None], right=True).squeeze(1)
 
 
-def _draw(scaled: torch.Tensor, opts: Sequence[SamplingOptions], u: torch.Tensor) -> torch.Tensor:
+def _draw(scaled: torch.Tensor, opts: Sequence[SamplingParams], u: torch.Tensor) -> torch.Tensor:
     """One token per row of temperature-scaled logits ``[R, V]`` with uniforms ``u`` ``[R]``."""
     device = scaled.device
     trunc = [r for r, o in enumerate(opts) if o.top_p < 1.0 or o.top_k > 0]
@@ -231,13 +203,15 @@ def _draw(scaled: torch.Tensor, opts: Sequence[SamplingOptions], u: torch.Tensor
     return draw
 
 
-def _plain_greedy(o: SamplingOptions) -> bool:
-    """Greedy with nothing that changes the logits first (penalties, a min_tokens mask)."""
+def _plain_greedy(o: SamplingParams) -> bool:
+    """Greedy with nothing that changes the logits first (a bias, penalties, a min_tokens
+    mask)."""
     return (
         o.temperature == 0
         and o.repetition_penalty == 1.0
         and not o.presence_penalty
         and not o.frequency_penalty
+        and not o.logit_bias
         and not (o.min_tokens and o.stop_token_ids)
     )
 
@@ -246,7 +220,7 @@ def _plain_greedy(o: SamplingOptions) -> bool:
 class SampleResult:
     """What :func:`sample` picked: ``token_ids [R] int64``, ``logprobs [R] float32`` (of the
     chosen tokens), and for rows that asked, ``top_ids``/``top_logprobs`` ``[R, N]`` with
-    ``N`` the largest ``num_logprobs`` asked (None when no row asked)."""
+    ``N`` the largest ``logprobs`` asked (None when no row asked)."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor
@@ -256,7 +230,7 @@ class SampleResult:
 
 def sample(
     logits: torch.Tensor,
-    options: Sequence[SamplingOptions],
+    options: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     seen_token_ids: Sequence[Sequence[int]],
     num_prompt_tokens: Sequence[int] | None = None,
@@ -266,10 +240,10 @@ def sample(
     """Pick one token per row.
 
     Args:
-        logits: ``[R, V]`` raw model logits, float32 (modified in place by the penalties), or in
-            the model's dtype: converted to float32 first unless every row is greedy without
-            penalties or logprobs, ``cpu_kernels`` is set and they are bfloat16 (then read as
-            they are).
+        logits: ``[R, V]`` raw model logits, float32 (modified in place by the bias and the
+            penalties), or in the model's dtype: converted to float32 first unless every row
+            is greedy without bias, penalties or logprobs, ``cpu_kernels`` is set and they are
+            bfloat16 (then read as they are).
         options: per-row parameters (``R`` entries).
         generators: per-row generator for seeded rows (None for the others), on ``logits``'
             device.
@@ -283,17 +257,8 @@ def sample(
 
     Returns:
         A :class:`SampleResult` on ``logits``' device.
-
-    Raises:
-        ValueError: a negative temperature, ``top_p`` outside ``(0, 1]``, a negative ``top_k``
-            or a non-positive penalty.
     """
-    rows = logits.shape[0]
-    device = logits.device
-    for o in options:
-        if o.temperature < 0 or not 0 < o.top_p <= 1 or o.top_k < 0 or o.repetition_penalty <= 0:
-            raise ValueError(f"invalid sampling options {o}")
-    top_n = max((o.num_logprobs or 0 for o in options), default=0)
+    top_n = max((o.logprobs or 0 for o in options), default=0)
     fast_dtype = logits.dtype in (torch.float32, torch.bfloat16)
     if cpu_kernels and fast_dtype and not top_n and all(_plain_greedy(o) for o in options):
         # argmax and log-sum-exp in one pass, in float32, over the logits as they are (an
@@ -302,21 +267,58 @@ def sample(
         return SampleResult(first_max, -shifted)
     logits = logits.float()
 
+    def output_of(i: int) -> Sequence[int]:
+        start = num_prompt_tokens[i] if num_prompt_tokens is not None else len(seen_token_ids[i])
+        return seen_token_ids[i][start:]
+
+    _process(logits, options, seen_token_ids, output_of)
+    # the chosen tokens' logprobs come from one formula whatever else the batch asks (top
+    # logprobs for some rows, say): (logit - max) - log(sum(exp(row - max)))
+    normalizer: tuple[torch.Tensor, torch.Tensor] | None = None
+    argmax: torch.Tensor | None = None
+    if cpu_kernels:
+        argmax, row_max, shifted = cpu_ops.argmax_log_normalizer(logits)
+        normalizer = (row_max, shifted)
+    tokens = _pick(logits, options, generators, argmax)
+    log_probs = torch.log_softmax(logits, dim=-1) if top_n else None
+    if normalizer is not None:
+        row_max, shifted = normalizer
+        chosen_lp = (logits.gather(1, tokens[:, None]).squeeze(1) - row_max) - shifted
+    elif log_probs is not None:
+        chosen_lp = log_probs.gather(1, tokens[:, None]).squeeze(1)
+    else:  # the chosen token's only: no [R, V] log_softmax written out
+        chosen_lp = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
+    result = SampleResult(tokens, chosen_lp)
+    if log_probs is not None:
+        result.top_logprobs, result.top_ids = torch.topk(log_probs, top_n, dim=-1)
+    return result
+
+
+def _process(
+    logits: torch.Tensor,
+    options: Sequence[SamplingParams],
+    seen_token_ids: Sequence[Sequence[int]],
+    output_of: Callable[[int], Sequence[int]],
+) -> None:
+    """In place on float32 ``logits [R, V]``: each row's ``logit_bias``, its repetition,
+    presence and frequency penalties, and its stop ids masked while it is under
+    ``min_tokens`` (unless that would leave nothing: a grammar that allows only a stop id)."""
+    device = logits.device
+    for i, o in enumerate(options):
+        if o.logit_bias:
+            ids = torch.tensor(list(o.logit_bias), device=device)
+            bias = torch.tensor(list(o.logit_bias.values()), dtype=torch.float32, device=device)
+            logits[i, ids] += bias
     pen_rows = [i for i, o in enumerate(options) if o.repetition_penalty != 1.0]
     if pen_rows:
-        ids = [list(seen_token_ids[i]) or [0] for i in pen_rows]
-        width = max(len(x) for x in ids)
-        padded = torch.tensor([x + [x[0]] * (width - len(x)) for x in ids], device=device)
+        ids_list = [list(seen_token_ids[i]) or [0] for i in pen_rows]
+        width = max(len(x) for x in ids_list)
+        padded = torch.tensor([x + [x[0]] * (width - len(x)) for x in ids_list], device=device)
         idx = torch.tensor(pen_rows, device=device)
         penalty = torch.tensor(
             [options[i].repetition_penalty for i in pen_rows], dtype=torch.float32, device=device
         )
         logits[idx] = apply_repetition_penalty(logits[idx], padded, penalty)
-
-    def output_of(i: int) -> Sequence[int]:
-        start = num_prompt_tokens[i] if num_prompt_tokens is not None else len(seen_token_ids[i])
-        return seen_token_ids[i][start:]
-
     out_rows = [i for i, o in enumerate(options) if o.presence_penalty or o.frequency_penalty]
     if out_rows:
         idx = torch.tensor(out_rows, device=device)
@@ -336,59 +338,48 @@ def sample(
             if not torch.isfinite(logits[i]).any():  # a grammar that allows only a stop id
                 logits[i, stop_ids] = kept
 
+
+def _pick(
+    logits: torch.Tensor,
+    options: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    argmax: torch.Tensor | None,
+) -> torch.Tensor:
+    """One token per row of processed float32 ``logits [R, V]``: the argmax of greedy rows
+    (``argmax [R]`` when the caller has it), a draw for the others (temperature, min-p,
+    top-k/top-p; a seeded row's uniform from its own generator). Returns ``[R]`` int64."""
+    rows = logits.shape[0]
+    device = logits.device
     greedy = [i for i, o in enumerate(options) if o.temperature == 0]
     sampled = [i for i, o in enumerate(options) if o.temperature != 0]
-    # the chosen tokens' logprobs come from one formula whatever else the batch asks (top
-    # logprobs for some rows, say): (logit - max) - log(sum(exp(row - max)))
-    normalizer: tuple[torch.Tensor, torch.Tensor] | None = None
-    argmax: torch.Tensor | None
-    if cpu_kernels:
-        argmax, row_max, shifted = cpu_ops.argmax_log_normalizer(logits)
-        normalizer = (row_max, shifted)
-    else:
-        argmax = logits.argmax(dim=-1) if len(greedy) == rows else None
+    if argmax is None and len(greedy) == rows:
+        argmax = logits.argmax(dim=-1)
     if argmax is not None and len(greedy) == rows:
-        tokens = argmax
-    else:
-        tokens = torch.empty(rows, dtype=torch.int64, device=device)
-    if greedy and len(greedy) < rows:
+        return argmax
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    if greedy:
         g = torch.tensor(greedy, device=device)
         tokens[g] = logits[g].argmax(dim=-1) if argmax is None else argmax[g]
-
-    if sampled:
-        s_idx = None if len(sampled) == rows else torch.tensor(sampled, device=device)
-        sub = logits if s_idx is None else logits[s_idx]
-        temps = torch.tensor(
-            [options[i].temperature for i in sampled], dtype=torch.float32, device=device
+    s_idx = None if len(sampled) == rows else torch.tensor(sampled, device=device)
+    sub = logits if s_idx is None else logits[s_idx]
+    temps = torch.tensor(
+        [options[i].temperature for i in sampled], dtype=torch.float32, device=device
+    )
+    sub = sub / temps[:, None]
+    min_p_rows = [j for j, i in enumerate(sampled) if options[i].min_p > 0]
+    if min_p_rows:
+        mp = torch.tensor(min_p_rows, device=device)
+        threshold = torch.tensor(
+            [options[sampled[j]].min_p for j in min_p_rows], dtype=torch.float32, device=device
         )
-        sub = sub / temps[:, None]
-        min_p_rows = [j for j, i in enumerate(sampled) if options[i].min_p > 0]
-        if min_p_rows:
-            mp = torch.tensor(min_p_rows, device=device)
-            threshold = torch.tensor(
-                [options[sampled[j]].min_p for j in min_p_rows], dtype=torch.float32, device=device
-            )
-            sub[mp] = min_p_mask(sub[mp], threshold)
-        u = torch.rand(len(sampled), device=device)
-        for j, i in enumerate(sampled):
-            gen = generators[i]
-            if gen is not None:
-                u[j] = torch.rand(1, generator=gen, device=device)[0]
-        draw = _draw(sub, [options[i] for i in sampled], u)
-        if s_idx is None:
-            tokens = draw
-        else:
-            tokens[s_idx] = draw
-
-    log_probs = torch.log_softmax(logits, dim=-1) if top_n else None
-    if normalizer is not None:
-        row_max, shifted = normalizer
-        chosen_lp = (logits.gather(1, tokens[:, None]).squeeze(1) - row_max) - shifted
-    elif log_probs is not None:
-        chosen_lp = log_probs.gather(1, tokens[:, None]).squeeze(1)
-    else:  # the chosen token's only: no [R, V] log_softmax written out
-        chosen_lp = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
-    result = SampleResult(tokens, chosen_lp)
-    if log_probs is not None:
-        result.top_logprobs, result.top_ids = torch.topk(log_probs, top_n, dim=-1)
-    return result
+        sub[mp] = min_p_mask(sub[mp], threshold)
+    u = torch.rand(len(sampled), device=device)
+    for j, i in enumerate(sampled):
+        gen = generators[i]
+        if gen is not None:
+            u[j] = torch.rand(1, generator=gen, device=device)[0]
+    draw = _draw(sub, [options[i] for i in sampled], u)
+    if s_idx is None:
+        return draw
+    tokens[s_idx] = draw
+    return tokens

@@ -30,10 +30,12 @@ from sluiceway.grpc_server import (
     on_shutdown_signal,
 )
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from sluiceway.sampling_params import SamplingParams
+from sluiceway.status import RequestError, abort
 from sluiceway.v1 import inference_pb2
 from sluiceway.worker.kv_pool import SharedKvPool, copy_blocks, open_kv_pool
 from sluiceway.worker.metrics import FORWARD_SECONDS, step_phase
-from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
+from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
 from sluiceway.worker.structured_output import ConstraintError, GrammarCompiler
 
 log = structlog.get_logger("worker")
@@ -54,23 +56,6 @@ REREGISTER_PAUSE_S = 1.0
 REGISTER_MAX_RECONNECT_BACKOFF_MS = 2000
 
 
-def sampling_options(p: scheduler_pb2.SequenceSamplingParams) -> SamplingOptions:
-    """Proto sampling parameters (already resolved by the router) as the runner's options."""
-    return SamplingOptions(
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        repetition_penalty=p.repetition_penalty,
-        seed=p.seed if p.HasField("seed") else None,
-        min_p=p.min_p,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        min_tokens=p.min_tokens,
-        stop_token_ids=tuple(p.stop_token_ids),
-        num_logprobs=p.num_logprobs if p.HasField("num_logprobs") else None,
-    )
-
-
 class StepExecutor:
     """Applies a `StepRequest` to the per-sequence records and runs it on the model.
 
@@ -89,17 +74,13 @@ class StepExecutor:
         for seq_id in request.finished_seq_ids:
             self.sequences.pop(seq_id, None)
         for new in request.new_sequences:
+            params = SamplingParams.from_proto(new.sampling)
             record = self.runner.make_sequence(
-                new.seq_id,
-                list(new.prompt_token_ids),
-                sampling_options(new.sampling),
-                new.num_prompt_tokens or None,
+                new.seq_id, list(new.prompt_token_ids), params, new.num_prompt_tokens or None
             )
-            if new.sampling.HasField("structured_outputs"):
+            if params.structured_outputs is not None:
                 generated = record.token_ids[record.num_prompt_tokens :]
-                record.constraint = self.grammars.matcher(
-                    new.sampling.structured_outputs, generated
-                )
+                record.constraint = self.grammars.matcher(params.structured_outputs, generated)
             self.sequences[new.seq_id] = record
             log.info(
                 "sequence_added",
@@ -188,19 +169,28 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def ExecuteStep(
         self, request: worker_pb2.StepRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.StepResponse:
+        """Runs one step. A step this worker refuses (a FieldError, or ValueError: positions
+        or sequences its records do not have) ends INVALID_ARGUMENT, any other failure of a
+        lone rank INTERNAL: the scheduler fails that step's requests and goes on
+        (scheduler/faults.py). A failure of a tensor-parallel rank breaks its process group:
+        UNAVAILABLE, and the worker exits."""
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._pool, self.executor.execute, request)
+        except RequestError as e:
+            await abort(context, e)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            raise  # unreachable: abort raises
-        except RuntimeError as e:
+            await abort(context, RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+        except Exception as e:
             if self.executor.runner.tp.world_size == 1:
-                raise
+                log.exception("step_failed", step_id=request.step_id)
+                message = f"the worker failed the step: {type(e).__name__}: {e}"
+                await abort(context, RequestError(grpc.StatusCode.INTERNAL, message[:500]))
             log.error("tensor_parallel_group_broken", error=str(e).strip()[:500])
             self.broken.set()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "tensor-parallel group broken")
-            raise
+            await abort(
+                context, RequestError(grpc.StatusCode.UNAVAILABLE, "tensor-parallel group broken")
+            )
 
     async def PrepareStructuredOutputs(
         self, request: inference_pb2.StructuredOutputs, context: grpc.aio.ServicerContext
@@ -212,8 +202,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self._compile_pool, self.executor.grammars.compile, request
             )
         except ConstraintError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            raise
+            await abort(context, e)
         return worker_pb2.PrepareStructuredOutputsResponse(compile_seconds=seconds)
 
     async def CopyBlocks(
@@ -224,11 +213,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             # The same thread as the steps: a copy never overlaps a forward of this worker.
             return await loop.run_in_executor(self._pool, self.executor.copy_blocks, request)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            raise
+            await abort(context, RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
         except (FileNotFoundError, ImportError, RuntimeError) as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            raise
+            await abort(context, RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e)))
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from sluiceway.kernels import cpu_ops
+from sluiceway.status import FieldError
 from sluiceway.v1 import inference_pb2
 
 __all__ = [
@@ -45,13 +46,9 @@ __all__ = [
 ANY_JSON_OBJECT = '{"type": "object"}'
 
 
-class ConstraintError(ValueError):
+class ConstraintError(FieldError):
     """A constraint that does not compile; ``field`` names it
     (``sampling.structured_outputs.json``, ...)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 def constraint_kind(c: inference_pb2.StructuredOutputs) -> str | None:

@@ -181,10 +181,10 @@ def step_command(args: argparse.Namespace) -> int:
     import torch
 
     from sluiceway.model_files import resolve_model
+    from sluiceway.sampling_params import SamplingParams
     from sluiceway.worker.loader import load_config, random_model
     from sluiceway.worker.model import ModelConfig
     from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, resolve_dtype
-    from sluiceway.worker.sampler import SamplingOptions
 
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
     sizes = _batch_sizes(args)
@@ -243,7 +243,7 @@ def step_command(args: argparse.Namespace) -> int:
     runner.kv_pool.zero_()  # no NaN or denormals from uninitialized memory in the timings
     rng = random.Random(args.seed)
     chunks, next_block = [], 0
-    greedy = SamplingOptions(temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+    greedy = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
     for i, n in enumerate(lens):
         seq = runner.make_sequence(i, [rng.randrange(runner.vocab_size) for _ in range(n)], greedy)
         nb = -(-n // BLOCK_SIZE)

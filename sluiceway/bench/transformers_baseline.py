@@ -82,7 +82,7 @@ def run_transformers(
     from transformers import AutoModelForCausalLM
 
     from sluiceway.model_files import resolve_model
-    from sluiceway.router.server import eos_token_ids
+    from sluiceway.router.request_path import eos_token_ids
     from sluiceway.router.tokenizer import encode_prompt, load_tokenizer
     from sluiceway.worker.model_runner import resolve_dtype
 

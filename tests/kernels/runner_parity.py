@@ -8,6 +8,8 @@ import random
 
 import torch
 
+from sluiceway.sampling_params import SamplingParams
+
 
 def worst_logit_difference(
     tmp_path: pathlib.Path, backend: str, device: torch.device, block_size: int
@@ -16,7 +18,7 @@ def worst_logit_difference(
     of two sequences in float32: seq 0 in two prefill chunks (the second over a cached
     prefix) beside seq 1's whole prompt, then decodes of both together (teacher forcing: the
     reference's argmax is appended to both)."""
-    from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
+    from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk
     from tests.worker.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "llama", "llama-untied", seed=3)
@@ -35,7 +37,7 @@ def worst_logit_difference(
     per_seq = -(-20 // block_size)  # room for 20 tokens
     tables = {s: [free.pop() for _ in range(per_seq)] for s in prompts}
     seqs = {
-        name: {s: r.make_sequence(s, list(p), SamplingOptions()) for s, p in prompts.items()}
+        name: {s: r.make_sequence(s, list(p), SamplingParams()) for s, p in prompts.items()}
         for name, r in runners.items()
     }
     for by_id in seqs.values():

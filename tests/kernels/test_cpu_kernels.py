@@ -21,6 +21,7 @@ from sluiceway.kernels import cpu_ops, onednn_linear
 from sluiceway.kernels.backend import get_attention_backend
 from sluiceway.kernels.cpu_backend import CpuAttentionBackend
 from sluiceway.kernels.paged_attention import key_blocks, kv_pool_shape, value_blocks, write_kv
+from sluiceway.sampling_params import SamplingParams
 from sluiceway.worker.model import LINEAR_WEIGHTS, _apply_rope, _rms_norm
 from tests.kernels.runner_parity import worst_logit_difference
 from tests.kernels.test_paged_attention import _run_case
@@ -324,13 +325,13 @@ def test_apply_token_bitmask_matches_the_unpacked_mask() -> None:
 
 
 def test_sampler_with_cpu_kernels_picks_the_same_tokens() -> None:
-    from sluiceway.worker.sampler import SamplingOptions, sample
+    from sluiceway.worker.sampler import sample
 
     torch.manual_seed(5)
     logits = torch.randn(6, 1000) * 3
-    options = [SamplingOptions(temperature=0.0)] * 4 + [
-        SamplingOptions(temperature=0.8, seed=1),
-        SamplingOptions(temperature=0.0, repetition_penalty=1.3),
+    options = [SamplingParams(temperature=0.0)] * 4 + [
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
     ]
     gens = [None] * 4 + [torch.Generator().manual_seed(1), None]
     seen = [[1, 2, 3]] * 6
@@ -349,7 +350,7 @@ def test_cpu_runner_packs_linear_weights_for_onednn(
     still counted; bfloat16 results equal F.linear's bit for bit; not batch invariant
     (tests/kernels/test_bf16_gemm.py covers the other choice)."""
     monkeypatch.setattr(cpu_ops, "bf16_gemm_supported", lambda: False)
-    from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
+    from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk
     from tests.worker.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "llama", "llama-untied", seed=3)
@@ -372,7 +373,7 @@ def test_cpu_runner_packs_linear_weights_for_onednn(
         onednn_linear.linear(x, packed.layers[0].packed["gate_up_weight"], None),
         F.linear(x, plain.gate_up_weight),
     )
-    seq = runners["cpu"].make_sequence(0, [5, 9, 11, 200, 3], SamplingOptions(temperature=0.0))
+    seq = runners["cpu"].make_sequence(0, [5, 9, 11, 200, 3], SamplingParams(temperature=0.0))
     seq.block_table.append(0)
     logits = runners["cpu"].compute_logits_for_test([ScheduledChunk(seq, 0, 5)])[0]
     assert logits.shape == (5, packed.config.vocab_size) and torch.isfinite(logits).all()
@@ -381,7 +382,7 @@ def test_cpu_runner_packs_linear_weights_for_onednn(
 def test_greedy_rows_read_bfloat16_logits_as_they_are() -> None:
     """All rows greedy, no penalties, no logprobs: the sampler reads the model-dtype logits
     without a float32 copy; tokens and logprobs equal those from the float32 widening."""
-    from sluiceway.worker.sampler import SamplingOptions, sample
+    from sluiceway.worker.sampler import sample
 
     torch.manual_seed(6)
     logits = (torch.randn(5, 49_160) * 4).bfloat16()
@@ -389,13 +390,13 @@ def test_greedy_rows_read_bfloat16_logits_as_they_are() -> None:
     argmax32, row_max32, shifted32 = cpu_ops.argmax_log_normalizer(logits.float())
     assert torch.equal(argmax, argmax32) and torch.equal(row_max, row_max32)
     assert torch.equal(shifted, shifted32)
-    greedy = [SamplingOptions(temperature=0.0)] * 5
+    greedy = [SamplingParams(temperature=0.0)] * 5
     fast = sample(logits, greedy, [None] * 5, [[1]] * 5, cpu_kernels=True)
     ref = sample(logits.float(), greedy, [None] * 5, [[1]] * 5)
     assert torch.equal(fast.token_ids, ref.token_ids)
     torch.testing.assert_close(fast.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
     # a penalty on one row: everything goes through the float32 path, same tokens as before
-    mixed = [*greedy[:4], SamplingOptions(temperature=0.0, repetition_penalty=2.0)]
+    mixed = [*greedy[:4], SamplingParams(temperature=0.0, repetition_penalty=2.0)]
     slow = sample(logits, mixed, [None] * 5, [[int(argmax[4])]] * 5, cpu_kernels=True)
     assert slow.logprobs.dtype == torch.float32 and torch.equal(slow.token_ids[:4], argmax[:4])
 
@@ -403,7 +404,7 @@ def test_greedy_rows_read_bfloat16_logits_as_they_are() -> None:
 def test_float16_serves_through_the_cpu_backend(tmp_path: pathlib.Path) -> None:
     """float16 on CPU: the C++ attention and fused ops, no oneDNN packing (its fp16 path needs
     AVX512-FP16), float32 logits for the sampler; greedy steps run and agree with torch."""
-    from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
+    from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk
     from tests.worker.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "llama", "llama-untied", seed=3)
@@ -414,7 +415,7 @@ def test_float16_serves_through_the_cpu_backend(tmp_path: pathlib.Path) -> None:
             attention_backend=name,
         )  # fmt: skip
         assert runner.model.packed_lm_head is None
-        seq = runner.make_sequence(0, [5, 9, 11, 200, 3], SamplingOptions(temperature=0.0))
+        seq = runner.make_sequence(0, [5, 9, 11, 200, 3], SamplingParams(temperature=0.0))
         seq.block_table.append(0)
         first = runner.execute([ScheduledChunk(seq, 0, 5)])
         seq.token_ids.append(first[0].token_id)

@@ -1,7 +1,7 @@
 """A router over several schedulers: the pick policy, then the real router over fake schedulers.
 
 The fakes are in-process `Scheduler` gRPC servers that stream a few fixed tokens; the router is
-the real `InferenceService` behind `start_router` (its health watcher polling every 0.1 s).
+the real `RequestPath` behind `start_router` (its health watcher polling every 0.1 s).
 """
 
 from __future__ import annotations
@@ -17,14 +17,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
-from sluiceway.grpc_server import abort, bind, new_server
+from sluiceway.grpc_server import bind, new_server
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sluiceway.router.balancer import (
     SchedulerPool,
     merge_scheduler_infos,
     parse_scheduler_addresses,
 )
-from sluiceway.router.server import InferenceService, Router, start_router
+from sluiceway.router.grpc_api import Router, start_router
+from sluiceway.router.request_path import RequestPath
+from sluiceway.status import RequestError, abort
 from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -213,12 +215,12 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if request.output_token_ids:
             self.resumed[request.request_id] = list(request.output_token_ids)
         if self.fail_add:
-            await abort(context, UNAVAILABLE, "no worker is ready")  # as the scheduler does
-        for i in range(len(request.output_token_ids), request.max_tokens):
+            await abort(context, RequestError(UNAVAILABLE, "no worker is ready"))  # as a scheduler
+        for i in range(len(request.output_token_ids), request.sampling.max_tokens):
             if i == 1 and self.gate is not None and not request.output_token_ids:
                 await self.gate.wait()
             await asyncio.sleep(self.delay_s)
-            last = i == request.max_tokens - 1
+            last = i == request.sampling.max_tokens - 1
             event = scheduler_pb2.TokenEvent(
                 token_ids=[100 + i],
                 finish_reason=inference_pb2.FINISH_REASON_LENGTH if last else 0,  # type: ignore[arg-type]
@@ -257,8 +259,8 @@ async def _with_router(
     """Starts `fakes` and a router over them, runs `scenario` with a channel to the router."""
     for f in fakes:
         await f.start()
-    service = InferenceService(tokenizer, model_dir, [f.address for f in fakes])
-    router = await start_router(service, "127.0.0.1:0", poll_s=0.1)
+    path = RequestPath(tokenizer, model_dir, [f.address for f in fakes])
+    router = await start_router(path, "127.0.0.1:0", poll_s=0.1)
     channel = grpc.aio.insecure_channel(router.address)
     try:
         await _wait_health(channel, SERVING)
@@ -332,8 +334,8 @@ def test_concurrent_requests_spread_over_both_schedulers(
         a, b = fakes
         assert len(a.requests) >= 3 and len(b.requests) >= 3
         assert len(a.requests) + len(b.requests) == 20
-        assert [r.outstanding for r in router.service.pool.replicas] == [0, 0]
-        assert router.service.num_in_flight == 0
+        assert [r.outstanding for r in router.path.pool.replicas] == [0, 0]
+        assert router.path.num_in_flight == 0
         for f in fakes:
             assert _gauge("router_outstanding_requests", f.address) == 0
             assert _gauge("router_scheduler_ready", f.address) == 1
@@ -368,7 +370,7 @@ def test_a_failed_scheduler_s_streams_resume_on_the_other_which_takes_over(
         ]
         await asyncio.gather(*(e.wait() for e in firsts))  # every stream has sent a token
         assert len(a.requests) == 5 and len(b.requests) == 5  # held: outstanding alternates
-        pool = router.service.pool
+        pool = router.path.pool
         assert [r.outstanding for r in pool.replicas] == [5, 5]
         assert _gauge("router_outstanding_requests", a.address) == 5
         on_a = list(a.requests)
@@ -388,7 +390,7 @@ def test_a_failed_scheduler_s_streams_resume_on_the_other_which_takes_over(
         info = await _model_info(ch)
         assert info.num_kv_blocks == b.num_kv_blocks  # from the ready one only
         assert [r.outstanding for r in pool.replicas] == [0, 0]
-        assert router.service.num_in_flight == 0
+        assert router.path.num_in_flight == 0
         # none ready: NOT_SERVING, and requests get UNAVAILABLE at once
         await b.stop()
         await _wait_health(ch, NOT_SERVING, timeout_s=3)
@@ -409,7 +411,7 @@ def test_unavailable_before_the_first_token_is_retried_once_on_another_scheduler
         a, b = fakes
         a.fail_add = True  # answers ready, but fails every AddRequest before a token
         await _wait_health(ch, SERVING)
-        pool = router.service.pool
+        pool = router.path.pool
         while not all(r.ready for r in pool.replicas):
             await asyncio.sleep(0.02)
         i = next(i for i in range(1000) if pool.pick(prompt(i)) is pool.replicas[0])
@@ -423,7 +425,7 @@ def test_unavailable_before_the_first_token_is_retried_once_on_another_scheduler
         code, details = await _generate(ch, _request(i, rid="failed"))  # type: ignore[misc]
         assert code == UNAVAILABLE and details == "no worker is ready"
         assert a.requests.count("failed") + b.requests.count("failed") == 2  # tried once each
-        assert router.service.num_in_flight == 0
+        assert router.path.num_in_flight == 0
 
     run(_with_router(tokenizer, tokenizer_dir, [FakeScheduler(), FakeScheduler()], scenario))
 
@@ -434,9 +436,9 @@ def test_a_single_scheduler_address_still_works(
     async def main() -> None:
         fake = FakeScheduler()
         await fake.start()
-        service = InferenceService(tokenizer, tokenizer_dir, fake.address)  # a plain string
-        assert service.pool.addresses == [fake.address]
-        router = await start_router(service, "127.0.0.1:0", poll_s=0.1)
+        path = RequestPath(tokenizer, tokenizer_dir, fake.address)  # a plain string
+        assert path.pool.addresses == [fake.address]
+        router = await start_router(path, "127.0.0.1:0", poll_s=0.1)
         channel = grpc.aio.insecure_channel(router.address)
         try:
             await _wait_health(channel, SERVING)

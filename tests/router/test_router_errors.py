@@ -11,8 +11,8 @@ from typing import Any
 import grpc
 
 from sluiceway.internal.v1 import scheduler_pb2
-from sluiceway.router.errors import INTERNAL_DETAILS, TRANSPORT_DETAILS
-from sluiceway.router.server import Router
+from sluiceway.router.grpc_api import Router
+from sluiceway.status import INTERNAL_DETAILS, TRANSPORT_DETAILS
 from tests.router.test_balancer import FakeScheduler, _generate, _request, _with_router, run
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -20,7 +20,7 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
 class RawFailure(FakeScheduler):
     """Fails every AddRequest with `code` and gRPC-looking details, not through
-    `sluiceway.grpc_server.abort` (as an uncaught exception or a transport failure would)."""
+    `sluiceway.status.abort` (as an uncaught exception or a transport failure would)."""
 
     def __init__(self, code: grpc.StatusCode) -> None:
         super().__init__()
@@ -70,7 +70,7 @@ def test_unmarked_scheduler_statuses_are_replaced_and_marked_ones_kept(
         run(_with_router(tokenizer, tokenizer_dir, [RawFailure(code)], scenario))
 
     async def marked(router: Router, fakes: list[FakeScheduler], ch: grpc.aio.Channel) -> None:
-        fakes[0].fail_add = True  # through sluiceway.grpc_server.abort, as the scheduler does
+        fakes[0].fail_add = True  # through sluiceway.status.abort, as the scheduler does
         assert await _generate(ch, _request(0)) == (UNAVAILABLE, "no worker is ready")
 
     run(_with_router(tokenizer, tokenizer_dir, [FakeScheduler()], marked))

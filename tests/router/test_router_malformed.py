@@ -1,7 +1,7 @@
 """Request bytes that are not a valid protobuf message: INVALID_ARGUMENT naming the message
 type (not UNKNOWN "Exception deserializing request"), and the router keeps serving.
 
-The router is the real `InferenceService` behind `start_router`, over one in-process fake
+The router is the real `RequestPath` behind `start_router`, over one in-process fake
 scheduler; the bad bytes are sent with raw calls whose serializer passes bytes through.
 """
 
@@ -21,8 +21,9 @@ from prometheus_client import REGISTRY
 
 from sluiceway.grpc_server import bind, new_server
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from sluiceway.router.grpc_api import Router, start_router
 from sluiceway.router.handlers import MalformedRequest, lenient_deserializer
-from sluiceway.router.server import InferenceService, Router, start_router
+from sluiceway.router.request_path import RequestPath
 from sluiceway.router.tokenizer import encode_prompt
 from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 
@@ -42,10 +43,10 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def AddRequest(  # type: ignore[override]
         self, request: scheduler_pb2.AddRequestRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
-        for i in range(request.max_tokens):
+        for i in range(request.sampling.max_tokens):
             if i:
                 await asyncio.sleep(self.delay_s)
-            last = i == request.max_tokens - 1
+            last = i == request.sampling.max_tokens - 1
             yield scheduler_pb2.TokenEvent(
                 token_ids=[100 + i],
                 finish_reason=inference_pb2.FINISH_REASON_LENGTH if last else 0,  # type: ignore[arg-type]
@@ -75,7 +76,7 @@ async def _with_router(
     scheduler_address = bind(scheduler, "127.0.0.1:0")
     await scheduler.start()
     router = await start_router(
-        InferenceService(tokenizer, model_dir, scheduler_address), "127.0.0.1:0", poll_s=0.1
+        RequestPath(tokenizer, model_dir, scheduler_address), "127.0.0.1:0", poll_s=0.1
     )
     if routers is not None:
         routers.append(router)
@@ -280,13 +281,13 @@ def test_a_cancelled_stream_still_ends_as_before(
         )
         call = stub.Generate(request, timeout=10)
         assert list((await call.read()).token_ids) == [100]
-        assert router.service.num_in_flight == 1
+        assert router.path.num_in_flight == 1
         call.cancel()
         deadline = time.monotonic() + 5
-        while router.service.num_in_flight or _failures("CANCELLED") != before + 1:
+        while router.path.num_in_flight or _failures("CANCELLED") != before + 1:
             assert time.monotonic() < deadline, "the cancelled stream never ended"
             await asyncio.sleep(0.02)
-        assert [r.outstanding for r in router.service.pool.replicas] == [0]
+        assert [r.outstanding for r in router.path.pool.replicas] == [0]
         await _generate_ok(channel)
 
     _run(tokenizer, tokenizer_dir, scenario, fake=fake, routers=routers)

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from tokenizers import processors
 
-from sluiceway.router.errors import InvalidRequest
 from sluiceway.router.tokenizer import encode_chat, encode_prompt, load_tokenizer
+from sluiceway.status import FieldError
 
 CONVERSATIONS: list[list[tuple[str, str]]] = [
     [("user", "hi")],
@@ -101,27 +101,27 @@ def test_encode_chat_bos_in_template_not_doubled(fresh_tokenizer: Any) -> None:
 def test_encode_chat_unknown_role(tokenizer: Any, index: int) -> None:
     messages = [("user", "a"), ("assistant", "b"), ("user", "c"), ("user", "d")]
     messages[index] = ("robot", "beep")
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(FieldError) as info:
         encode_chat(tokenizer, messages)
     assert info.value.field == f"messages[{index}].role"
     assert "robot" in info.value.message and "system" in info.value.message
 
 
 def test_encode_chat_role_is_case_sensitive(tokenizer: Any) -> None:
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(FieldError) as info:
         encode_chat(tokenizer, [("User", "hi")])
     assert info.value.field == "messages[0].role"
 
 
 def test_encode_chat_empty(tokenizer: Any) -> None:
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(FieldError) as info:
         encode_chat(tokenizer, [])
     assert info.value.field == "messages"
 
 
 def test_encode_chat_without_template(fresh_tokenizer: Any) -> None:
     fresh_tokenizer.chat_template = None
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(FieldError) as info:
         encode_chat(fresh_tokenizer, [("user", "hi")])
     assert info.value.field == "messages"
     assert "chat template" in info.value.message
@@ -133,7 +133,7 @@ def test_encode_chat_template_refusal(fresh_tokenizer: Any) -> None:
         "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     )
     assert encode_chat(fresh_tokenizer, [("user", "hi")]) == fresh_tokenizer.encode("hi")
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(FieldError) as info:
         encode_chat(fresh_tokenizer, [("system", "s"), ("user", "hi")])
     assert info.value.field == "messages"
     assert "first must be user" in info.value.message

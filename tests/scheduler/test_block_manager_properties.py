@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from sluiceway.internal.v1 import scheduler_pb2
+from sluiceway.sampling_params import SamplingParams
 from sluiceway.scheduler.block_manager import BlockManager
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -115,9 +115,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 seq_id=self.next_id,
                 request_id=str(self.next_id),
                 prompt_token_ids=prefix + suffix,
-                sampling=scheduler_pb2.SequenceSamplingParams(),
-                max_tokens=max_tokens,
-                stop_token_ids=frozenset({2}),
+                sampling=SamplingParams(max_tokens=max_tokens, stop_token_ids=(2,)),
                 parent_request_id=parent,
             )
             self.next_id += 1

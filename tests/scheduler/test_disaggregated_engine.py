@@ -156,7 +156,7 @@ def registration(
 ) -> scheduler_pb2.RegisterWorkerRequest:  # type: ignore[no-untyped-def]
     request = scheduler_pb2.RegisterWorkerRequest(
         address=fake.address, num_kv_blocks=fake.num_blocks, block_size=BLOCK,
-        max_model_len=4096, vocab_size=1000, model_id="fake", worker_group=group,
+        max_model_len=4096, vocab_size=100_000, model_id="fake", worker_group=group,
         tensor_parallel_size=1, kv_pool=fake.handle(),
     )  # fmt: skip
     for name, value in fields.items():

@@ -12,6 +12,7 @@ from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2,
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.engine import Engine
 from sluiceway.scheduler.server import SchedulerService
+from sluiceway.status import FieldError, RequestError, abort, error_from_rpc
 from sluiceway.v1 import inference_pb2
 
 NUM_BLOCKS = 32
@@ -24,6 +25,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.records: dict[int, list[int]] = {}
         self.steps: list[worker_pb2.StepRequest] = []
         self.fail = fail
+        # set: the next step that computes is refused with this (then it is cleared), as a
+        # real worker refuses a step it cannot run (worker/server.py)
+        self.refuse: RequestError | None = None
         self.address = ""  # set by _serve
         self.server: grpc.aio.Server | None = None  # set by _serve
         self.gate: asyncio.Event | None = None  # when set, steps that compute wait for it
@@ -31,11 +35,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def ExecuteStep(self, request, context):  # type: ignore[no-untyped-def]
         if self.fail:
             await context.abort(grpc.StatusCode.INTERNAL, "worker exploded")
+        if self.refuse is not None and request.scheduled:
+            error, self.refuse = self.refuse, None
+            await abort(context, error)
         self.steps.append(request)
         if self.gate is not None and request.scheduled:
             await self.gate.wait()
         for seq_id in request.finished_seq_ids:
-            self.records.pop(seq_id)
+            self.records.pop(seq_id, None)  # as the real worker: a refused step recorded none
         for new in request.new_sequences:
             self.records[new.seq_id] = list(new.prompt_token_ids)
         sampled = []
@@ -88,9 +95,9 @@ def add_request(n_prompt: int, max_tokens: int, rid: str = "r") -> scheduler_pb2
     return scheduler_pb2.AddRequestRequest(
         request_id=rid,
         prompt_token_ids=list(range(1, n_prompt + 1)),
-        sampling=scheduler_pb2.SequenceSamplingParams(temperature=0),
-        max_tokens=max_tokens,
-        stop_token_ids=[2],
+        sampling=inference_pb2.SamplingParams(
+            temperature=0, max_tokens=max_tokens, stop_token_ids=[2]
+        ),
     )
 
 
@@ -341,6 +348,90 @@ def test_a_worker_that_dies_idle_is_noticed_without_a_request(fake: FakeWorker) 
                     pass
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "unreachable" in (err.value.details() or "")
+        finally:
+            await close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        FieldError("sampling.logit_bias[7]", "must be in [-100, 100]; got 500.0"),
+        RequestError(grpc.StatusCode.FAILED_PRECONDITION, "no such block"),
+        RequestError(grpc.StatusCode.INTERNAL, "the worker failed the step: IndexError: x"),
+    ],
+    ids=["invalid-argument-with-field", "failed-precondition", "internal-marked"],
+)
+def test_a_step_the_worker_refuses_fails_its_requests_and_the_replica_serves_on(
+    fake: FakeWorker, refusal: RequestError
+) -> None:
+    """A worker that refuses one step with a status it chose ends that step's requests with
+    the status (the field as data), and the next request is served at once: the replica is
+    not taken for lost (it used to wait for a registration a live worker never sends)."""
+
+    async def main() -> None:
+        stub, close = await _serve(fake, SchedulerConfig())
+        try:
+            fake.refuse = refusal
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.AddRequest(add_request(10, 4)):
+                    pass
+            got = error_from_rpc(err.value)
+            assert (got.code, got.field, got.message) == (
+                refusal.code,
+                refusal.field,
+                refusal.message,
+            )
+            assert err.value.details() == refusal.details
+            info = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
+            assert info.ready and info.num_free_kv_blocks == NUM_BLOCKS
+            events = await asyncio.wait_for(_collect(stub, add_request(10, 4, "next")), 2.0)
+            assert [t for e in events for t in e.token_ids] == [110, 111, 112, 113]
+            assert fake.steps[0].finished_seq_ids == [1]  # the refused sequence is forgotten
+        finally:
+            await close()
+
+    asyncio.run(main())
+
+
+async def _collect(
+    stub: scheduler_pb2_grpc.SchedulerStub, request: scheduler_pb2.AddRequestRequest
+) -> list[scheduler_pb2.TokenEvent]:
+    return [e async for e in stub.AddRequest(request)]
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"prompt_token_ids": [1] * (NUM_BLOCKS * 16)}, "input"),
+        ({"prompt_token_ids": [1, 1000]}, "prompt_token_ids.ids[1]"),
+        ({"prompt_token_ids": []}, "input"),
+        ({"sampling": inference_pb2.SamplingParams(top_p=0)}, "sampling.top_p"),
+        ({"sampling": inference_pb2.SamplingParams(stop_token_ids=[1000])}, "sampling.stop_token_ids[0]"),
+        ({"sampling": inference_pb2.SamplingParams(max_tokens=2), "output_token_ids": [5, 6]}, "sampling.max_tokens"),
+    ],
+)  # fmt: skip
+def test_the_replicas_gate_refuses_what_a_worker_could_not_run(
+    fake: FakeWorker, change: dict[str, object], field: str
+) -> None:
+    """The scheduler checks every request it is sent, through the same contract as the router
+    (sluiceway/sampling_params.py): INVALID_ARGUMENT naming the field, nothing queued."""
+
+    async def main() -> None:
+        stub, close = await _serve(fake, SchedulerConfig())
+        try:
+            request = add_request(10, 4)
+            for name, value in change.items():
+                if isinstance(value, list):
+                    getattr(request, name)[:] = value
+                else:
+                    getattr(request, name).CopyFrom(value)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _collect(stub, request)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert error_from_rpc(err.value).field == field
+            assert not fake.steps
         finally:
             await close()
 

@@ -8,6 +8,7 @@ import pytest
 
 from sluiceway.internal.v1 import scheduler_pb2
 from sluiceway.prefix_hash import prompt_block_hashes
+from sluiceway.sampling_params import SamplingParams
 from sluiceway.scheduler.block_manager import BlockManager
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.kv_events import KvEventPublisher, SubscriberOverflow
@@ -22,9 +23,7 @@ def seq(seq_id: int, prompt: list[int], max_tokens: int = 1) -> Sequence:
         seq_id=seq_id,
         request_id=str(seq_id),
         prompt_token_ids=prompt,
-        sampling=scheduler_pb2.SequenceSamplingParams(),
-        max_tokens=max_tokens,
-        stop_token_ids=frozenset(),
+        sampling=SamplingParams(max_tokens=max_tokens),
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluiceway.internal.v1 import scheduler_pb2
+from sluiceway.sampling_params import SamplingParams
 from sluiceway.scheduler.block_manager import BlockManager
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -19,9 +19,7 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
         seq_id=seq_id,
         request_id=f"r{seq_id}",
         prompt_token_ids=[1000 * seq_id + i for i in range(prompt_len)],  # no shared prefix
-        sampling=scheduler_pb2.SequenceSamplingParams(temperature=0),
-        max_tokens=max_tokens,
-        stop_token_ids=frozenset({EOS}),
+        sampling=SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=(EOS,)),
     )
 
 
@@ -140,9 +138,7 @@ def test_max_model_len_is_capped_so_every_sequence_can_always_run_again() -> Non
     sched = make_scheduler(
         max_model_len=1024, max_num_batched_tokens=32, enable_chunked_prefill=False
     )
-    assert sched.max_model_len == 32
-    with pytest.raises(ValueError, match="max_model_len is 32"):
-        sched.add(make_seq(3, 32))
+    assert sched.max_model_len == 32  # a 32-token prompt is refused by the engine's gate
 
 
 def test_a_preempted_sequence_resumes_without_chunked_prefill() -> None:
@@ -209,12 +205,15 @@ def test_a_sequence_aborted_while_its_step_runs_gets_no_token() -> None:
     assert seq.output_token_ids == []
 
 
-def test_prompts_that_can_never_run_are_rejected() -> None:
+def test_the_longest_prompt_the_pool_holds_runs_to_its_end() -> None:
     sched = make_scheduler(num_blocks=2, max_model_len=100)
-    assert sched.max_model_len == 32  # what 2 blocks hold
-    with pytest.raises(ValueError, match="max_model_len is 32"):
-        sched.add(make_seq(1, 32))
-    sched.add(make_seq(2, 31))
+    assert sched.max_model_len == 32  # what 2 blocks hold (a longer prompt: the engine's gate)
+    seq = make_seq(2, 31, max_tokens=8)
+    sched.add(seq)
+    while not seq.is_finished:
+        run_step(sched)
+    assert seq.output_token_ids == [7] and seq.finish_reason == inference_pb2.FINISH_REASON_LENGTH
+    assert sched.block_manager.num_free_blocks == 2
 
 
 def shared_prompt_seq(seq_id: int, prompt: list[int], max_tokens: int = 4) -> Sequence:
@@ -321,9 +320,9 @@ def samples_of(parent: str, first_id: int, prompt: list[int], n: int, max_tokens
             seq_id=first_id + i,
             request_id=f"{parent}-{i}",
             prompt_token_ids=list(prompt),
-            sampling=scheduler_pb2.SequenceSamplingParams(temperature=1.0, seed=i),
-            max_tokens=max_tokens,
-            stop_token_ids=frozenset({EOS}),
+            sampling=SamplingParams(
+                temperature=1.0, seed=i, max_tokens=max_tokens, stop_token_ids=(EOS,)
+            ),
             parent_request_id=parent,
         )
         for i in range(n)

@@ -13,7 +13,8 @@ import torch
 
 from sluiceway.kernels import cpu_ops
 from sluiceway.model_files import resolve_model
-from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
+from sluiceway.sampling_params import SamplingParams
+from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
 
 pytestmark = pytest.mark.skipif(
     not cpu_ops.bf16_gemm_supported(),
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 BLOCK = 16
-GREEDY = SamplingOptions(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 class Blocks:
@@ -131,16 +132,16 @@ def test_sampled_tokens_do_not_depend_on_the_batch(runner: ModelRunner) -> None:
     seeded sequences get the same tokens and logprobs alone and in one batch with others."""
     blocks = Blocks(runner.num_kv_blocks)
     options = [
-        SamplingOptions(temperature=0.0),
-        SamplingOptions(temperature=1.0, seed=7, top_p=0.95),
-        SamplingOptions(temperature=0.8, seed=1234, top_k=50),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=7, top_p=0.95),
+        SamplingParams(temperature=0.8, seed=1234, top_k=50),
     ]
     prompts = [_ids(50 + i, n) for i, n in enumerate((12, 40, 90))]
 
     def run(batch_with_noise: bool) -> list[list[tuple[int, float]]]:
         seqs = [runner.make_sequence(60 + i, p, o) for i, (p, o) in
                 enumerate(zip(prompts, options, strict=True))]  # fmt: skip
-        noise = [runner.make_sequence(70 + i, _ids(70 + i, 5 + 30 * i), SamplingOptions(
+        noise = [runner.make_sequence(70 + i, _ids(70 + i, 5 + 30 * i), SamplingParams(
             temperature=0.9)) for i in range(5)] if batch_with_noise else []  # fmt: skip
         got: list[list[tuple[int, float]]] = [[] for _ in seqs]
         computed = {id(s): 0 for s in seqs + noise}
@@ -179,9 +180,9 @@ def test_a_rows_sample_and_logprob_do_not_depend_on_the_other_rows() -> None:
     peaked = torch.randn(1, vocab, generator=g) - 10
     peaked[0, torch.randperm(vocab, generator=g)[:300]] += 10 + torch.rand(300, generator=g)
     other = torch.randn(1, vocab, generator=g) * 3
-    probe = SamplingOptions(temperature=1.0, top_p=0.95, seed=7)
+    probe = SamplingParams(temperature=1.0, top_p=0.95, seed=7)
 
-    def draws(logits: torch.Tensor, options: list[SamplingOptions]) -> list[tuple[int, float]]:
+    def draws(logits: torch.Tensor, options: list[SamplingParams]) -> list[tuple[int, float]]:
         gens: list[torch.Generator | None] = [None] * len(options)
         gens[0] = torch.Generator().manual_seed(7)
         out = []
@@ -191,10 +192,10 @@ def test_a_rows_sample_and_logprob_do_not_depend_on_the_other_rows() -> None:
         return out
 
     alone = draws(peaked, [probe])
-    assert draws(torch.cat([peaked, other]), [probe, SamplingOptions(top_k=1000)]) == alone
-    greedy = SamplingOptions(temperature=0.0)
-    asks = SamplingOptions(temperature=0.0, num_logprobs=5)
-    for options in ([greedy], [greedy, asks], [greedy, SamplingOptions(temperature=0.9)]):
+    assert draws(torch.cat([peaked, other]), [probe, SamplingParams(top_k=1000)]) == alone
+    greedy = SamplingParams(temperature=0.0)
+    asks = SamplingParams(temperature=0.0, logprobs=5)
+    for options in ([greedy], [greedy, asks], [greedy, SamplingParams(temperature=0.9)]):
         rows = torch.cat([other, peaked][: len(options)])
         got = sample(rows.clone(), options, [None] * len(options), [[1]] * len(options),
                      cpu_kernels=True)  # fmt: skip

@@ -18,11 +18,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
+from sluiceway.sampling_params import SamplingParams
+from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 16
-GREEDY = SamplingOptions(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -117,13 +118,13 @@ def test_sampled_tokens_do_not_depend_on_the_batch(runner: ModelRunner) -> None:
     """The step path (one forward for every row, seeded generators): greedy and seeded
     sequences get the same tokens and logprobs alone and in one batch with others."""
     blocks = Blocks(runner.num_kv_blocks)
-    options = [GREEDY, SamplingOptions(temperature=1.0, seed=7, top_p=0.9)]
+    options = [GREEDY, SamplingParams(temperature=1.0, seed=7, top_p=0.9)]
     prompts = [_ids(50, 12), _ids(51, 30)]
 
     def run(noise: bool) -> list[list[tuple[int, float]]]:
         seqs = [runner.make_sequence(60 + i, p, o) for i, (p, o) in
                 enumerate(zip(prompts, options, strict=True))]  # fmt: skip
-        extra = [runner.make_sequence(70 + i, _ids(70 + i, 9 + 20 * i), SamplingOptions(
+        extra = [runner.make_sequence(70 + i, _ids(70 + i, 9 + 20 * i), SamplingParams(
             temperature=0.9)) for i in range(2)] if noise else []  # fmt: skip
         got: list[list[tuple[int, float]]] = [[] for _ in seqs]
         done = {id(s): 0 for s in seqs + extra}

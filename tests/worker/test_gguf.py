@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from sluiceway.model_files import resolve_model
-from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk
+from sluiceway.sampling_params import SamplingParams
+from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk
 from tests.oracle import greedy
 
 pytestmark = pytest.mark.slow
@@ -93,7 +94,7 @@ def test_greedy_matches_transformers(converted: pathlib.Path, oracle) -> None:  
     assert runner.model_id == "SmolLM2-135M-Instruct"
     assert runner.eos_token_ids == [2]
     seqs = [
-        runner.make_sequence(i, p, SamplingOptions(temperature=0)) for i, p in enumerate(prompts)
+        runner.make_sequence(i, p, SamplingParams(temperature=0)) for i, p in enumerate(prompts)
     ]
     next_block = 0
     computed = [0, 0]

@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
+from sluiceway.sampling_params import SamplingParams
 from sluiceway.worker.loader import ModelLoadError
 from sluiceway.worker.model import UnsupportedModelError
 from sluiceway.worker.model_runner import (
     ModelRunner,
-    SamplingOptions,
     ScheduledChunk,
     SequenceData,
 )
@@ -51,7 +51,7 @@ def test_chunked_mixed_batch_matches_transformers(
     rng = random.Random(1)
     full = {s: [rng.randrange(256) for _ in range(n)] for s, n in ((0, 22), (1, 28), (2, 10))}
     prompt_len = {0: 13, 1: 21, 2: 5}
-    seqs = {s: runner.make_sequence(s, full[s][: prompt_len[s]], SamplingOptions()) for s in full}
+    seqs = {s: runner.make_sequence(s, full[s][: prompt_len[s]], SamplingParams()) for s in full}
     blocks = _Blocks(runner.num_kv_blocks)
     got: dict[int, list[torch.Tensor]] = {s: [] for s in full}
     computed = dict.fromkeys(full, 0)
@@ -90,7 +90,7 @@ def test_execute_greedy_and_order(tiny_models: dict[str, pathlib.Path]) -> None:
     blocks = _Blocks(runner.num_kv_blocks)
     prompts = {7: [5, 9, 11, 200, 3], 3: [8, 8, 8]}
     seqs = {
-        s: runner.make_sequence(s, p, SamplingOptions(temperature=0.0)) for s, p in prompts.items()
+        s: runner.make_sequence(s, p, SamplingParams(temperature=0.0)) for s, p in prompts.items()
     }
     for seq in seqs.values():
         blocks.grow(seq, 16)
@@ -126,10 +126,10 @@ def test_properties(tiny_models: dict[str, pathlib.Path]) -> None:
     assert runner.vocab_size == 256
     assert runner.eos_token_ids == [2]
     assert runner.block_size == 16
-    seq = runner.make_sequence(1, [1, 2], SamplingOptions(seed=5))
+    seq = runner.make_sequence(1, [1, 2], SamplingParams(seed=5))
     assert seq.generator is not None and seq.block_table == []
     with pytest.raises(ValueError, match="max_model_len"):
-        runner.make_sequence(2, [1] * 101, SamplingOptions())
+        runner.make_sequence(2, [1] * 101, SamplingParams())
 
 
 def test_a_recomputed_seeded_sequence_resumes_its_random_stream(
@@ -137,14 +137,14 @@ def test_a_recomputed_seeded_sequence_resumes_its_random_stream(
 ) -> None:
     """After preemption the prompt holds 2 generated tokens: their 2 draws are skipped."""
     runner = ModelRunner(tiny_models["qwen2"], dtype="float32", kv_cache_memory=1 << 20)
-    sampled = SamplingOptions(temperature=0.8, seed=5)
+    sampled = SamplingParams(temperature=0.8, seed=5)
     fresh = runner.make_sequence(1, [1, 2, 3], sampled)
     assert fresh.generator is not None
     draws = [float(torch.rand(1, generator=fresh.generator)) for _ in range(3)]
     resumed = runner.make_sequence(2, [1, 2, 3, 7, 8], sampled, num_prompt_tokens=3)
     assert resumed.num_prompt_tokens == 3 and resumed.generator is not None
     assert float(torch.rand(1, generator=resumed.generator)) == draws[2]
-    greedy = runner.make_sequence(3, [1, 2, 3, 7], SamplingOptions(temperature=0, seed=5), 3)
+    greedy = runner.make_sequence(3, [1, 2, 3, 7], SamplingParams(temperature=0, seed=5), 3)
     assert greedy.generator is not None  # greedy rows draw nothing: nothing to skip
     assert float(torch.rand(1, generator=greedy.generator)) == draws[0]
     with pytest.raises(ValueError, match="num_prompt_tokens"):
@@ -153,7 +153,7 @@ def test_a_recomputed_seeded_sequence_resumes_its_random_stream(
 
 def test_bad_chunks_rejected(tiny_models: dict[str, pathlib.Path]) -> None:
     runner = ModelRunner(tiny_models["llama-tied"], dtype="float32", kv_cache_memory=1 << 20)
-    seq = runner.make_sequence(1, [1, 2, 3], SamplingOptions())
+    seq = runner.make_sequence(1, [1, 2, 3], SamplingParams())
     with pytest.raises(ValueError, match="blocks cannot hold"):
         runner.execute([ScheduledChunk(seq, 0, 3)])
     seq.block_table.append(0)
@@ -241,7 +241,7 @@ def test_a_runner_around_a_prebuilt_model_computes_what_the_loaded_one_does(
     )
     outputs = []
     for runner in (loaded, prebuilt):
-        seq = runner.make_sequence(1, [5, 9, 11, 200, 3], SamplingOptions(temperature=0.0))
+        seq = runner.make_sequence(1, [5, 9, 11, 200, 3], SamplingParams(temperature=0.0))
         _Blocks(runner.num_kv_blocks).grow(seq, 16)
         outputs.append(runner.compute_logits_for_test([ScheduledChunk(seq, 0, 5)])[0])
     assert torch.equal(outputs[0], outputs[1])

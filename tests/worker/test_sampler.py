@@ -10,9 +10,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from sluiceway.sampling_params import SamplingParams
+from sluiceway.status import FieldError
 from sluiceway.worker import sampler
 from sluiceway.worker.sampler import (
-    SamplingOptions,
     apply_repetition_penalty,
     sample,
     top_k_top_p_mask,
@@ -34,7 +35,7 @@ def _logits(rows: int, seed: int = 0) -> torch.Tensor:
 def test_greedy_is_argmax() -> None:
     logits = _logits(6)
     tokens, logprobs = _tokens_and_logprobs(
-        logits.clone(), [SamplingOptions(temperature=0)] * 6, [None] * 6, [[]] * 6
+        logits.clone(), [SamplingParams(temperature=0)] * 6, [None] * 6, [[]] * 6
     )
     assert tokens.tolist() == logits.argmax(-1).tolist()
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).max(-1).values)
@@ -42,7 +43,7 @@ def test_greedy_is_argmax() -> None:
 
 def test_top_k_1_is_greedy() -> None:
     logits = _logits(5, seed=1)
-    opts = [SamplingOptions(temperature=t, top_k=1) for t in (0.5, 1.0, 2.0, 0.7, 1.3)]
+    opts = [SamplingParams(temperature=t, top_k=1) for t in (0.5, 1.0, 2.0, 0.7, 1.3)]
     tokens, _ = _tokens_and_logprobs(logits.clone(), opts, [None] * 5, [[]] * 5)
     assert tokens.tolist() == logits.argmax(-1).tolist()
 
@@ -51,12 +52,12 @@ def _draws(rows_before: int, rows_after: int, steps: int = 8) -> list[int]:
     """Tokens of a seeded row (seed 1234, top_p 0.9) placed among other, unrelated rows."""
     gen = torch.Generator().manual_seed(1234)
     row = _logits(1, seed=7)[0]
-    target = SamplingOptions(temperature=0.8, top_p=0.9, seed=1234)
+    target = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)
     others = [
-        SamplingOptions(temperature=1.0),
-        SamplingOptions(temperature=0.0),
-        SamplingOptions(top_k=5, seed=99),
-        SamplingOptions(top_p=0.5, repetition_penalty=1.3),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=5, seed=99),
+        SamplingParams(top_p=0.5, repetition_penalty=1.3),
     ]
     out = []
     for step in range(steps):
@@ -97,7 +98,7 @@ def test_repetition_penalty_matches_transformers() -> None:
     mine = apply_repetition_penalty(logits.clone(), ids, torch.tensor(penalties))
     torch.testing.assert_close(mine, ref, rtol=0, atol=0)
     # through sample(): greedy after the penalty, logprob of the penalized distribution
-    opts = [SamplingOptions(temperature=0, repetition_penalty=p) for p in penalties]
+    opts = [SamplingParams(temperature=0, repetition_penalty=p) for p in penalties]
     tokens, logprobs = _tokens_and_logprobs(
         logits.clone(), opts, [None] * 4, [r.tolist() for r in ids]
     )
@@ -154,7 +155,7 @@ def test_fallback_rows_sample_inside_the_nucleus(monkeypatch: pytest.MonkeyPatch
     kept = set(torch.nonzero(torch.isfinite(warped)).squeeze(1).tolist())
     assert len(kept) > 2
     tokens, _ = _tokens_and_logprobs(
-        logits.clone(), [SamplingOptions(top_p=0.9)] * 200, [None] * 200, [[]] * 200
+        logits.clone(), [SamplingParams(top_p=0.9)] * 200, [None] * 200, [[]] * 200
     )
     assert set(tokens.tolist()) <= kept
     assert len(set(tokens.tolist())) > 2
@@ -162,7 +163,7 @@ def test_fallback_rows_sample_inside_the_nucleus(monkeypatch: pytest.MonkeyPatch
 
 def test_samples_follow_the_truncated_distribution() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(4000, 1)
-    opts = [SamplingOptions(temperature=1.0, top_p=0.8)] * 4000
+    opts = [SamplingParams(temperature=1.0, top_p=0.8)] * 4000
     tokens, _ = _tokens_and_logprobs(logits.clone(), opts, [None] * 4000, [[]] * 4000)
     kept = top_k_top_p_mask(logits[:1], None, torch.tensor([0.8]))[0]
     probs = torch.softmax(kept, -1)
@@ -171,9 +172,31 @@ def test_samples_follow_the_truncated_distribution() -> None:
     torch.testing.assert_close(freq, probs.double(), atol=0.03, rtol=0)
 
 
-def test_invalid_options() -> None:
-    with pytest.raises(ValueError, match="invalid sampling"):
-        sample(_logits(1), [SamplingOptions(top_p=0.0)], [None], [[]])
+def test_invalid_options_are_refused_when_made_not_when_sampled() -> None:
+    with pytest.raises(FieldError) as err:
+        SamplingParams(top_p=0.0)
+    assert (err.value.field, err.value.message) == ("sampling.top_p", "must be in (0, 1]; got 0.0")
+
+
+def test_logit_bias_is_added_to_the_raw_logits_before_the_penalties() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5]])
+    # +100 on token 0 forces it greedily; -100 on the argmax bans it
+    forced = SamplingParams(temperature=0, logit_bias={0: 100.0})
+    banned = SamplingParams(temperature=0, logit_bias={2: -100.0})
+    tokens, logprobs = _tokens_and_logprobs(
+        logits.repeat(2, 1), [forced, banned], [None, None], [[], []]
+    )
+    assert tokens.tolist() == [0, 1]
+    # the logprob comes from the biased logits: token 0 at 101 against 2, 3 and 0.5
+    expected = torch.log_softmax(torch.tensor([101.0, 2.0, 3.0, 0.5]), -1)[0]
+    assert logprobs[0].item() == pytest.approx(expected.item(), abs=1e-6)
+    # then the repetition penalty divides the biased logit (vLLM's order): (1 + 2) / 3 = 1
+    biased = SamplingParams(temperature=0, logit_bias={0: 2.0}, repetition_penalty=3.0, logprobs=4)
+    result = sample(logits.clone(), [biased], [None], [[0]])
+    assert result.top_logprobs is not None and result.top_ids is not None
+    got = dict(zip(result.top_ids[0].tolist(), result.top_logprobs[0].tolist(), strict=True))
+    want = torch.log_softmax(torch.tensor([1.0, 2.0, 3.0, 0.5]), -1)
+    assert got == pytest.approx({i: want[i].item() for i in range(4)}, abs=1e-6)
 
 
 def test_presence_and_frequency_penalties_use_output_counts_only() -> None:
@@ -189,11 +212,11 @@ def test_presence_and_frequency_penalties_use_output_counts_only() -> None:
 def test_sample_applies_penalties_to_the_right_tokens() -> None:
     logits = torch.tensor([[0.0, 3.0, 2.9, 0.0]])
     prompt_and_output = [[1, 0, 2]]  # prompt [1], output [0, 2]
-    opts = [SamplingOptions(temperature=0, presence_penalty=1.0)]
+    opts = [SamplingParams(temperature=0, presence_penalty=1.0)]
     # presence counts the output only: token 2 (output) drops to 1.9, token 1 (prompt) stays
     r = sample(logits.clone(), opts, [None], prompt_and_output, [1])
     assert r.token_ids.tolist() == [1]
-    opts = [SamplingOptions(temperature=0, presence_penalty=0.0, repetition_penalty=2.0)]
+    opts = [SamplingParams(temperature=0, presence_penalty=0.0, repetition_penalty=2.0)]
     # repetition covers prompt and output: 3.0 -> 1.5, 2.9 -> 1.45; token 1 still wins
     r = sample(logits.clone(), opts, [None], prompt_and_output, [1])
     assert r.token_ids.tolist() == [1]
@@ -204,7 +227,7 @@ def test_sample_applies_penalties_to_the_right_tokens() -> None:
 
 def test_min_tokens_masks_stop_ids_until_reached() -> None:
     logits = torch.tensor([[0.0, 5.0, 1.0]])
-    opts = [SamplingOptions(temperature=0, min_tokens=2, stop_token_ids=(1,))]
+    opts = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(1,))]
     assert sample(logits.clone(), opts, [None], [[9, 4]], [1]).token_ids.tolist() == [2]
     assert sample(logits.clone(), opts, [None], [[9, 4, 4]], [1]).token_ids.tolist() == [1]
 
@@ -215,14 +238,14 @@ def test_min_p_keeps_tokens_near_the_top() -> None:
     scaled = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     kept = min_p_mask(scaled, torch.tensor([0.5]))  # threshold 0.25
     assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
-    opts = [SamplingOptions(temperature=1.0, min_p=0.5)] * 2000
+    opts = [SamplingParams(temperature=1.0, min_p=0.5)] * 2000
     tokens = sample(scaled.repeat(2000, 1), opts, [None] * 2000, [[]] * 2000).token_ids
     assert set(tokens.tolist()) == {0, 1}
 
 
 def test_top_logprobs_are_the_top_of_the_returned_distribution() -> None:
     logits = _logits(3)
-    opts = [SamplingOptions(temperature=0, num_logprobs=n) for n in (0, 3, None)]
+    opts = [SamplingParams(temperature=0, logprobs=n) for n in (0, 3, None)]
     r = sample(logits.clone(), opts, [None] * 3, [[]] * 3)
     assert r.top_ids is not None and r.top_logprobs is not None
     ref_lp, ref_ids = torch.topk(torch.log_softmax(logits, -1), 3, dim=-1)

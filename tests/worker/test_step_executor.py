@@ -7,8 +7,9 @@ import pathlib
 import pytest
 import torch
 
-from sluiceway.internal.v1 import scheduler_pb2, worker_pb2
+from sluiceway.internal.v1 import worker_pb2
 from sluiceway.kernels.paged_attention import key_blocks, value_blocks
+from sluiceway.v1 import inference_pb2
 from sluiceway.worker.model_runner import ModelRunner
 from sluiceway.worker.server import StepExecutor
 
@@ -32,7 +33,7 @@ def test_a_forked_sample_copies_the_partial_block_and_both_records_follow(
         tiny_models["llama-untied"], dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 20
     )
     executor = StepExecutor(runner)
-    greedy = scheduler_pb2.SequenceSamplingParams(temperature=0, top_p=1, repetition_penalty=1)
+    greedy = inference_pb2.SamplingParams(temperature=0, top_p=1, repetition_penalty=1)
     first = executor.execute(
         worker_pb2.StepRequest(
             step_id=1,

@@ -12,9 +12,10 @@ import torch
 from transformers import AutoTokenizer
 
 from sluiceway.model_files import resolve_model
+from sluiceway.sampling_params import SamplingParams
 from sluiceway.v1 import inference_pb2
 from sluiceway.worker.loader import load_config
-from sluiceway.worker.sampler import SamplingOptions, sample
+from sluiceway.worker.sampler import sample
 from sluiceway.worker.structured_output import (
     ConstraintError,
     GrammarCompiler,
@@ -116,6 +117,6 @@ def test_min_tokens_does_not_mask_the_only_token_a_finished_grammar_allows() -> 
     logits = torch.full((2, 8), float("-inf"))
     logits[:, 2] = 0.0  # the grammar allows only EOS (id 2) in both rows
     logits[1, 5] = 1.0  # row 1 also allows token 5
-    options = [SamplingOptions(temperature=0, min_tokens=4, stop_token_ids=(2,))] * 2
+    options = [SamplingParams(temperature=0, min_tokens=4, stop_token_ids=(2,))] * 2
     result = sample(logits, options, [None, None], [[1], [1]], [1, 1])
     assert result.token_ids.tolist() == [2, 5]

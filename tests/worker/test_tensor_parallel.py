@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from sluiceway.launcher import free_port
+from sluiceway.sampling_params import SamplingParams
 from sluiceway.worker.loader import load_config, load_model
 from sluiceway.worker.model import LlamaForCausalLM, ModelConfig
-from sluiceway.worker.model_runner import ModelRunner, SamplingOptions, ScheduledChunk, SequenceData
+from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
 from sluiceway.worker.parallel import TensorParallelGroup, check_tensor_parallel
 
 BLOCK = 4
@@ -195,7 +196,7 @@ def _scenario(runner: ModelRunner) -> dict[str, Any]:
     seqs: list[SequenceData] = []
     for i, n in enumerate(PROMPT_LENS):
         prompt = [rng.randrange(vocab) for _ in range(n)]
-        seqs.append(runner.make_sequence(i, prompt, SamplingOptions(temperature=0.0)))
+        seqs.append(runner.make_sequence(i, prompt, SamplingParams(temperature=0.0)))
     generated: list[list[int]] = [[] for _ in seqs]
     logits: list[torch.Tensor] = []
     returned: list[int] = []
@@ -248,7 +249,7 @@ def _rank_main(rank: int, port: int, model_dirs: list[str], results: Any) -> Non
             results.close()
             results.join_thread()
             os._exit(0)  # no goodbye: rank 0's next collective must fail, not hang
-        seq = runner.make_sequence(99, [1, 2, 3], SamplingOptions(temperature=0.0))
+        seq = runner.make_sequence(99, [1, 2, 3], SamplingParams(temperature=0.0))
         seq.block_table.append(0)
         t0 = time.monotonic()
         try:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
+from sluiceway.sampling_params import SamplingParams
 from sluiceway.worker.metrics import init_series, step_phase
 from sluiceway.worker.model_runner import ScheduledChunk, SequenceData
-from sluiceway.worker.sampler import SamplingOptions
 
 
 def chunk(tokens: int, prompt: int, computed: int, new: int) -> ScheduledChunk:
     """A chunk of a sequence of `tokens` tokens, the first `prompt` of them its prompt."""
-    seq = SequenceData(1, list(range(tokens)), [0], SamplingOptions(), num_prompt_tokens=prompt)
+    seq = SequenceData(1, list(range(tokens)), [0], SamplingParams(), num_prompt_tokens=prompt)
     return ScheduledChunk(seq, computed, new)
 
 

@@ -41,10 +41,10 @@ class NewSequence(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    sampling: _scheduler_pb2.SequenceSamplingParams
+    sampling: _inference_pb2.SamplingParams
     request_id: str
     num_prompt_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_scheduler_pb2.SequenceSamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
     __slots__ = ("seq_id", "appended_token_ids", "num_computed_tokens", "num_new_tokens", "new_block_ids", "copied_last_block_id")

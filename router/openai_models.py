@@ -1,0 +1,201 @@
+"""The request bodies of the OpenAI-compatible HTTP API, and their mapping onto
+`sluiceway.v1.SamplingParams`.
+
+Every sampling field whose name means the same here as in the public proto (temperature,
+top_p, seed, vLLM's extra-body top_k, min_p, logit_bias, ...) is a body field derived from the
+one sampling contract (sluiceway/sampling_params.py: its name and type); the fields this API
+names or shapes its own way (max_tokens / max_completion_tokens, logprobs / top_logprobs,
+stop as a string or a list, response_format and structured_outputs) are declared here and
+mapped in `sampling_values`. Ranges are checked by the request path's gate, not here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from sluiceway.sampling_params import FIELDS, python_type
+from sluiceway.status import FieldError
+from sluiceway.v1 import inference_pb2
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "TokenizeRequest",
+    "sampling_values",
+]
+
+# Sampling fields this API names or shapes its own way (mapped in `sampling_values`).
+FRONT_FIELDS = frozenset({"max_tokens", "logprobs", "stop", "structured_outputs"})
+# The others: the same name and meaning as in sluiceway.v1.SamplingParams.
+SHARED_FIELDS = tuple(name for name in FIELDS if name not in FRONT_FIELDS)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or
+    ``json_schema``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's extra-body ``structured_outputs``: exactly one of its fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class _FrontFields(BaseModel):
+    """What both generation endpoints take besides the shared sampling fields."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    request_id: str | None = None
+    stop: str | list[str] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    # vLLM's names before structured_outputs (removed in vLLM 0.12): the same constraints
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+# Both endpoints' parameters: the shared sampling fields, unset (None) unless the body sets
+# them, then the fields above.
+_Sampling: type[_FrontFields] = create_model(  # type: ignore[call-overload]
+    "_Sampling",
+    __base__=_FrontFields,
+    **{name: (python_type(name) | None, None) for name in SHARED_FIELDS},
+)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Sampling):  # type: ignore[valid-type,misc]
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_Sampling):  # type: ignore[valid-type,misc]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def sampling_values(
+    body: _FrontFields, max_tokens: int | None, logprobs: int | None
+) -> dict[str, Any]:
+    """The `sluiceway.v1.SamplingParams` fields of `body` by proto name (for
+    `sampling_proto`): the shared fields it sets, then `max_tokens` and `logprobs` as the
+    endpoint resolved them, `stop` as a list and the structured-outputs constraint. Raises
+    FieldError for two constraints given at once."""
+    values = {name: getattr(body, name) for name in SHARED_FIELDS}
+    values = {name: value for name, value in values.items() if value is not None}
+    if max_tokens is not None:
+        values["max_tokens"] = max_tokens
+    if logprobs is not None:
+        values["logprobs"] = logprobs
+    if body.stop is not None:
+        values["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    constraint = _structured_outputs(body)
+    if constraint is not None:
+        values["structured_outputs"] = constraint
+    return values
+
+
+def _structured_outputs(body: _FrontFields) -> inference_pb2.StructuredOutputs | None:
+    """The constraint of ``response_format`` (OpenAI) or ``structured_outputs`` (vLLM's extra
+    body; or its older ``guided_json``, ``guided_regex``, ``guided_choice``,
+    ``guided_grammar``), None for none (or ``{"type": "text"}``). Raises FieldError for two,
+    or for a ``structured_outputs`` that sets not exactly one field; the gate checks the
+    rest."""
+    fmt, so = body.response_format, body.structured_outputs
+    guided = {k: getattr(body, "guided_" + k) for k in ("json", "regex", "choice", "grammar")}
+    if any(v is not None for v in guided.values()):
+        if so is not None:
+            raise FieldError("structured_outputs", "give it or guided_*, not both")
+        so = StructuredOutputsBody.model_validate(
+            {k: v for k, v in guided.items() if v is not None}
+        )
+    if fmt is not None and fmt.type != "text" and so is not None:
+        raise FieldError("structured_outputs", "give it or response_format, not both")
+    if fmt is not None and fmt.type == "json_object":
+        return inference_pb2.StructuredOutputs(json_object=True)
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise FieldError("response_format.json_schema.schema", "required with type json_schema")
+        return inference_pb2.StructuredOutputs(json=json.dumps(fmt.json_schema.json_schema))
+    if so is None:
+        return None
+    given = [k for k in ("json_", "regex", "choice", "grammar", "json_object")
+             if getattr(so, k) is not None]  # fmt: skip
+    if len(given) != 1:
+        raise FieldError(
+            "structured_outputs", "set exactly one of json, regex, choice, grammar, json_object"
+        )
+    if so.json_ is not None:
+        text = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+        return inference_pb2.StructuredOutputs(json=text)
+    if so.choice is not None:
+        return inference_pb2.StructuredOutputs(choice=inference_pb2.Choices(choices=so.choice))
+    if so.json_object is not None:
+        return inference_pb2.StructuredOutputs(json_object=so.json_object)
+    if so.regex is not None:
+        return inference_pb2.StructuredOutputs(regex=so.regex)
+    return inference_pb2.StructuredOutputs(grammar=so.grammar)

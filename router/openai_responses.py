@@ -1,0 +1,253 @@
+"""The responses of the OpenAI-compatible HTTP API: one generation request's choices (each a
+`RequestPath.generate` stream) merged into OpenAI's shapes, whole or as server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from sluiceway.router.openai_errors import (
+    HTTP_STATUS,
+    ApiError,
+    api_error,
+    error_body,
+    error_response,
+)
+from sluiceway.router.openai_models import ChatCompletionRequest, CompletionRequest
+from sluiceway.router.request_path import RequestPath
+from sluiceway.router.streams import merge_streams
+from sluiceway.status import RequestError
+from sluiceway.v1 import inference_pb2
+
+__all__ = ["Run"]
+
+FINISH = {
+    inference_pb2.FINISH_REASON_STOP: "stop",
+    inference_pb2.FINISH_REASON_LENGTH: "length",
+}
+
+
+class Run:
+    """One HTTP generation request: its ``len(prompts) * n`` choices, each a
+    :meth:`RequestPath.generate` stream, merged into OpenAI's shapes."""
+
+    def __init__(
+        self,
+        path: RequestPath,
+        body: ChatCompletionRequest | CompletionRequest,
+        model: str,
+        *,
+        chat: bool,
+        logprobs: bool,
+        names: dict[str, str] | None = None,
+    ) -> None:
+        """`names`: request fields this request's body named otherwise (for error params)."""
+        self.path = path
+        self.body = body
+        self.model = model
+        self.chat = chat
+        self.logprobs = logprobs
+        self.names = names or {}
+        self.id = ("chatcmpl-" if chat else "cmpl-") + (body.request_id or uuid.uuid4().hex)
+        self.created = int(time.time())
+        self.arrival = time.monotonic()
+
+    async def _stream(
+        self, p: int, request: inference_pb2.GenerateRequest
+    ) -> AsyncGenerator[tuple[int, inference_pb2.GenerateResponse], None]:
+        """Prompt ``p``'s responses, each with its choice index (``p * n`` + its sample)."""
+        n = self.body.n or 1
+        async with contextlib.aclosing(
+            self.path.generate(request, request.request_id, arrival=self.arrival, protocol="http")
+        ) as responses:
+            async for response in responses:
+                yield p * n + response.index, response
+
+    def _merged(
+        self, prompts: list[inference_pb2.GenerateRequest]
+    ) -> AsyncGenerator[tuple[int, inference_pb2.GenerateResponse], None]:
+        """Every choice's responses as they come; a failure of one ends them all."""
+        for p, request in enumerate(prompts):
+            request.request_id = self.id if len(prompts) == 1 else f"{self.id}-{p}"
+        if len(prompts) == 1:
+            return self._stream(0, prompts[0])
+        return merge_streams([self._stream(p, r) for p, r in enumerate(prompts)])
+
+    def _logprobs(self, response: inference_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        tok = self.path.tokenizer
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = tok.decode([token_id])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return [
+            {**entry(lp.token_id, lp.logprob),
+             "top_logprobs": [entry(x.token_id, x.logprob) for x in lp.top_logprobs]}
+            for lp in response.logprobs
+        ]  # fmt: skip
+
+    def _completion_logprobs(self, entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+        offsets, pos = [], offset
+        for e in entries:
+            offsets.append(pos)
+            pos += len(e["token"])
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries],
+            "text_offset": offsets,
+        }  # fmt: skip
+
+    def _usage(self, prompt_tokens: dict[int, int], completion: dict[int, int]) -> dict[str, int]:
+        n = self.body.n or 1
+        prompt = sum(v for k, v in prompt_tokens.items() if k % n == 0)
+        done = sum(completion.values())
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    async def respond(
+        self, prompts: list[inference_pb2.GenerateRequest], raw: Request
+    ) -> JSONResponse | StreamingResponse:
+        if self.body.stream:
+            stream = self._sse(prompts)
+            try:  # the first event: a request refused at once gets its HTTP status
+                first = await anext(stream)
+            except RequestError as e:
+                raise self._api_error(e) from None
+            return StreamingResponse(_prepend(first, stream), media_type="text/event-stream")
+        task = asyncio.create_task(self._whole(prompts))
+        watcher = asyncio.create_task(_disconnected(raw))
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:  # the client left: cancel the generation (its blocks come back)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RequestError):
+                await task
+            return error_response(499, "client disconnected", None)
+        watcher.cancel()
+        try:
+            return JSONResponse(task.result())
+        except RequestError as e:
+            raise self._api_error(e) from None
+
+    def _api_error(self, e: RequestError) -> ApiError:
+        fmt = self.body.response_format
+        from_format = fmt is not None and fmt.type != "text"
+        return api_error(
+            e,
+            chat=self.chat,
+            names=self.names,
+            constraint_param="response_format" if from_format else None,
+        )
+
+    async def _whole(self, prompts: list[inference_pb2.GenerateRequest]) -> dict[str, Any]:
+        texts: dict[int, list[str]] = {}
+        lps: dict[int, list[dict[str, Any]]] = {}
+        finish: dict[int, str] = {}
+        prompt_tokens: dict[int, int] = {}
+        completion: dict[int, int] = {}
+        async with contextlib.aclosing(self._merged(prompts)) as merged:
+            async for index, r in merged:
+                texts.setdefault(index, []).append(r.text)
+                if self.logprobs:
+                    lps.setdefault(index, []).extend(self._logprobs(r))
+                if r.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
+                    finish[index] = FINISH.get(r.finish_reason, "stop")
+                    prompt_tokens[index] = r.usage.prompt_tokens
+                    completion[index] = r.usage.completion_tokens
+        choices = []
+        for index in sorted(texts):
+            text = "".join(texts[index])
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish.get(index)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                choice["logprobs"] = {"content": lps.get(index, [])} if self.logprobs else None
+            else:
+                choice["text"] = text
+                choice["logprobs"] = (
+                    self._completion_logprobs(lps.get(index, []), 0) if self.logprobs else None
+                )
+            choices.append(choice)
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self._usage(prompt_tokens, completion),
+        }
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def _sse(self, prompts: list[inference_pb2.GenerateRequest]) -> AsyncIterator[str]:
+        prompt_tokens: dict[int, int] = {}
+        completion: dict[int, int] = {}
+        offsets: dict[int, int] = {}
+        started: set[int] = set()
+        async with contextlib.aclosing(self._merged(prompts)) as merged:
+            async for index, r in merged:
+                finished = r.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED
+                choice: dict[str, Any] = {"index": index}
+                if self.chat:
+                    delta: dict[str, Any] = {"content": r.text}
+                    if index not in started:
+                        delta = {"role": "assistant", **delta}
+                    choice["delta"] = delta
+                    choice["logprobs"] = (
+                        {"content": self._logprobs(r)} if self.logprobs and r.logprobs else None
+                    )
+                else:
+                    choice["text"] = r.text
+                    entries = self._logprobs(r) if self.logprobs else []
+                    choice["logprobs"] = (
+                        self._completion_logprobs(entries, offsets.get(index, 0))
+                        if self.logprobs
+                        else None
+                    )
+                    offsets[index] = offsets.get(index, 0) + len(r.text)
+                started.add(index)
+                choice["finish_reason"] = FINISH.get(r.finish_reason, "stop") if finished else None
+                if finished:
+                    prompt_tokens[index] = r.usage.prompt_tokens
+                    completion[index] = r.usage.completion_tokens
+                yield self._chunk([choice])
+        opts = self.body.stream_options
+        if opts is not None and opts.include_usage:
+            yield self._chunk([], self._usage(prompt_tokens, completion))
+        yield "data: [DONE]\n\n"
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``first``, then ``rest``; a failure after the first event ends the stream with an
+    error event (the HTTP status is already sent)."""
+    yield first
+    try:
+        async for item in rest:
+            yield item
+    except RequestError as e:
+        status, _ = HTTP_STATUS.get(e.code, (500, "InternalServerError"))
+        yield f"data: {json.dumps(error_body(status, e.details, None))}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+async def _disconnected(request: Request, poll_s: float = 0.2) -> None:
+    """Returns once the client of a non-streamed request has gone."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(poll_s)

@@ -1,0 +1,284 @@
+"""One worker group's step loop: schedule, send one `ExecuteStep` to every rank, apply the tokens.
+
+One asyncio task per worker group (scheduler/worker_group.py) in the scheduler process. Each
+iteration builds a step (`Scheduler.schedule`), sends it with a watchdog bound, appends the
+sampled tokens (`Scheduler.apply_sampled`) and puts each on its request's queue. A failed step
+costs what its kind costs (scheduler/faults.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from sluiceway.internal.v1 import scheduler_pb2, worker_pb2
+from sluiceway.scheduler import metrics
+from sluiceway.scheduler.faults import (
+    IDLE_PROBE_INTERVAL_S,
+    STEP_TIMEOUT_FLOOR_S,
+    GroupFaults,
+    is_step_fault,
+)
+from sluiceway.scheduler.requests import RequestTable
+from sluiceway.scheduler.scheduler import Scheduler, SchedulerOutput
+from sluiceway.scheduler.worker_group import WorkerGroup
+from sluiceway.status import error_from_rpc
+from sluiceway.v1 import inference_pb2
+
+__all__ = ["StepLoop", "StepTimeTotals", "build_step_request", "step_timeout_s"]
+
+log = structlog.get_logger("scheduler")
+
+# The step watchdog: a step not answered within step_timeout_s(step) seconds means a hung
+# worker (SIGSTOPped, deadlocked, swapping to a halt). The bound grows with the step's size:
+# STEP_TIMEOUT_FLOOR_S + STEP_TIMEOUT_PER_TOKEN_S * batched tokens + STEP_TIMEOUT_PER_SEQ_S
+# * sequences. Measured on 2 CPU cores (SmolLM2, README): a decode step of 200 sequences
+# 100 ms (0.5 ms a sequence), prefill some thousands of tokens/s; the constants allow ~20-30x
+# that (a loaded machine) and a floor of 10 s for any step, so only a worker that stopped
+# answering trips it, never a slow one. A 2,048-token prefill step: 10 + 20.5 = 30.5 s.
+STEP_TIMEOUT_PER_TOKEN_S = 0.01
+STEP_TIMEOUT_PER_SEQ_S = 0.01
+
+
+def step_timeout_s(out: SchedulerOutput) -> float:
+    """The watchdog's bound on one step, seconds (see STEP_TIMEOUT_PER_TOKEN_S)."""
+    return (
+        STEP_TIMEOUT_FLOOR_S
+        + STEP_TIMEOUT_PER_TOKEN_S * out.num_batched_tokens
+        + STEP_TIMEOUT_PER_SEQ_S * len(out.scheduled)
+    )
+
+
+@dataclass(slots=True)
+class StepTimeTotals:
+    """Seconds the step loops spent in each phase, summed over `num_steps` steps.
+
+    Sent as `sluiceway.v1.StepTimes`; the worker's share comes from its `StepResponse`, so
+    execute - worker_step is RPC and (de)serialization.
+    """
+
+    num_steps: int = 0
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    worker_step_s: float = 0.0
+    worker_prepare_s: float = 0.0
+    worker_forward_s: float = 0.0
+    worker_sample_s: float = 0.0
+    apply_s: float = 0.0
+
+    def add_worker(self, response: worker_pb2.StepResponse) -> None:
+        self.worker_step_s += response.step_seconds
+        self.worker_prepare_s += response.prepare_seconds
+        self.worker_forward_s += response.forward_seconds
+        self.worker_sample_s += response.sample_seconds
+
+    def to_proto(self) -> inference_pb2.StepTimes:
+        return inference_pb2.StepTimes(
+            num_steps_total=self.num_steps,
+            schedule_seconds_total=self.schedule_s,
+            execute_seconds_total=self.execute_s,
+            worker_step_seconds_total=self.worker_step_s,
+            worker_prepare_seconds_total=self.worker_prepare_s,
+            worker_forward_seconds_total=self.worker_forward_s,
+            worker_sample_seconds_total=self.worker_sample_s,
+            apply_seconds_total=self.apply_s,
+        )
+
+
+def token_logprobs(sampled: worker_pb2.SampledToken) -> inference_pb2.TokenLogprobs:
+    """The public form of a sampled token's log-probabilities."""
+    return inference_pb2.TokenLogprobs(
+        token_id=sampled.token_id,
+        logprob=sampled.logprob,
+        top_logprobs=[
+            inference_pb2.TopLogprob(token_id=t, logprob=lp)
+            for t, lp in zip(sampled.top_token_ids, sampled.top_logprobs, strict=True)
+        ],
+    )
+
+
+def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepRequest:
+    """Translates a `SchedulerOutput` into the wire message of one step."""
+    req = worker_pb2.StepRequest(
+        step_id=step_id,
+        finished_seq_ids=out.finished_seq_ids,
+        block_copies=[
+            worker_pb2.BlockCopy(src_block_id=src, dst_block_id=dst)
+            for src, dst in out.block_copies
+        ],
+    )
+    for s in out.scheduled:
+        if s.is_new:
+            req.new_sequences.append(
+                worker_pb2.NewSequence(
+                    seq_id=s.seq.seq_id,
+                    prompt_token_ids=s.appended_token_ids,
+                    sampling=s.seq.sampling.to_proto(),
+                    request_id=s.seq.request_id,
+                    num_prompt_tokens=len(s.seq.prompt_token_ids),
+                )
+            )
+        scheduled = worker_pb2.ScheduledSequence(
+            seq_id=s.seq.seq_id,
+            appended_token_ids=[] if s.is_new else s.appended_token_ids,
+            num_computed_tokens=s.num_computed_tokens,
+            num_new_tokens=s.num_new_tokens,
+            new_block_ids=s.new_block_ids,
+        )
+        if s.block_copy is not None and not s.is_new:  # a new one's table is sent whole
+            scheduled.copied_last_block_id = s.block_copy[1]
+        req.scheduled.append(scheduled)
+    return req
+
+
+class StepLoop:
+    """The loop of one worker group. `after_step` runs after every applied step (a prefill
+    group's hand-off to the decode groups); `model_id` names the model in the metrics."""
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        requests: RequestTable,
+        faults: GroupFaults,
+        step_ids: itertools.count[int],
+        times: StepTimeTotals,
+        model_id: Callable[[], str],
+        after_step: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.group = group
+        self.requests = requests
+        self.faults = faults
+        self.step_ids = step_ids
+        self.times = times
+        self.model_id = model_id
+        self.after_step = after_step
+
+    async def run(self) -> None:
+        """Runs until cancelled: steps while there is work, probes the workers while idle."""
+        group = self.group
+        await group.ready.wait()
+        while True:
+            sched = group.scheduler
+            assert sched is not None
+            if not sched.has_work:
+                group.wakeup.clear()
+                try:
+                    await asyncio.wait_for(group.wakeup.wait(), IDLE_PROBE_INTERVAL_S)
+                except TimeoutError:
+                    await self.faults.probe_idle(group)
+                continue
+            t0 = time.perf_counter()
+            out = self._schedule(sched)
+            t1 = time.perf_counter()
+            if out.is_empty:
+                # Nothing fits right now (e.g. every block held by a step in flight);
+                # wait for an abort or a new request to change that.
+                group.wakeup.clear()
+                await group.wakeup.wait()
+                continue
+            response = await self._execute(sched, out)
+            if response is None:
+                continue
+            t2 = time.perf_counter()
+            self._apply(sched, out, response)
+            self._record(out, response, t0, t1, t2)
+            if self.after_step is not None:
+                await self.after_step()
+
+    def _schedule(self, sched: Scheduler) -> SchedulerOutput:
+        preemptions = sched.num_preemptions
+        out = sched.schedule()
+        if sched.num_preemptions > preemptions:
+            log.info(
+                "preempted",
+                group=self.group.name,
+                num_preemptions=sched.num_preemptions - preemptions,
+                num_free_kv_blocks=sched.block_manager.num_free_blocks,
+                num_waiting=len(sched.waiting),
+            )
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.seq.first_scheduled_time is None:
+                s.seq.first_scheduled_time = now
+        return out
+
+    async def _execute(
+        self, sched: Scheduler, out: SchedulerOutput
+    ) -> worker_pb2.StepResponse | None:
+        """Runs the step on every rank; None when it failed (the fault handled by its kind)
+        or when a rank registered again while it ran (the group has failed those sequences)."""
+        group = self.group
+        timeout_s = step_timeout_s(out)
+        try:
+            request = build_step_request(next(self.step_ids), out)
+            response = await asyncio.wait_for(group.execute(request), timeout_s)
+        except TimeoutError:
+            if sched is group.scheduler:
+                log.error("step_timed_out", group=group.name, timeout_s=round(timeout_s, 3),
+                          num_seqs=len(out.scheduled))  # fmt: skip
+                await self.faults.stall(
+                    group, f"the worker did not answer a step within {timeout_s:.1f} s"
+                )
+            return None
+        except grpc.aio.AioRpcError as e:
+            if sched is not group.scheduler:
+                return None  # a rank re-registered while the step ran: it has failed those
+            # the details (gRPC's transport text, the worker's address) only in the log:
+            # the reason reaches clients
+            log.error("step_failed", group=group.name, error=f"{e.code().name}: {e.details()}")
+            if is_step_fault(e):
+                self.faults.fail_step(group, out, error_from_rpc(e))
+            else:
+                await self.faults.lose(group, f"the worker failed a step ({e.code().name})")
+            return None
+        return response if sched is group.scheduler else None
+
+    def _apply(
+        self, sched: Scheduler, out: SchedulerOutput, response: worker_pb2.StepResponse
+    ) -> None:
+        """Appends the step's sampled tokens and sends each to its request's stream."""
+        by_seq = {s.seq_id: s for s in response.sampled}
+        sampled = {seq_id: s.token_id for seq_id, s in by_seq.items()}
+        for update in sched.apply_sampled(out, sampled):
+            seq = update.seq
+            if not self.requests.is_live(seq):
+                continue
+            event = scheduler_pb2.TokenEvent(
+                token_ids=[update.token_id], finish_reason=seq.finish_reason
+            )
+            if seq.sampling.logprobs is not None:
+                event.logprobs.append(token_logprobs(by_seq[seq.seq_id]))
+            if len(seq.output_token_ids) == 1 and seq.first_scheduled_time is not None:
+                event.queue_seconds = seq.first_scheduled_time - seq.arrival_time
+            self.requests.send(seq, event)
+
+    def _record(
+        self,
+        out: SchedulerOutput,
+        response: worker_pb2.StepResponse,
+        t0: float,
+        t1: float,
+        t2: float,
+    ) -> None:
+        """Adds one step (scheduled at t0, sent at t1, answered at t2) to the totals and, when
+        it computed anything (not only told the workers to forget finished sequences), to
+        the histograms."""
+        times = self.times
+        times.num_steps += 1
+        times.schedule_s += t1 - t0
+        times.execute_s += t2 - t1
+        times.apply_s += time.perf_counter() - t2
+        times.add_worker(response)
+        if not out.scheduled:
+            return
+        model = self.model_id()
+        metrics.SCHEDULER_STEP_SECONDS.labels(model).observe(t1 - t0)
+        metrics.MODEL_STEP_SECONDS.labels(model).observe(t2 - t1)
+        metrics.BATCH_SIZE.labels(model).observe(len(out.scheduled))
+        metrics.BATCHED_TOKENS.labels(model).observe(out.num_batched_tokens)
