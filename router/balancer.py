@@ -207,10 +207,6 @@ class SchedulerPool:
     def any_ready(self) -> bool:
         return any(r.ready for r in self.replicas)
 
-    @property
-    def num_outstanding(self) -> int:
-        return sum(r.outstanding for r in self.replicas)
-
     def pick(
         self, prompt_token_ids: Sequence[int], exclude: Sequence[SchedulerReplica] = ()
     ) -> SchedulerReplica | None:

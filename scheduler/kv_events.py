@@ -58,10 +58,6 @@ class KvEventPublisher:
         self._subscribers: set[asyncio.Queue[scheduler_pb2.KvEvents | Exception]] = set()
 
     @property
-    def num_subscribers(self) -> int:
-        return len(self._subscribers)
-
-    @property
     def hashes(self) -> set[bytes]:
         """The replica's cached block hashes as of the last `poll`."""
         return set(self._count)

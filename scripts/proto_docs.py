@@ -153,7 +153,13 @@ class Renderer:
             self.missing.append(what)
         return escape(text)
 
-    def type_name(self, field: descriptor_pb2.FieldDescriptorProto) -> str:
+    def type_name(
+        self, field: descriptor_pb2.FieldDescriptorProto, message: descriptor_pb2.DescriptorProto
+    ) -> str:
+        entry = map_entry(message, field)
+        if entry is not None:  # a map<K, V>: protoc's synthetic KEntry message
+            key, value = entry.field
+            return f"`map<{SCALAR_NAMES[key.type]}, {self.type_name(value, entry).strip('`')}>`"
         if field.type in (FDP.TYPE_MESSAGE, FDP.TYPE_ENUM):
             if field.type_name in self.local_types:
                 name = field.type_name.removeprefix(f".{self.package}.")
@@ -225,11 +231,13 @@ class Renderer:
             for i, field in enumerate(message.field):
                 text = self.comment((*path, MESSAGE_FIELD, i), f"{name}.{field.name}")
                 yield (
-                    f"| `{field.name}` | {field.number} | {self.type_name(field)} "
+                    f"| `{field.name}` | {field.number} | {self.type_name(field, message)} "
                     f"| {label(message, field)} | {cell(text)} |"
                 )
             yield ""
         for i, nested in enumerate(message.nested_type):
+            if nested.options.map_entry:  # shown as its field's map<K, V> type
+                continue
             yield from self.message(nested, (*path, MESSAGE_NESTED, i), f"{name}.{nested.name}")
         for i, enum in enumerate(message.enum_type):
             yield from self.enum(enum, (*path, MESSAGE_ENUM, i), f"{name}.{enum.name}")
@@ -247,9 +255,21 @@ class Renderer:
         yield ""
 
 
+def map_entry(
+    message: descriptor_pb2.DescriptorProto, field: descriptor_pb2.FieldDescriptorProto
+) -> descriptor_pb2.DescriptorProto | None:
+    """The synthetic entry message of a map field of `message`, None for any other field."""
+    if field.type != FDP.TYPE_MESSAGE or field.label != FDP.LABEL_REPEATED:
+        return None
+    name = field.type_name.rsplit(".", 1)[-1]
+    return next((n for n in message.nested_type if n.name == name and n.options.map_entry), None)
+
+
 def label(
     message: descriptor_pb2.DescriptorProto, field: descriptor_pb2.FieldDescriptorProto
 ) -> str:
+    if map_entry(message, field) is not None:
+        return ""
     if field.label == FDP.LABEL_REPEATED:
         return "repeated"
     if field.proto3_optional:

@@ -98,7 +98,8 @@ class Client:
             **sampling: `SamplingParams` fields by name (temperature, top_p, top_k, min_p,
                 repetition_penalty, presence_penalty, frequency_penalty, max_tokens,
                 min_tokens, stop, stop_token_ids, include_stop_str_in_output, ignore_eos,
-                skip_special_tokens, seed, logprobs, n); unset ones take vLLM's defaults
+                skip_special_tokens, seed, logprobs, n, logit_bias, structured_outputs);
+                unset ones take vLLM's defaults
                 (docs/api.md has each default and range).
 
         Give one input: with several, the first of prompt, messages, prompt_token_ids is

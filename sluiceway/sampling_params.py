@@ -153,9 +153,7 @@ class SamplingParams:
         1.0, "nucleus sampling: the most likely tokens whose probabilities add up to top_p",
         low=0, high=1, low_open=True,
     )  # fmt: skip
-    top_k: int = _param(
-        0, "the K most likely tokens only", low=-1, note="-1 and 0 = off"
-    )
+    top_k: int = _param(0, "the K most likely tokens only", low=-1, note="-1 and 0 = off")
     repetition_penalty: float = _param(
         1.0, "> 1 discourages tokens of the prompt and output (CTRL's)",
         low=0, low_open=True, finite=True, note="1 = off",

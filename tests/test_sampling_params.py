@@ -369,3 +369,18 @@ def test_json_schemas_with_an_external_ref_are_refused(schema: object, error: st
         with pytest.raises(FieldError) as info:
             check_structured_outputs(constraint)
         assert str(info.value) == error
+
+
+def test_every_field_is_documented_for_clients() -> None:
+    """docs/client.md's table of `Client.request` arguments and README's list of
+    `SamplingParams` name every field of the contract (the proto comments, docs/api.md, are
+    generated and checked by tests/test_proto_docs.py)."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    table = (root / "docs" / "client.md").read_text(encoding="utf-8")
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    missing = [n for n in FIELDS if f"| `{n}` |" not in table]
+    assert not missing, f"docs/client.md lacks {missing}"
+    missing = [n for n in FIELDS if f"`{n}`" not in readme]
+    assert not missing, f"README.md lacks {missing}"

@@ -74,7 +74,9 @@ class InferenceServicer:
         with `sampling.n` > 1, one such stream per sample, interleaved and told apart by
         `index`. A request that fails validation gets INVALID_ARGUMENT before any message,
         its details "field: what is allowed" (e.g. "sampling.top_p: must be in (0, 1]; got
-        3.0"); more than --max-waiting-requests waiting requests get RESOURCE_EXHAUSTED.
+        3.0"), and the field as data in the standard rich status (a google.rpc.BadRequest field
+        violation in the `grpc-status-details-bin` trailer, as grpcio-status reads it); more
+        than --max-waiting-requests waiting requests get RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

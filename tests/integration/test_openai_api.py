@@ -136,7 +136,7 @@ def test_unknown_model_and_bad_bodies(api: openai.OpenAI, base: str) -> None:
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "n": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "n": -1})
-    assert r.status_code == 400 and r.json()["error"]["message"] == "n: must be in [1, 16], got -1"
+    assert r.status_code == 400 and r.json()["error"]["message"] == "n: must be in [1, 16]; got -1"
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "n": None, "max_tokens": 2})
     assert r.status_code == 200 and len(r.json()["choices"]) == 1
 

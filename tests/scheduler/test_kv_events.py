@@ -97,7 +97,9 @@ def test_a_subscriber_gets_a_snapshot_then_the_net_changes() -> None:
     removed = {h for m in changes for h in m.removed}  # type: ignore[attr-defined]
     assert removed == {*a.block_hashes, b.block_hashes[2]}
     pub.unsubscribe(queue)
-    assert pub.num_subscribers == 0
+    run_to_end(Scheduler(SchedulerConfig(), pools[0], max_model_len=64), seq(3, list(range(20))))
+    pub.poll()
+    assert drain(queue) == []  # no longer a subscriber: nothing sent
 
 
 def test_a_hash_two_groups_hold_is_removed_when_neither_does() -> None:
@@ -138,4 +140,6 @@ def test_a_subscriber_that_does_not_read_is_dropped() -> None:
         pub.poll()
     items = drain(queue)
     assert len(items) == 4 and isinstance(items[-1], SubscriberOverflow)
-    assert pub.num_subscribers == 0
+    run_to_end(sched, seq(9, [9000 + k for k in range(20)]))
+    pub.poll()
+    assert drain(queue) == []  # dropped: nothing more is queued for it
