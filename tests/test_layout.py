@@ -5,6 +5,7 @@ top or inside a function. Generated protobuf modules aside."""
 from __future__ import annotations
 
 import ast
+import itertools
 import os
 import pathlib
 
@@ -99,4 +100,4 @@ def test_no_module_imports_one_that_imports_it_back() -> None:
 def _package_init_only(cycle: str) -> bool:
     """A 'cycle' that only goes through a package's __init__ naming its own submodule."""
     parts = cycle.split(" -> ")
-    return any(b.startswith(a + ".") for a, b in zip(parts, parts[1:], strict=False))
+    return any(b.startswith(a + ".") for a, b in itertools.pairwise(parts))
