@@ -196,6 +196,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = _param(
         {}, "token id -> bias added to its logit", low=-100, high=100, token_ids=True
     )
+    allowed_token_ids: tuple[int, ...] = _param(
+        (), "only these token ids may be sampled", token_ids=True
+    )
 
     def __post_init__(self) -> None:
         for name, (default, rule) in FIELDS.items():

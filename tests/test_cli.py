@@ -92,8 +92,8 @@ def test_generate_has_a_flag_for_every_sampling_param() -> None:
          "--seed", "3", "--repetition-penalty", "1.2", "--presence-penalty", "0.5",
          "--frequency-penalty", "-0.5", "--stop", "a", "--stop", "b c", "--stop-token-ids",
          "2,7", "--ignore-eos", "--include-stop-str-in-output", "--no-skip-special-tokens",
-         "--logprobs", "5", "-n", "2", "--logit-bias", "28=100,29=-5.5", "--choice", "yes",
-         "--choice", "no"]
+         "--logprobs", "5", "-n", "2", "--logit-bias", "28=100,29=-5.5", "--allowed-token-ids",
+         "4,5", "--choice", "yes", "--choice", "no"]
     )  # fmt: skip
     req = build_request(args, "Hi")
     s = req.sampling
@@ -112,6 +112,7 @@ def test_generate_has_a_flag_for_every_sampling_param() -> None:
         False,
     )
     assert dict(s.logit_bias) == {28: 100.0, 29: -5.5}
+    assert list(s.allowed_token_ids) == [4, 5]
     assert list(s.structured_outputs.choice.choices) == ["yes", "no"]
     assert [(m.role, m.content) for m in req.messages.messages] == [
         ("system", "Be brief."),

@@ -66,7 +66,7 @@ def test_every_field_survives_the_wire_both_ways() -> None:
         presence_penalty=-1.5, frequency_penalty=0.5, min_tokens=2,
         include_stop_str_in_output=True, skip_special_tokens=False, logprobs=0, n=3,
         structured_outputs=inference_pb2.StructuredOutputs(regex="[a-z]+"),
-        logit_bias={7: -100.0, 8: 2.5},
+        logit_bias={7: -100.0, 8: 2.5}, allowed_token_ids=(3, 9),
     )  # fmt: skip
     assert all(getattr(params, n) != d for n, (d, _) in FIELDS.items()), "test every field"
     assert SamplingParams.from_proto(params.to_proto()) == params
@@ -90,6 +90,11 @@ def test_integers_past_their_proto_type_are_refused_before_the_proto_is_made() -
     assert sampling_proto({"top_k": -1, "logit_bias": {3: 1.0}}) == inference_pb2.SamplingParams(
         top_k=-1, logit_bias={3: 1.0}
     )
+
+
+def test_allowed_token_ids_must_be_in_the_vocabulary() -> None:
+    assert resolve(allowed_token_ids=[0, VOCAB - 1]).allowed_token_ids == (0, VOCAB - 1)
+    assert field_of(allowed_token_ids=[3, VOCAB]) == "sampling.allowed_token_ids[1]"
 
 
 def test_logit_bias_range_and_token_ids() -> None:

@@ -1,6 +1,7 @@
 """Sampling on the device for a batch of rows, each with its own parameters.
 
-Order, as in vLLM's sampler: ``logit_bias`` added to the raw logits, then the penalties
+Order, as in vLLM's sampler: tokens outside ``allowed_token_ids`` masked, ``logit_bias``
+added to the raw logits, then the penalties
 (repetition over prompt + output, CTRL / HF; then frequency and presence over the output,
 OpenAI / vLLM; stop ids masked while a sequence is under ``min_tokens``), then temperature,
 min-p, top-k, top-p, then one draw.
@@ -212,6 +213,7 @@ def _plain_greedy(o: SamplingParams) -> bool:
         and not o.presence_penalty
         and not o.frequency_penalty
         and not o.logit_bias
+        and not o.allowed_token_ids
         and not (o.min_tokens and o.stop_token_ids)
     )
 
@@ -300,11 +302,17 @@ def _process(
     seen_token_ids: Sequence[Sequence[int]],
     output_of: Callable[[int], Sequence[int]],
 ) -> None:
-    """In place on float32 ``logits [R, V]``: each row's ``logit_bias``, its repetition,
+    """In place on float32 ``logits [R, V]``: each row's ``allowed_token_ids`` (every other
+    token masked), its ``logit_bias``, its repetition,
     presence and frequency penalties, and its stop ids masked while it is under
     ``min_tokens`` (unless that would leave nothing: a grammar that allows only a stop id)."""
     device = logits.device
     for i, o in enumerate(options):
+        if o.allowed_token_ids:
+            allowed = torch.tensor(o.allowed_token_ids, device=device)
+            kept = logits[i, allowed].clone()
+            logits[i] = float("-inf")
+            logits[i, allowed] = kept
         if o.logit_bias:
             ids = torch.tensor(list(o.logit_bias), device=device)
             bias = torch.tensor(list(o.logit_bias.values()), dtype=torch.float32, device=device)

@@ -252,3 +252,21 @@ def test_top_logprobs_are_the_top_of_the_returned_distribution() -> None:
     assert r.top_ids.tolist() == ref_ids.tolist()
     torch.testing.assert_close(r.top_logprobs, ref_lp)
     assert r.token_ids.tolist() == ref_ids[:, 0].tolist()  # greedy = the top entry
+
+
+def test_allowed_token_ids_restrict_every_draw_and_the_logprobs() -> None:
+    logits = _logits(1, seed=3).repeat(400, 1)
+    allowed = (1, 4, 5)
+    greedy = SamplingParams(temperature=0, allowed_token_ids=allowed, logprobs=3)
+    result = sample(logits[:1].clone(), [greedy], [None], [[]])
+    best = max(allowed, key=lambda t: logits[0, t].item())
+    assert result.token_ids.tolist() == [best]
+    # the logprobs are those of the distribution over the allowed tokens alone
+    want = torch.log_softmax(logits[0, list(allowed)], -1)
+    assert result.top_ids is not None and result.top_logprobs is not None
+    assert sorted(result.top_ids[0].tolist()) == sorted(allowed)
+    got = dict(zip(result.top_ids[0].tolist(), result.top_logprobs[0].tolist(), strict=True))
+    assert got == pytest.approx({t: w.item() for t, w in zip(allowed, want, strict=True)}, abs=1e-5)
+    hot = [SamplingParams(temperature=2.0, allowed_token_ids=allowed)] * 400
+    tokens, _ = _tokens_and_logprobs(logits.clone(), hot, [None] * 400, [[]] * 400)
+    assert set(tokens.tolist()) == set(allowed)  # every allowed one drawn, nothing else
