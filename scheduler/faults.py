@@ -27,7 +27,13 @@ from sluiceway.scheduler.worker_group import WorkerGroup
 from sluiceway.status import RequestError, written_by_sluiceway
 from sluiceway.v1 import inference_pb2
 
-__all__ = ["IDLE_PROBE_INTERVAL_S", "IDLE_PROBE_TIMEOUT_S", "GroupFaults", "is_step_fault"]
+__all__ = [
+    "IDLE_PROBE_INTERVAL_S",
+    "IDLE_PROBE_TIMEOUT_S",
+    "STEP_TIMEOUT_FLOOR_S",
+    "GroupFaults",
+    "is_step_fault",
+]
 
 log = structlog.get_logger("scheduler")
 

@@ -137,7 +137,7 @@ def test_worker_without_a_scheduler_exits_1_with_a_clear_error() -> None:
 
 
 def test_a_hung_worker_takes_its_replica_out_until_it_answers_again() -> None:
-    from sluiceway.scheduler.engine import IDLE_PROBE_INTERVAL_S, STEP_TIMEOUT_FLOOR_S
+    from sluiceway.scheduler.faults import IDLE_PROBE_INTERVAL_S, STEP_TIMEOUT_FLOOR_S
     from tests.integration.conftest import metric_sum, metrics_urls
 
     stack = start_stack("--num-replicas", "2")
@@ -237,7 +237,7 @@ def test_streams_on_a_worker_that_hangs_mid_step_go_on_on_the_other_replica() ->
     """SIGSTOP of the worker that runs the streams: the watchdog fails their step within its
     bound, and the router resumes each on the other replica with the tokens already sent: the
     streams end whole, with the tokens of an uninterrupted run."""
-    from sluiceway.scheduler.engine import STEP_TIMEOUT_FLOOR_S
+    from sluiceway.scheduler.faults import STEP_TIMEOUT_FLOOR_S
     from tests.integration.conftest import metric_sum, metrics_urls
 
     stack = start_stack("--num-replicas", "2")
