@@ -51,6 +51,7 @@ import structlog
 from sluiceway.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sluiceway.prefix_hash import prompt_block_hashes
+from sluiceway.router.config import DEFAULT_BALANCE_ABS_THRESHOLD, DEFAULT_CACHE_THRESHOLD
 from sluiceway.router.kv_index import KvIndex
 from sluiceway.router.metrics import (
     KV_INDEX_BLOCKS,
@@ -62,12 +63,6 @@ from sluiceway.router.metrics import (
 
 log = structlog.get_logger("router")
 
-# A cached prefix routes the request when it covers more than this share of the prompt's
-# full blocks (`--cache-threshold`).
-DEFAULT_CACHE_THRESHOLD = 0.5
-# A replica with more outstanding requests than the least loaded one plus this gets no
-# cache hits (`--balance-abs-threshold`).
-DEFAULT_BALANCE_ABS_THRESHOLD = 8
 # Block size assumed before any scheduler has reported its own.
 DEFAULT_BLOCK_SIZE = 16
 # Seconds between attempts to (re)subscribe to a scheduler's KV events, at most.

@@ -10,13 +10,13 @@ each call the path and neither imports the other.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
 
-from sluiceway.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, on_shutdown_signal, set_health
-from sluiceway.router.balancer import DEFAULT_BALANCE_ABS_THRESHOLD, DEFAULT_CACHE_THRESHOLD
+from sluiceway.grpc_server import on_shutdown_signal, set_health
+from sluiceway.options import port_or_none
+from sluiceway.router.config import RouterConfig
 from sluiceway.router.grpc_api import start_router
 from sluiceway.router.request_path import RequestPath
 from sluiceway.router.tokenizer import load_tokenizer
@@ -24,56 +24,47 @@ from sluiceway.router.tokenizer import load_tokenizer
 log = structlog.get_logger("router")
 
 
-async def serve(
-    address: str,
-    scheduler_addresses: str | Sequence[str],
-    model_dir: Path,
-    *,
-    drain_timeout_s: float = 30.0,
-    cache_threshold: float = DEFAULT_CACHE_THRESHOLD,
-    balance_abs_threshold: int = DEFAULT_BALANCE_ABS_THRESHOLD,
-    metrics_port: int | None = None,
-    metrics_host: str = "127.0.0.1",
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    http_port: int | None = None,
-    http_host: str = "127.0.0.1",
-) -> None:
-    """Serves the public API on `address` until SIGINT/SIGTERM, then drains; the
-    OpenAI-compatible HTTP API (router/openai_api.py) on `http_host:http_port` too unless
-    the port is None (0: a free port; OSError if it is taken).
+async def serve(config: RouterConfig, model_dir: Path) -> None:
+    """Serves the public API on `config.host:config.port` until SIGINT/SIGTERM, then drains;
+    the OpenAI-compatible HTTP API (router/openai_api.py) on `config.http_host` (default:
+    `config.host`) `:config.http_port` too unless the port is -1 (0: a free port; OSError if
+    it is taken). `model_dir`: the resolved `config.model`, whose tokenizer is loaded.
 
-    `scheduler_addresses`: one scheduler address, several comma-separated in a
-    string, or a list; requests are spread over them (router/balancer.py, with
-    `cache_threshold` and `balance_abs_threshold`).
+    `config.scheduler`: one scheduler address or several comma-separated; requests are
+    spread over them (router/balancer.py, with `config.cache_threshold` and
+    `config.balance_abs_threshold`).
     Raises ValueError when there is none or one is given twice.
 
-    A request or response over `max_message_bytes` bytes gets RESOURCE_EXHAUSTED.
+    A request or response over `config.max_message_size` bytes gets RESOURCE_EXHAUSTED.
 
     Health is NOT_SERVING until a scheduler reports ready, and again whenever
     none does. On a signal the router drains: health NOT_SERVING, new
     `Generate` streams get UNAVAILABLE, the streams in flight run to their end
-    for at most `drain_timeout_s` seconds, then the server stops. Prometheus
-    metrics on `metrics_host:metrics_port` unless the port is None (OSError if
+    for at most `config.drain_timeout` seconds, then the server stops. Prometheus
+    metrics on `config.metrics_host:config.metrics_port` unless the port is -1 (OSError if
     it is taken).
     """
+    address = f"{config.host}:{config.port}"
+    drain_timeout_s = config.drain_timeout
+    metrics_port, http_port = port_or_none(config.metrics_port), port_or_none(config.http_port)
     if metrics_port is not None:
         from sluiceway.metrics import serve_metrics
 
-        serve_metrics(metrics_port, metrics_host)
+        serve_metrics(metrics_port, config.metrics_host)
     tokenizer = load_tokenizer(model_dir)
     path = RequestPath(
         tokenizer,
         model_dir,
-        scheduler_addresses,
-        cache_threshold=cache_threshold,
-        balance_abs_threshold=balance_abs_threshold,
+        config.scheduler,
+        cache_threshold=config.cache_threshold,
+        balance_abs_threshold=config.balance_abs_threshold,
     )
-    router = await start_router(path, address, max_message_bytes=max_message_bytes)
+    router = await start_router(path, address, max_message_bytes=config.max_message_size)
     http = None
     if http_port is not None:
         from sluiceway.router.openai_api import start_http_server
 
-        http = await start_http_server(path, http_host, http_port)
+        http = await start_http_server(path, config.http_host or config.host, http_port)
     log.info(
         "router_listening",
         address=router.address,

@@ -1,16 +1,34 @@
-"""Scheduler limits, with vLLM's names and meanings."""
+"""The scheduler process's config: its step limits, with vLLM's names and meanings, and where
+it listens and logs. Each field is the flag of the same name (`sluiceway scheduler --help`;
+`sluiceway.options`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sluiceway.argtypes import non_negative_int, positive_int
+from sluiceway.options import (
+    DEFAULT_SCHEDULER,
+    LOG_FORMAT,
+    LOG_LEVEL,
+    MAX_MODEL_LEN,
+    METRICS_HOST,
+    TENSOR_PARALLEL_SIZE,
+    ProcessConfig,
+    metrics_port,
+    option,
+)
 
-@dataclass(slots=True)
-class SchedulerConfig:
-    """Limits of one step of the batching loop.
+
+@dataclass(slots=True, kw_only=True)
+class SchedulerConfig(ProcessConfig):
+    """Limits of one step of the batching loop, and the process's flags.
+
+    listen: the gRPC address (host:port or unix:PATH) routers and workers dial.
 
     max_num_seqs: sequences in one step at most (vLLM's `max_num_seqs`).
-    max_num_batched_tokens: tokens (prefill + decode) in one step at most.
+    max_num_batched_tokens: tokens (prefill + decode) in one step at most; at least
+        `max_num_seqs` (each sequence of a step needs a token; vLLM's rule).
     max_model_len: prompt + output tokens of one sequence at most; `None`
         takes the model's own context length as the worker reports it.
     enable_chunked_prefill: split prompts longer than the remaining token
@@ -42,47 +60,83 @@ class SchedulerConfig:
         model instance prefills and decodes. Otherwise that many instances only prefill and
         that many only decode; a prompt is prefilled on a prefill instance, its KV blocks
         are copied to a decode instance (device to device), which continues the sequence.
+    metrics_port, metrics_host: Prometheus /metrics (port -1: off, 0: a free port).
+    log_format, log_level: the process's log lines (`sluiceway.logs`).
+
+    Raises ValueError (naming the field) for a value out of its flag's range or a combination
+    of fields that cannot be served.
     """
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    long_prefill_token_threshold: int = 0
-    max_num_partial_prefills: int = 1
-    max_long_partial_prefills: int = 1
-    scheduling_policy: str = "continuous"
-    static_batch_size: int = 8
-    max_waiting_requests: int = 1024
-    tensor_parallel_size: int = 1
-    num_prefill_workers: int = 0
-    num_decode_workers: int = 0
+    listen: str = option(DEFAULT_SCHEDULER, "host:port or unix:PATH")
+    max_num_seqs: int = option(256, "sequences in one step at most", type=positive_int)
+    max_num_batched_tokens: int = option(
+        2048,
+        "tokens in one step at most (decodes + prefill chunks; >= --max-num-seqs)",
+        type=positive_int,
+    )
+    enable_chunked_prefill: bool = option(
+        True, "split prompts longer than the step's token budget over several steps"
+    )
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of cached prompt prefixes")
+    long_prefill_token_threshold: int = option(
+        0,
+        "a prompt with more uncomputed tokens than this is a long prefill: its chunk per "
+        "step is capped at this many tokens, the rest of the budget goes to other requests "
+        "(0: no cap, or 4%% of max_model_len with --max-num-partial-prefills > 1; vLLM's)",
+        type=non_negative_int,
+    )
+    max_num_partial_prefills: int = option(
+        1,
+        "prompts being prefilled over several steps at once at most (vLLM's)",
+        type=positive_int,
+    )
+    max_long_partial_prefills: int = option(
+        1,
+        "of those, long ones at most: shorter prompts may pass a waiting long one (vLLM's)",
+        type=positive_int,
+    )
+    scheduling_policy: str = option(
+        "continuous",
+        "static: fixed batches of --static-batch-size that enter and leave together (the baseline)",
+        choices=("continuous", "static"),
+    )
+    static_batch_size: int = option(8, "requests per batch of the static policy", type=positive_int)
+    max_waiting_requests: int = option(
+        1024,
+        "requests waiting for their first step at most; more get RESOURCE_EXHAUSTED",
+        type=positive_int,
+    )
+    tensor_parallel_size: int = TENSOR_PARALLEL_SIZE.field()
+    num_prefill_workers: int = option(
+        0,
+        "disaggregated prefill: model instances that only prefill (with "
+        "--num-decode-workers; 0 = one instance does both)",
+        type=non_negative_int,
+    )
+    num_decode_workers: int = option(
+        0,
+        "disaggregated prefill: model instances that decode sequences whose prompt KV "
+        "blocks were copied to them from a prefill instance",
+        type=non_negative_int,
+    )
+    max_model_len: int | None = MAX_MODEL_LEN.field()
+    metrics_port: int = metrics_port(9401)
+    metrics_host: str = METRICS_HOST.field()
+    log_format: str = LOG_FORMAT.field()
+    log_level: str = LOG_LEVEL.field()
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        self.check_options()
+        if self.max_num_batched_tokens < self.max_num_seqs:  # vLLM's check and words
             raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than "
+                f"or equal to max_num_seqs ({self.max_num_seqs})"
             )
-        if self.scheduling_policy not in ("continuous", "static"):
-            raise ValueError(
-                f"scheduling_policy must be continuous or static, got {self.scheduling_policy!r}"
-            )
-        if self.scheduling_policy == "static" and not (
-            1 <= self.static_batch_size <= self.max_num_seqs
-        ):
+        if self.scheduling_policy == "static" and self.static_batch_size > self.max_num_seqs:
             raise ValueError(
                 f"static_batch_size must be in [1, max_num_seqs={self.max_num_seqs}], "
                 f"got {self.static_batch_size}"
             )
-        if self.max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.num_prefill_workers < 0 or self.num_decode_workers < 0:
-            raise ValueError("num_prefill_workers and num_decode_workers must be >= 0")
         if (self.num_prefill_workers == 0) != (self.num_decode_workers == 0):
             raise ValueError(
                 "disaggregated prefill needs both num_prefill_workers and num_decode_workers "
@@ -90,14 +144,7 @@ class SchedulerConfig:
             )
         if self.is_disaggregated and self.scheduling_policy == "static":
             raise ValueError("the static policy cannot be combined with disaggregated prefill")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                "long_prefill_token_threshold must be >= 0, "
-                f"got {self.long_prefill_token_threshold}"
-            )
-        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
             raise ValueError(
                 "need 1 <= max_long_partial_prefills <= max_num_partial_prefills, got "
                 f"{self.max_long_partial_prefills} and {self.max_num_partial_prefills}"

@@ -16,6 +16,7 @@ from sluiceway.grpc_server import (
     set_health,
 )
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from sluiceway.options import port_or_none
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.engine import Engine
 from sluiceway.scheduler.kv_events import KvEventPublisher, run_publisher
@@ -154,15 +155,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.RegisterWorkerResponse(max_model_len=max_model_len)
 
 
-async def serve(
-    address: str,
-    config: SchedulerConfig,
-    metrics_port: int | None = None,
-    metrics_host: str = "127.0.0.1",
-) -> None:
-    """Runs the scheduler on `address` until SIGINT/SIGTERM; serves Prometheus metrics on
-    `metrics_host:metrics_port` unless the port is None. Raises OSError if it is taken."""
+async def serve(config: SchedulerConfig) -> None:
+    """Runs the scheduler on `config.listen` until SIGINT/SIGTERM; serves Prometheus metrics
+    on `config.metrics_host:config.metrics_port` unless the port is -1. Raises OSError if it
+    is taken."""
     engine = Engine(config)
+    metrics_port = port_or_none(config.metrics_port)
     if metrics_port is not None:
         from prometheus_client import REGISTRY
 
@@ -170,11 +168,11 @@ async def serve(
         from sluiceway.scheduler.metrics import SchedulerCollector
 
         REGISTRY.register(SchedulerCollector(engine))
-        serve_metrics(metrics_port, metrics_host)
+        serve_metrics(metrics_port, config.metrics_host)
     server, health = new_server()
     service = SchedulerService(engine)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
-    bound = bind(server, address)
+    bound = bind(server, config.listen)
     await server.start()
     engine.start()
     log.info("scheduler_listening", address=bound)

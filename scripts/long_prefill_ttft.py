@@ -18,7 +18,7 @@ import threading
 import time
 
 from sluiceway.client import Client, wait_until_serving
-from sluiceway.launcher import free_port
+from sluiceway.ports import free_port
 
 
 def first_token_s(client: Client, ids: list[int], max_tokens: int, out: dict[str, float],

@@ -24,7 +24,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from sluiceway.client import Client, wait_until_serving
-from sluiceway.launcher import free_port
+from sluiceway.ports import free_port
 
 TOPICS = ["volcanoes", "glaciers", "comets", "bees", "tides", "deserts", "coral reefs",
           "bridges", "lighthouses", "violins", "chess", "sourdough", "rainbows", "owls",

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+from sluiceway.options import DEFAULT_MAX_MESSAGE_BYTES
 
 # The keepalive policy every server applies to its clients' HTTP/2 pings. C-core's default
 # (pings at least 5 minutes apart while the server sends nothing, none without a call in

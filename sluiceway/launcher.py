@@ -37,16 +37,19 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sluiceway.client import wait_until_serving
 from sluiceway.pids import dead_owner_paths
+from sluiceway.ports import Ports, free_port, free_ports, plan_ports
+from sluiceway.router.config import RouterConfig
+from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.serve_config import ServeConfig
+from sluiceway.worker.config import WorkerConfig
 
 STARTUP_TIMEOUT_S = 600.0
 RUN_DIR_PREFIX = "sluiceway-"  # + pid + "-": the children's Unix sockets
@@ -78,33 +81,39 @@ RESTART_BACKOFF_S = 0.5
 RESTART_BACKOFF_MAX_S = 10.0
 
 
+ChildConfig = RouterConfig | SchedulerConfig | WorkerConfig
+COMMANDS: dict[type[ChildConfig], str] = {
+    RouterConfig: "router",
+    SchedulerConfig: "scheduler",
+    WorkerConfig: "worker",
+}
+
+
 @dataclass(slots=True)
 class Child:
-    """One process of the stack. `command` is its `sluiceway` subcommand; `replica` and
-    `instance` (its model instance within the replica) say what a failure takes down."""
+    """One process of the stack: `sluiceway <command> <config.to_argv()>`, healthy when
+    `address` answers SERVING. `replica` and `instance` (its model instance within the
+    replica; -1 for a scheduler, both -1 for a router) say what a failure takes down.
+    `start` sets `process`."""
 
     name: str
-    command: str
     address: str
-    argv: list[str]
-    process: subprocess.Popen[bytes]
-    replica: int = 0
-    instance: int = 0
+    config: ChildConfig
+    replica: int = -1
+    instance: int = -1
     restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
     left_down: bool = False  # exited on purpose, or given up on; not restarted
     exited_at: float | None = None  # time.monotonic() when its exit was seen
+    process: subprocess.Popen[bytes] = field(init=False)
 
-    @classmethod
-    def start(
-        cls,
-        name: str,
-        command: str,
-        address: str,
-        argv: list[str],
-        replica: int = 0,
-        instance: int = 0,
-    ) -> Child:
-        return cls(name, command, address, argv, _spawn(command, argv), replica, instance)
+    @property
+    def command(self) -> str:
+        """The `sluiceway` subcommand: router, scheduler or worker."""
+        return COMMANDS[type(self.config)]
+
+    def start(self) -> None:
+        """Starts the process with the flags of `config`."""
+        self.process = _spawn(self.command, self.config.to_argv())
 
     def recent_restarts(self, now: float) -> int:
         """Restarts within the last RESTART_WINDOW_S seconds."""
@@ -122,13 +131,13 @@ class Child:
         return now - self.exited_at >= min(backoff, RESTART_BACKOFF_MAX_S)
 
     def restart(self) -> None:
-        """Stops the process if it still runs, starts it again with the same flags."""
+        """Stops the process if it still runs, starts it again with the flags of `config`."""
         self.restarts.append(time.monotonic())
         self.exited_at = None
         if self.process.poll() is None:
             self.process.terminate()
             _wait(self, STOP_TIMEOUT_S)
-        self.process = _spawn(self.command, self.argv)
+        self.start()
         print(f"sluiceway: {self.name} restarted (pid {self.process.pid})", flush=True)
 
 
@@ -143,10 +152,6 @@ def _spawn(command: str, argv: list[str]) -> subprocess.Popen[bytes]:
     )
 
 
-def _flag(name: str, value: object) -> list[str]:
-    return [] if value is None else [f"--{name}", str(value)]
-
-
 def _name(kind: str, *parts: tuple[str, int, int]) -> str:
     """`kind` followed by each (label, index, count) part whose count is above 1:
     ``worker``, ``worker-prefill0``, ``scheduler-1``, ``worker-r1-rank0`` ..."""
@@ -159,210 +164,151 @@ def serve_command(args: argparse.Namespace) -> int:
     signal. Returns 0 once stopped; 2 with one line on stderr for a configuration error found
     before the start or by a child that exits 2 while starting; 1 for another failure."""
     from sluiceway.logs import configure_logging
-    from sluiceway.model_files import resolve_model, served_model_name
-    from sluiceway.preflight import check_device, check_max_model_len, check_step_budget
-    from sluiceway.scheduler.config import SchedulerConfig
 
     t0 = time.monotonic()
     configure_logging("serve", args.log_format, args.log_level)
     try:  # what the children would refuse, after importing torch and loading the model
-        roles = SchedulerConfig(
-            tensor_parallel_size=args.tensor_parallel_size,
-            num_prefill_workers=args.num_prefill_workers,
-            num_decode_workers=args.num_decode_workers,
-            scheduling_policy=args.scheduling_policy,
-            static_batch_size=args.static_batch_size,
-            max_num_seqs=args.max_num_seqs,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            max_num_partial_prefills=args.max_num_partial_prefills,
-            max_long_partial_prefills=args.max_long_partial_prefills,
-        ).group_roles
-        check_step_budget(args.max_num_seqs, args.max_num_batched_tokens)
-        check_device(args.device)
-        model_dir = resolve_model(args.model)  # a GGUF converted once, before the children
-        check_max_model_len(model_dir, args.max_model_len)
+        config = ServeConfig.from_namespace(args)
+        model_dir, model_id = _resolve_model(config)
+        ports = plan_ports(config)
     except ValueError as e:
         print(f"sluiceway: {e}", file=sys.stderr)
         return 2
-    model_id = served_model_name(model_dir, args.served_model_name)
-    if args.port + args.num_routers - 1 > 65535:
-        print(
-            f"sluiceway: --num-routers {args.num_routers} from --port {args.port} runs past "
-            "port 65535",
-            file=sys.stderr,
-        )
-        return 2
-    if args.port:
-        router_ports = [args.port + i for i in range(args.num_routers)]
-    else:  # picked here, not by the routers: the launcher dials each one's health service
-        router_ports = free_ports(args.num_routers, args.host, exclude=())
-    http_host = args.http_host or args.host
-    http_ports: list[int] = []
-    if args.http_port > 0:
-        http_ports = [args.http_port + i for i in range(args.num_routers)]
-    elif args.http_port == 0:
-        http_ports = free_ports(args.num_routers, http_host, exclude=router_ports)
-    for host, port in [(args.host, p) for p in router_ports] + [(http_host, p) for p in http_ports]:
-        taken = _taken_port(host, port)
-        if taken:
-            print(f"sluiceway: cannot listen on {host}:{port}: {taken}", file=sys.stderr)
-            return 2
-    remove_stale_run_dirs()
-    tmp = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
-    tp = args.tensor_parallel_size
-    num_replicas = args.num_replicas
-    num_workers = num_replicas * len(roles) * tp
-    scheduler_addrs = [
-        f"unix:{tmp}/{_name('scheduler', ('', r, num_replicas))}.sock" for r in range(num_replicas)
-    ]
-    common = ["--log-format", args.log_format, "--log-level", args.log_level]
-    metrics_ports = _metrics_ports(
-        args.metrics_port,
-        args.num_routers + num_replicas + num_workers,
-        exclude=router_ports + http_ports,
-    )
+    return _run_stack(config, ports, model_dir, model_id, t0)
+
+
+def _resolve_model(config: ServeConfig) -> tuple[pathlib.Path, str]:
+    """The model folder (a GGUF converted once, before the children) and the name clients see.
+
+    Raises:
+        ValueError: `--device cuda` without a GPU, a model path that is not one, a
+            `--max-model-len` above the model's context (`sluiceway.preflight`).
+    """
+    from sluiceway.model_files import resolve_model, served_model_name
+    from sluiceway.preflight import check_device, check_max_model_len
+
+    check_device(config.worker.device)
+    model_dir = resolve_model(config.worker.model)
+    check_max_model_len(model_dir, config.worker.max_model_len)
+    return model_dir, served_model_name(model_dir, config.worker.served_model_name)
+
+
+def build_children(
+    config: ServeConfig, ports: Ports, run_dir: str, model_dir: pathlib.Path, model_id: str
+) -> list[Child]:
+    """The children of the stack, not started, in start order: the schedulers, their workers,
+    the routers. Each child's config is serve's (`ServeConfig.router`, ...) with the child's
+    own addresses and ports (Unix sockets in `run_dir`; the routers on TCP) and the resolved
+    model."""
+    n_routers, n_replicas = config.num_routers, config.num_replicas
     children: list[Child] = []
-    stopping = False
-
-    def request_stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
-    try:
-        for r, scheduler_addr in enumerate(scheduler_addrs):
-            sched_argv = [
-                "--listen", scheduler_addr,
-                "--max-num-seqs", str(args.max_num_seqs),
-                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                "--enable-chunked-prefill" if args.enable_chunked_prefill else "--no-enable-chunked-prefill",
-                "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
-                "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
-                "--max-num-partial-prefills", str(args.max_num_partial_prefills),
-                "--max-long-partial-prefills", str(args.max_long_partial_prefills),
-                "--scheduling-policy", args.scheduling_policy,
-                "--static-batch-size", str(args.static_batch_size),
-                "--max-waiting-requests", str(args.max_waiting_requests),
-                "--tensor-parallel-size", str(tp),
-                "--num-prefill-workers", str(args.num_prefill_workers),
-                "--num-decode-workers", str(args.num_decode_workers),
-                *_flag("max-model-len", args.max_model_len),
-                "--metrics-port", str(metrics_ports[args.num_routers + r]), "--metrics-host", args.host,
-                *common,
-            ]  # fmt: skip
-            name = _name("scheduler", ("", r, num_replicas))
-            children.append(Child.start(name, "scheduler", scheduler_addr, sched_argv, r, -1))
-        role_index = {"both": 0, "prefill": 0, "decode": 0}
-        instances = []
-        for g, role in enumerate(roles):
-            instances.append((g, role, role_index[role]))
-            role_index[role] += 1
-        w = 0
-        for r, scheduler_addr in enumerate(scheduler_addrs):
-            for g, role, i in instances:
-                init_method = None
-                if tp > 1:  # not a port another child of this stack was given
-                    (rendezvous,) = free_ports(
-                        1, exclude=[*router_ports, *http_ports, *metrics_ports]
-                    )
-                    init_method = f"tcp://127.0.0.1:{rendezvous}"
-                for rank in range(tp):
-                    name = _name(
-                        "worker",
-                        ("r", r, num_replicas),
-                        (role if role != "both" else "g", i, 2 if role != "both" else 1),
-                        ("rank", rank, tp),
-                    )
-                    worker_addr = f"unix:{tmp}/{name}.sock"
-                    port = metrics_ports[args.num_routers + num_replicas + w]
-                    w += 1
-                    worker_argv = [
-                        "--listen", worker_addr,
-                        "--scheduler", scheduler_addr,
-                        "--worker-group", str(g),
-                        "--tensor-parallel-size", str(tp),
-                        "--rank", str(rank),
-                        *_flag("distributed-init-method", init_method),
-                        *(["--share-kv-pool"] if role != "both" else []),
-                        "--model", str(model_dir),
-                        "--served-model-name", model_id,
-                        "--device", args.device,
-                        "--dtype", args.dtype,
-                        "--block-size", str(args.block_size),
-                        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-                        "--attention-backend", args.attention_backend,
-                        *(["--enforce-eager"] if args.enforce_eager else []),
-                        *_flag("kv-cache-memory", args.kv_cache_memory),
-                        *_flag("max-model-len", args.max_model_len),
-                        *_flag("num-threads", args.num_threads),
-                        "--metrics-port", str(port), "--metrics-host", args.host,
-                        *common,
-                    ]  # fmt: skip
-                    children.append(Child.start(name, "worker", worker_addr, worker_argv, r, g))
-        for k, port in enumerate(router_ports):
-            router_addr = f"{args.host}:{port}"
-            router_argv = [
-                "--host", args.host,
-                "--port", str(port),
-                "--scheduler", ",".join(scheduler_addrs),
-                "--model", str(model_dir),
-                "--metrics-port", str(metrics_ports[k]), "--metrics-host", args.host,
-                "--drain-timeout", str(args.drain_timeout),
-                "--cache-threshold", str(args.cache_threshold),
-                "--balance-abs-threshold", str(args.balance_abs_threshold),
-                "--max-message-size", str(args.max_message_size),
-                "--http-port", str(http_ports[k] if http_ports else -1), "--http-host", http_host,
-                *common,
-            ]  # fmt: skip
-            name = _name("router", ("", k, args.num_routers))
-            children.append(Child.start(name, "router", router_addr, router_argv, -1, -1))
-
-        for child in children:
-            _wait_healthy(child, children, lambda: stopping)
-        pids = ", ".join(f"{c.name} pid {c.process.pid}" for c in children)
-        addrs = ", ".join(c.address for c in children if c.command == "router")
-        print(
-            f"sluiceway: serving {model_id} on {addrs} ({pids}); "
-            f"ready in {time.monotonic() - t0:.1f} s",
-            flush=True,
+    for r in range(n_replicas):
+        name = _name("scheduler", ("", r, n_replicas))
+        address = f"unix:{run_dir}/{name}.sock"
+        metrics = ports.metrics[n_routers + r]
+        scheduler = replace(
+            config.scheduler, listen=address, metrics_port=metrics, metrics_host=config.host
         )
-        if http_ports:
-            urls = ", ".join(f"http://{http_host}:{port}/v1" for port in http_ports)
-            print(f"sluiceway: OpenAI-compatible API: {urls}", flush=True)
-        if args.metrics_port >= 0:
-            urls = ", ".join(
-                f"{c.name} http://{args.host}:{port}/metrics"
-                for c, port in zip(_metrics_order(children), metrics_ports, strict=True)
-            )
-            print(f"sluiceway: metrics: {urls}", flush=True)
-        while not stopping:
-            done = next(
-                (c for c in children if not c.left_down and c.process.poll() in (0, 2)), None
-            )
-            if done is not None and done.process.returncode == 0:  # stopped on purpose
-                others = [
-                    c
-                    for c in children
-                    if c.command == "router" and c is not done and not c.left_down
-                ]  # running, or failed and about to be restarted
-                if done.command != "router" or not others:
-                    print(f"sluiceway: {done.name} exited with 0; stopping", flush=True)
-                    return 0
-                done.left_down = True  # a router drained on its own SIGTERM
-                print(
-                    f"sluiceway: {done.name} exited with 0 (drained); leaving it down, "
-                    f"{len(others)} other router(s) serving",
-                    flush=True,
+        children.append(Child(name, address, scheduler, r, -1))
+    addrs = [c.address for c in children]
+    children += _worker_children(config, ports, run_dir, addrs, model_dir, model_id)
+    for k, port in enumerate(ports.routers):
+        router = replace(
+            config.router,
+            host=config.host,
+            port=port,
+            scheduler=",".join(addrs),
+            model=str(model_dir),
+            metrics_port=ports.metrics[k],
+            metrics_host=config.host,
+            http_port=ports.http[k] if ports.http else -1,
+        )
+        name = _name("router", ("", k, n_routers))
+        children.append(Child(name, f"{config.host}:{port}", router))
+    return children
+
+
+def _worker_children(
+    config: ServeConfig,
+    ports: Ports,
+    run_dir: str,
+    scheduler_addrs: list[str],
+    model_dir: pathlib.Path,
+    model_id: str,
+) -> list[Child]:
+    """The workers of every replica (`build_children`): per replica, each model instance
+    (worker group) of the scheduler's layout, each with its tensor-parallel ranks (which share
+    a rendezvous port picked here)."""
+    roles = config.scheduler.group_roles
+    tp = config.scheduler.tensor_parallel_size
+    role_index = {"both": 0, "prefill": 0, "decode": 0}
+    instances = []  # (worker group, role, index among the groups of that role)
+    for g, role in enumerate(roles):
+        instances.append((g, role, role_index[role]))
+        role_index[role] += 1
+    first_port = config.num_routers + config.num_replicas
+    children: list[Child] = []
+    for r, scheduler_addr in enumerate(scheduler_addrs):
+        for g, role, i in instances:
+            init_method = None
+            if tp > 1:  # not a port another child of this stack was given
+                (rendezvous,) = free_ports(1, exclude=ports.all())
+                init_method = f"tcp://127.0.0.1:{rendezvous}"
+            for rank in range(tp):
+                name = _name(
+                    "worker",
+                    ("r", r, config.num_replicas),
+                    (role if role != "both" else "g", i, 2 if role != "both" else 1),
+                    ("rank", rank, tp),
                 )
-                continue
-            if done is not None:  # 2: a usage or configuration error; restarting cannot help
-                print(f"sluiceway: {done.name} exited with 2; stopping", file=sys.stderr)
-                return 1
-            _restart_exited(children)
-            time.sleep(0.2)
-        return 0
+                address = f"unix:{run_dir}/{name}.sock"
+                worker = replace(
+                    config.worker,
+                    listen=address,
+                    scheduler=scheduler_addr,
+                    worker_group=g,
+                    rank=rank,
+                    distributed_init_method=init_method,
+                    share_kv_pool=role != "both",
+                    model=str(model_dir),
+                    served_model_name=model_id,
+                    metrics_port=ports.metrics[first_port + len(children)],
+                    metrics_host=config.host,
+                )
+                children.append(Child(name, address, worker, r, g))
+    return children
+
+
+class _StopFlag:
+    """Set by SIGINT/SIGTERM: `serve` stops the stack."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGINT, self._request)
+        signal.signal(signal.SIGTERM, self._request)
+
+    def _request(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+
+def _run_stack(
+    config: ServeConfig, ports: Ports, model_dir: pathlib.Path, model_id: str, t0: float
+) -> int:
+    """Starts the children, waits until each is healthy, prints the addresses, supervises
+    them until a signal or a failure; stops them all on the way out. Returns serve's exit
+    status (`serve_command`)."""
+    remove_stale_run_dirs()
+    run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
+    stop = _StopFlag()
+    children: list[Child] = []  # those started
+    try:
+        for child in build_children(config, ports, run_dir, model_dir, model_id):
+            child.start()
+            children.append(child)
+        for child in children:
+            _wait_healthy(child, children, lambda: stop.requested)
+        _print_ready(config, children, ports, model_id, t0)
+        return _supervise(children, stop)
     except StartupConfigError as e:
         print(f"sluiceway: {e}", file=sys.stderr)
         return 2
@@ -370,8 +316,59 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"sluiceway: {e}", file=sys.stderr)
         return 1
     finally:
-        _stop_all(children, router_timeout_s=args.drain_timeout + STOP_TIMEOUT_S)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _stop_all(children, router_timeout_s=config.router.drain_timeout + STOP_TIMEOUT_S)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _print_ready(
+    config: ServeConfig, children: list[Child], ports: Ports, model_id: str, t0: float
+) -> None:
+    """Prints what serves where: the routers, the OpenAI-compatible API, the metrics."""
+    pids = ", ".join(f"{c.name} pid {c.process.pid}" for c in children)
+    addrs = ", ".join(c.address for c in children if c.command == "router")
+    print(
+        f"sluiceway: serving {model_id} on {addrs} ({pids}); "
+        f"ready in {time.monotonic() - t0:.1f} s",
+        flush=True,
+    )
+    if ports.http:
+        http_host = config.router.http_host or config.host
+        urls = ", ".join(f"http://{http_host}:{port}/v1" for port in ports.http)
+        print(f"sluiceway: OpenAI-compatible API: {urls}", flush=True)
+    if config.metrics_port >= 0:
+        urls = ", ".join(
+            f"{c.name} http://{config.host}:{port}/metrics"
+            for c, port in zip(_metrics_order(children), ports.metrics, strict=True)
+        )
+        print(f"sluiceway: metrics: {urls}", flush=True)
+
+
+def _supervise(children: list[Child], stop: _StopFlag) -> int:
+    """Restarts failed children (`_restart_exited`) until a signal (returns 0), a child that
+    exits 0 on purpose (0; a drained router is left down while another router serves) or
+    exits 2 (1: a configuration error that a restart cannot mend)."""
+    while not stop.requested:
+        done = next((c for c in children if not c.left_down and c.process.poll() in (0, 2)), None)
+        if done is not None and done.process.returncode == 0:  # stopped on purpose
+            others = [
+                c for c in children if c.command == "router" and c is not done and not c.left_down
+            ]  # running, or failed and about to be restarted
+            if done.command != "router" or not others:
+                print(f"sluiceway: {done.name} exited with 0; stopping", flush=True)
+                return 0
+            done.left_down = True  # a router drained on its own SIGTERM
+            print(
+                f"sluiceway: {done.name} exited with 0 (drained); leaving it down, "
+                f"{len(others)} other router(s) serving",
+                flush=True,
+            )
+            continue
+        if done is not None:  # 2: a usage or configuration error; restarting cannot help
+            print(f"sluiceway: {done.name} exited with 2; stopping", file=sys.stderr)
+            return 1
+        _restart_exited(children)
+        time.sleep(0.2)
+    return 0
 
 
 def remove_stale_run_dirs(directory: str | None = None) -> list[str]:
@@ -462,10 +459,9 @@ def _restart_together(group: list[Child]) -> None:
         _wait(child, STOP_TIMEOUT_S)
     new_ports: dict[tuple[int, int], int] = {}
     for child in group:
-        if "--distributed-init-method" in child.argv:
-            i = child.argv.index("--distributed-init-method") + 1
+        if isinstance(child.config, WorkerConfig) and child.config.distributed_init_method:
             port = new_ports.setdefault((child.replica, child.instance), free_port())
-            child.argv[i] = f"tcp://127.0.0.1:{port}"
+            child.config = replace(child.config, distributed_init_method=f"tcp://127.0.0.1:{port}")
         child.restart()
 
 
@@ -493,53 +489,6 @@ def _wait_healthy(child: Child, children: list[Child], stopping) -> None:  # typ
                 raise TimeoutError(
                     f"{child.name} not healthy after {STARTUP_TIMEOUT_S:.0f} s"
                 ) from None
-
-
-def _taken_port(host: str, port: int) -> str:
-    """Why `host:port` cannot be listened on ("" when it can): checked before the children
-    start, so that another server answering health checks there is never taken for ours."""
-    if port == 0:
-        return ""
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            # as gRPC does: a port left in TIME_WAIT by a server just stopped is free
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as e:
-        return e.strerror or str(e)
-    return ""
-
-
-def _metrics_ports(first: int, count: int, exclude: list[int]) -> list[int]:
-    """Metrics ports of `count` processes (routers, schedulers, workers, in that order):
-    `first`, `first + 1`, ...; distinct free ports, none in `exclude`, for 0; -1 (off) for
-    every process when `first` is negative."""
-    if first < 0:
-        return [-1] * count
-    if first > 0:
-        return [first + i for i in range(count)]
-    return free_ports(count, exclude=exclude)
-
-
-def free_ports(count: int, host: str = "127.0.0.1", exclude: Sequence[int] = ()) -> list[int]:
-    """`count` distinct TCP ports nothing listens on right now, none in `exclude` (the OS's
-    picks, all held open until every one is picked; another process may take one before it
-    is used)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with contextlib.ExitStack() as held:
-        ports: list[int] = []
-        while len(ports) < count:
-            s = held.enter_context(socket.socket(family))
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-            if port not in exclude:
-                ports.append(port)
-        return ports
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (see `free_ports`)."""
-    return free_ports(1, host)[0]
 
 
 def _stop_all(children: list[Child], router_timeout_s: float) -> None:

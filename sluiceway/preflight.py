@@ -32,19 +32,6 @@ def check_device(device: str) -> None:
         raise ConfigError("--device cuda: torch sees no CUDA device (torch.cuda.is_available())")
 
 
-def check_step_budget(max_num_seqs: int, max_num_batched_tokens: int) -> None:
-    """Refuses a step token budget smaller than the step's sequences (each needs a token).
-
-    Raises:
-        ConfigError: ``max_num_batched_tokens < max_num_seqs`` (vLLM's message).
-    """
-    if max_num_batched_tokens < max_num_seqs:
-        raise ConfigError(
-            f"max_num_batched_tokens ({max_num_batched_tokens}) must be greater than or equal "
-            f"to max_num_seqs ({max_num_seqs})"
-        )
-
-
 def check_max_model_len(model_dir: pathlib.Path, max_model_len: int | None) -> None:
     """Refuses a ``--max-model-len`` above the context of the model in ``model_dir`` (an HF
     folder with ``config.json``), as the worker would after importing torch.

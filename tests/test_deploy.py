@@ -34,6 +34,10 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from sluiceway import cli
+from sluiceway.options import ProcessConfig, flag
+from sluiceway.router.config import RouterConfig
+from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.worker.config import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
@@ -41,6 +45,13 @@ K8S = ROOT / "deploy" / "k8s"
 HEALTHCHECK = ROOT / "deploy" / "healthcheck.py"
 APP = "/app"  # where the Dockerfile copies the repository
 PROCESSES = ("router", "scheduler", "worker")
+# Each process's config, whose fields are its flags; its defaults are the flags' defaults.
+CONFIGS: dict[str, type[ProcessConfig]] = {
+    "router": RouterConfig,
+    "scheduler": SchedulerConfig,
+    "worker": WorkerConfig,
+}
+ROUTER, SCHEDULER, WORKER = RouterConfig(), SchedulerConfig(), WorkerConfig()
 ANY_HOST = "0.0.0.0"
 # The Compose specification's JSON schema ships inside check-jsonschema: no network.
 CHECK_JSONSCHEMA = [
@@ -151,6 +162,12 @@ def _subcommands() -> list[str]:
     found = {_command(s)[0] for s in _repo_services().values()}
     found |= {c["args"][0] for c in _k8s_containers()}
     return sorted(found)
+
+
+def _command_lines() -> list[list[str]]:
+    """Every `sluiceway` command line of compose.yaml and deploy/k8s, subcommand first."""
+    lines = [_command(s) for s in _repo_services().values()]
+    return lines + [[str(a) for a in c["args"]] for c in _k8s_containers()]
 
 
 def _k8s_docs() -> list[tuple[str, dict[str, Any]]]:
@@ -303,12 +320,27 @@ def test_subcommand_help_runs_and_lists_the_flags_used(subcommand: str) -> None:
         [*_sluiceway_exe(), subcommand, "--help"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    command_lines = [_command(s) for s in _repo_services().values()]
-    command_lines += [[str(a) for a in c["args"]] for c in _k8s_containers()]
-    used = {a for line in command_lines if line[0] == subcommand for a in line[1:]}
+    used = {a for line in _command_lines() if line[0] == subcommand for a in line[1:]}
     used = {a for a in used if a.startswith("--")}
     missing = sorted(a for a in used if a not in result.stdout)
     assert not missing, f"`sluiceway {subcommand} --help` lacks {missing}"
+
+
+def test_every_flag_used_is_a_field_of_the_process_config() -> None:
+    """A flag of compose.yaml or deploy/k8s is a field of its process's config (where the
+    parser's flags come from), and each command line makes a config the process accepts."""
+    for line in _command_lines():
+        config = CONFIGS[line[0]]
+        known = set()
+        for name, opt in config.options().items():
+            known |= {flag(name), *opt.aliases}
+            if opt.default is True:
+                known.add("--no-" + flag(name)[2:])
+        used = {a.split("=")[0] for a in line[1:] if re.match(r"-[^\d]", a)}
+        assert used, line
+        assert used <= known, f"{line}: {sorted(used - known)} not in {config.__name__}"
+        parsed = config.from_namespace(_parse(line, " ".join(line)))
+        assert parsed.to_argv(), f"{line}: every flag at its default"
 
 
 def test_entry_point_and_app_folder_match_the_dockerfile() -> None:
@@ -330,11 +362,11 @@ def test_router_listens_on_the_default_port_and_dials_the_schedulers() -> None:
     schedulers = {name: _grpc_port(a) for name, a in processes["scheduler"].items()}
     for name, args in processes["router"].items():
         assert args.host == ANY_HOST, name
-        assert args.port == cli.DEFAULT_PORT, name
+        assert args.port == ROUTER.port, name
         assert args.metrics_host == ANY_HOST, name
-        assert args.metrics_port == cli.DEFAULT_METRICS_PORT["router"], name
+        assert args.metrics_port == ROUTER.metrics_port, name
         assert args.http_host == ANY_HOST, f"{name}: Envoy dials the HTTP API from outside"
-        assert _http_address(args) == (ANY_HOST, cli.DEFAULT_HTTP_PORT), name
+        assert _http_address(args) == (ANY_HOST, ROUTER.http_port), name
         dialed = dict(_hostport(a) for a in args.scheduler.split(","))
         assert dialed == schedulers, f"{name}: --scheduler must list every scheduler"
         assert _services()[name]["deploy"]["replicas"] >= 2, "routers are scaled"
@@ -344,9 +376,9 @@ def test_scheduler_listens_on_the_default_scheduler_port() -> None:
     for name, args in _by_process()["scheduler"].items():
         host, port = _hostport(args.listen)
         assert host == ANY_HOST, name
-        assert port == _hostport(cli.DEFAULT_SCHEDULER)[1], name
+        assert port == _hostport(SCHEDULER.listen)[1], name
         assert args.metrics_host == ANY_HOST, name
-        assert args.metrics_port == cli.DEFAULT_METRICS_PORT["scheduler"], name
+        assert args.metrics_port == SCHEDULER.metrics_port, name
 
 
 def test_workers_register_with_their_scheduler_under_their_service_name() -> None:
@@ -360,7 +392,7 @@ def test_workers_register_with_their_scheduler_under_their_service_name() -> Non
         assert args.advertise == f"{name}:{listen_port}", f"{name}: the scheduler dials this"
         assert args.device == "cuda", name
         assert args.metrics_host == ANY_HOST, name
-        assert args.metrics_port == cli.DEFAULT_METRICS_PORT["worker"], name
+        assert args.metrics_port == WORKER.metrics_port, name
         assert _services()[name]["depends_on"][scheduler]["condition"] == "service_started"
 
 
@@ -476,8 +508,8 @@ def test_envoy_balances_grpc_over_the_router_replicas() -> None:
     envoy = _services()["envoy"]
     listener, cluster = _envoy_upstream("grpc_health_check")
     listen_port = listener["address"]["socket_address"]["port_value"]
-    assert listen_port == cli.DEFAULT_PORT, "clients dial the port a router would use"
-    assert f"{cli.DEFAULT_PORT}:{listen_port}" in envoy["ports"]
+    assert listen_port == ROUTER.port, "clients dial the port a router would use"
+    assert f"{ROUTER.port}:{listen_port}" in envoy["ports"]
 
     assert cluster["type"] == "STRICT_DNS", "one host per router replica"
     options = cluster["typed_extension_protocol_options"]
@@ -492,7 +524,7 @@ def test_envoy_balances_http_over_the_routers_http_api() -> None:
     envoy = _services()["envoy"]
     listener, cluster = _envoy_upstream("http_health_check")
     listen_port = listener["address"]["socket_address"]["port_value"]
-    assert listen_port == cli.DEFAULT_HTTP_PORT, "clients dial the port a router would use"
+    assert listen_port == ROUTER.http_port, "clients dial the port a router would use"
     assert f"{listen_port}:{listen_port}" in envoy["ports"], "compose publishes it"
 
     assert cluster["type"] == "STRICT_DNS", "one host per router replica"
@@ -606,9 +638,9 @@ def test_k8s_routers_serve_on_the_default_port_behind_their_service() -> None:
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     args = _pod_args(deployment)[container["name"]]
     assert args.command == "router"
-    assert (args.host, args.port) == (ANY_HOST, cli.DEFAULT_PORT)
-    assert args.metrics_port == cli.DEFAULT_METRICS_PORT["router"]
-    assert _http_address(args) == (ANY_HOST, cli.DEFAULT_HTTP_PORT)
+    assert (args.host, args.port) == (ANY_HOST, ROUTER.port)
+    assert args.metrics_port == ROUTER.metrics_port
+    assert _http_address(args) == (ANY_HOST, ROUTER.http_port)
     ports = _container_ports(container)
     assert ports["grpc"] == args.port and ports["metrics"] == args.metrics_port
     assert ports["http"] == args.http_port
@@ -619,8 +651,8 @@ def test_k8s_routers_serve_on_the_default_port_behind_their_service() -> None:
     assert set(service_ports) == {"grpc", "http"}, "the two APIs; metrics are scraped per pod"
     for name, port in service_ports.items():
         assert port["targetPort"] == name, f"{name}: target the container's named port"
-    assert service_ports["grpc"]["port"] == cli.DEFAULT_PORT
-    assert service_ports["http"]["port"] == cli.DEFAULT_HTTP_PORT
+    assert service_ports["grpc"]["port"] == ROUTER.port
+    assert service_ports["http"]["port"] == ROUTER.http_port
 
     # --scheduler: <statefulset>-<i>.<headless service>:<scheduler port>, each existing.
     (replica,) = _k8s("StatefulSet")
@@ -649,8 +681,8 @@ def test_k8s_replica_pod_holds_its_scheduler_and_one_worker_per_gpu() -> None:
     workers = {n: a for n, a in parsed.items() if a.command == "worker"}
     sched = parsed[scheduler]
     host, sched_port = _hostport(sched.listen)
-    assert host == ANY_HOST and sched_port == _hostport(cli.DEFAULT_SCHEDULER)[1]
-    assert sched.metrics_port == cli.DEFAULT_METRICS_PORT["scheduler"]
+    assert host == ANY_HOST and sched_port == _hostport(SCHEDULER.listen)[1]
+    assert sched.metrics_port == SCHEDULER.metrics_port
 
     size = sched.tensor_parallel_size
     _check_ranks("replica pod", size, workers)
@@ -721,7 +753,7 @@ def test_healthcheck_exits_0_only_when_serving() -> None:
 
 
 def test_healthcheck_exits_1_when_nothing_listens() -> None:
-    from sluiceway.launcher import free_port
+    from sluiceway.ports import free_port
 
     assert _run_healthcheck(f"127.0.0.1:{free_port()}", "--timeout", "1") == 1
 
@@ -735,8 +767,8 @@ def test_nginx_conf_listens_and_balances_like_envoy() -> None:
     (router_name,) = _by_process()["router"]
     args = _by_process()["router"][router_name]
     _, http_port = _http_address(args)
-    assert re.findall(r"listen (\d+) http2;", conf) == [str(cli.DEFAULT_PORT)]
-    assert re.findall(r"listen (\d+);", conf) == [str(cli.DEFAULT_HTTP_PORT)]
+    assert re.findall(r"listen (\d+) http2;", conf) == [str(ROUTER.port)]
+    assert re.findall(r"listen (\d+);", conf) == [str(ROUTER.http_port)]
     servers = re.findall(r"server ([\w.-]+):(\d+) ", conf)
     assert servers == [(router_name, str(_grpc_port(args))), (router_name, str(http_port))]
     assert "grpc_pass grpc://routers_grpc;" in conf
@@ -749,4 +781,4 @@ def test_nginx_conf_listens_and_balances_like_envoy() -> None:
         listener["address"]["socket_address"]["port_value"]
         for listener in _envoy()["static_resources"]["listeners"]
     )
-    assert listen == sorted([cli.DEFAULT_PORT, cli.DEFAULT_HTTP_PORT])
+    assert listen == sorted([ROUTER.port, ROUTER.http_port])

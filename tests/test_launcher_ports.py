@@ -1,12 +1,13 @@
 """`sluiceway serve`'s flags: the ports it picks for `--port 0` and `--metrics-port 0` are
 distinct (two separate OS picks can return the same port once the first socket is closed);
-out-of-range sizes are usage errors."""
+out-of-range sizes are usage errors; each child's config is serve's forwarded flags plus its
+own addresses and ports, and its command line gives that config back."""
 
 from __future__ import annotations
 
 import socket
 
-from sluiceway.launcher import _metrics_ports, free_ports
+from sluiceway.ports import free_ports, metrics_ports
 
 
 def test_free_ports_are_distinct_and_skip_the_excluded() -> None:
@@ -14,11 +15,11 @@ def test_free_ports_are_distinct_and_skip_the_excluded() -> None:
         taken.bind(("127.0.0.1", 0))
         held = taken.getsockname()[1]
         routers = free_ports(3)
-        metrics = _metrics_ports(0, 40, exclude=routers)
+        metrics = metrics_ports(0, 40, exclude=routers)
     assert len(set(routers)) == 3 and held not in routers
     assert len(set(metrics)) == 40 and not set(metrics) & set(routers)
-    assert _metrics_ports(9400, 3, exclude=routers) == [9400, 9401, 9402]
-    assert _metrics_ports(-1, 2, exclude=[]) == [-1, -1]
+    assert metrics_ports(9400, 3, exclude=routers) == [9400, 9401, 9402]
+    assert metrics_ports(-1, 2, exclude=[]) == [-1, -1]
 
 
 def test_block_size_below_1_is_a_usage_error() -> None:
@@ -34,3 +35,83 @@ def test_block_size_below_1_is_a_usage_error() -> None:
             build_parser().parse_args(["serve", "--block-size", value])
         assert exit_.value.code == 2
         assert f"argument --block-size: must be >= 1, got {value}" in err.getvalue()
+
+
+# Child config fields serve sets per child (addresses, ports, ranks, the resolved model); every
+# other field is one serve forwards (sluiceway/serve_config.py FLAGS) or left at its default.
+SET_PER_CHILD = {
+    "router": {"host", "port", "scheduler", "model", "metrics_port", "metrics_host", "http_port"},
+    "scheduler": {"listen", "metrics_port", "metrics_host"},
+    "worker": {"listen", "scheduler", "worker_group", "rank", "distributed_init_method",
+               "share_kv_pool", "model", "served_model_name", "metrics_port", "metrics_host"},
+}  # fmt: skip
+LEFT_AT_DEFAULT = {"worker": {"advertise"}}  # the bound Unix socket is what the scheduler dials
+
+
+def test_every_child_flag_is_forwarded_or_set_by_the_launcher() -> None:
+    from sluiceway.serve_config import PARTS, forwarded_to
+
+    for part, cls in PARTS.items():
+        forwarded = set(forwarded_to(part)) - SET_PER_CHILD[part]
+        left = LEFT_AT_DEFAULT.get(part, set())
+        assert forwarded | SET_PER_CHILD[part] | left == set(cls.options()), part
+        assert not left & (forwarded | SET_PER_CHILD[part]), part
+
+
+def test_the_children_get_serves_flags_and_their_own_addresses() -> None:
+    import pathlib
+    from dataclasses import replace
+
+    from sluiceway.cli import build_parser
+    from sluiceway.launcher import build_children
+    from sluiceway.ports import Ports
+    from sluiceway.serve_config import ServeConfig, forwarded_to
+
+    args = build_parser().parse_args(
+        ["serve", "--host", "0.0.0.0", "--num-replicas", "2", "--num-routers", "2", "-tp", "2",
+         "--num-prefill-workers", "1", "--num-decode-workers", "1", "--max-num-seqs", "8",
+         "--drain-timeout", "3", "--dtype", "float32", "--log-format", "console",
+         "--served-model-name", "ignored-by-the-router", "--no-enable-prefix-caching"]
+    )  # fmt: skip
+    config = ServeConfig.from_namespace(args)
+    ports = Ports(routers=[7000, 7001], http=[8000, 8001], metrics=list(range(9400, 9412)))
+    children = build_children(config, ports, "/run", pathlib.Path("/models/m"), "m")
+    assert [c.name for c in children] == [
+        "scheduler-0", "scheduler-1",
+        *(f"worker-r{r}-{role}0-rank{k}" for r in (0, 1) for role in ("prefill", "decode")
+          for k in (0, 1)),
+        "router-0", "router-1",
+    ]  # fmt: skip
+    for child in children:
+        # the child's command line gives its config back
+        argv = [child.command, *child.config.to_argv()]
+        assert type(child.config).from_namespace(build_parser().parse_args(argv)) == child.config
+        # the flags serve forwards, as given to serve
+        serve_part = getattr(config, child.command)
+        own = SET_PER_CHILD[child.command]
+        expected = replace(serve_part, **{n: getattr(child.config, n) for n in own})
+        assert child.config == expected, child.name
+        assert all(getattr(child.config, n) == getattr(serve_part, n)
+                   for n in forwarded_to(child.command) if n not in own)  # fmt: skip
+    by_name = {c.name: c.config for c in children}
+    assert by_name["scheduler-1"].listen == "unix:/run/scheduler-1.sock"
+    assert (by_name["scheduler-1"].metrics_port, by_name["router-1"].metrics_port) == (9403, 9401)
+    assert by_name["router-1"].scheduler == "unix:/run/scheduler-0.sock,unix:/run/scheduler-1.sock"
+    assert (by_name["router-1"].port, by_name["router-1"].http_port) == (7001, 8001)
+    assert by_name["router-1"].drain_timeout == 3.0
+    worker = by_name["worker-r1-decode0-rank1"]
+    assert (worker.scheduler, worker.worker_group, worker.rank) == (
+        "unix:/run/scheduler-1.sock",
+        1,
+        1,
+    )
+    assert (worker.model, worker.served_model_name, worker.share_kv_pool) == (
+        "/models/m",
+        "m",
+        True,
+    )
+    assert (worker.dtype, worker.metrics_port, worker.log_format) == ("float32", 9411, "console")
+    # the ranks of one instance share a rendezvous; instances do not
+    inits = {n: c.distributed_init_method for n, c in by_name.items() if n.startswith("worker")}
+    assert inits["worker-r1-decode0-rank0"] == inits["worker-r1-decode0-rank1"]
+    assert len(set(inits.values())) == 4

@@ -30,9 +30,11 @@ from sluiceway.grpc_server import (
     on_shutdown_signal,
 )
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from sluiceway.options import port_or_none
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.status import RequestError, abort
 from sluiceway.v1 import inference_pb2
+from sluiceway.worker.config import WorkerConfig
 from sluiceway.worker.kv_pool import SharedKvPool, copy_blocks, open_kv_pool
 from sluiceway.worker.metrics import FORWARD_SECONDS, step_phase
 from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
@@ -370,27 +372,26 @@ async def stay_registered(
 
 
 async def serve(
-    address: str,
-    scheduler_address: str,
+    config: WorkerConfig,
     runner: ModelRunner,
     model_id: str,
-    advertise: str | None = None,
-    metrics_port: int | None = None,
-    metrics_host: str = "127.0.0.1",
-    placement: Placement | None = None,
     kv_pool: SharedKvPool | None = None,
 ) -> None:
-    """Serves steps on `address` and registers with the scheduler; runs until SIGINT/SIGTERM.
+    """Serves steps on `config.listen` and registers with the scheduler at `config.scheduler`
+    as `config.advertise` (default: the bound address), in the place `config.worker_group`,
+    `config.rank` and `config.tensor_parallel_size` say; runs until SIGINT/SIGTERM.
 
     Registers again whenever the scheduler restarts (`stay_registered`). Raises
     SchedulerUnreachable if the scheduler does not take the first registration within
     FIRST_REGISTRATION_TIMEOUT_S (the CLI exits 1), RegistrationRefused if it refuses a registration (first or later; the CLI exits
     with status 2), SystemExit(1) when a tensor-parallel collective broke.
-    `advertise` is the address the scheduler dials (default: the bound address).
-    Prometheus metrics on `metrics_host:metrics_port` unless the port is None
+    Prometheus metrics on `config.metrics_host:config.metrics_port` unless the port is -1
     (OSError if it is taken). `kv_pool` is the shared pool the runner uses, when it is
     shared (its handle goes to the scheduler; it is closed on the way out).
     """
+    address, scheduler_address, advertise = config.listen, config.scheduler, config.advertise
+    placement = Placement(config.worker_group, config.rank, config.tensor_parallel_size)
+    metrics_port = port_or_none(config.metrics_port)
     if metrics_port is not None:
         from prometheus_client import REGISTRY
 
@@ -399,7 +400,7 @@ async def serve(
 
         REGISTRY.register(WorkerCollector(runner, model_id))
         init_series(model_id)
-        serve_metrics(metrics_port, metrics_host)
+        serve_metrics(metrics_port, config.metrics_host)
     server, health = new_server(max_message_bytes=WORKER_MAX_MESSAGE_BYTES)
     executor = StepExecutor(runner, model_id)
     service = WorkerService(executor)

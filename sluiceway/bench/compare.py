@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from sluiceway.bench.serve import BenchRun, json_safe, print_figures, run_workload
 from sluiceway.bench.workload import load_requests, request_intervals
-from sluiceway.launcher import free_port
+from sluiceway.ports import free_port
 
 SERVER_START_TIMEOUT_S = 600.0
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 
 from sluiceway.client import Client
-from sluiceway.launcher import free_port
+from sluiceway.ports import free_port
 from sluiceway.v1 import inference_pb2
 
 START_TIMEOUT_S = 300

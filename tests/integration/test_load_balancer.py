@@ -28,7 +28,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluiceway.client import Client
-from sluiceway.launcher import free_ports
+from sluiceway.ports import free_ports
 from tests.integration.conftest import (
     Stack,
     http_base_url,

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from sluiceway.client import Client
-from sluiceway.launcher import free_port
+from sluiceway.ports import free_port
 from sluiceway.v1 import inference_pb2
 from tests.integration.conftest import (
     generate_concurrently,

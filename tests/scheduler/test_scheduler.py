@@ -104,7 +104,7 @@ def test_finish_reasons(
 
 
 def test_chunked_prefill_fills_the_token_budget_after_decodes() -> None:
-    sched = make_scheduler(max_num_batched_tokens=32)
+    sched = make_scheduler(max_num_seqs=8, max_num_batched_tokens=32)
     a = make_seq(1, 10)
     sched.add(a)
     run_step(sched)
@@ -118,7 +118,7 @@ def test_chunked_prefill_fills_the_token_budget_after_decodes() -> None:
 
 
 def test_without_chunked_prefill_a_prompt_runs_whole() -> None:
-    sched = make_scheduler(max_num_batched_tokens=48, enable_chunked_prefill=False)
+    sched = make_scheduler(max_num_seqs=8, max_num_batched_tokens=48, enable_chunked_prefill=False)
     a = make_seq(1, 10)
     sched.add(a)
     run_step(sched)
@@ -136,7 +136,7 @@ def test_max_model_len_is_capped_so_every_sequence_can_always_run_again() -> Non
     assert make_scheduler(num_blocks=8, max_model_len=1024).max_model_len == 8 * 16
     # unchunked, a preempted sequence is recomputed in one step: it must fit the budget
     sched = make_scheduler(
-        max_model_len=1024, max_num_batched_tokens=32, enable_chunked_prefill=False
+        max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=32, enable_chunked_prefill=False
     )
     assert sched.max_model_len == 32  # a 32-token prompt is refused by the engine's gate
 
@@ -144,7 +144,9 @@ def test_max_model_len_is_capped_so_every_sequence_can_always_run_again() -> Non
 def test_a_preempted_sequence_resumes_without_chunked_prefill() -> None:
     # 3 blocks, steps of 32 tokens, no chunking: the regression of a preempted sequence
     # whose prompt + output outgrew the step budget and never ran again.
-    sched = make_scheduler(num_blocks=3, max_num_batched_tokens=32, enable_chunked_prefill=False)
+    sched = make_scheduler(
+        num_blocks=3, max_num_seqs=8, max_num_batched_tokens=32, enable_chunked_prefill=False
+    )
     seqs = [make_seq(i, 10, max_tokens=100) for i in (1, 2, 3)]
     for s in seqs:
         sched.add(s)
@@ -451,7 +453,9 @@ def chunk_sizes(out: SchedulerOutput) -> list[tuple[int, int]]:
 
 
 def test_a_long_prefill_is_capped_at_the_threshold_so_a_short_request_starts_at_once() -> None:
-    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=16)
+    sched = make_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=16
+    )
     long = make_seq(1, 100)
     sched.add(long)
     steps = [chunk_sizes(run_step(sched))]
@@ -470,7 +474,7 @@ def test_a_long_prefill_is_capped_at_the_threshold_so_a_short_request_starts_at_
 
 
 def test_without_a_threshold_a_long_prompt_takes_the_whole_budget() -> None:
-    sched = make_scheduler(max_num_batched_tokens=64)
+    sched = make_scheduler(max_num_seqs=8, max_num_batched_tokens=64)
     sched.add(make_seq(1, 200))
     run_step(sched)
     sched.add(make_seq(2, 10))
@@ -489,6 +493,7 @@ def test_partial_prefill_caps_pass_over_requests_that_would_exceed_them(
     num_partial: int, num_long: int, expected: list[tuple[int, int]]
 ) -> None:
     sched = make_scheduler(
+        max_num_seqs=8,
         max_num_batched_tokens=48,
         long_prefill_token_threshold=32,
         max_num_partial_prefills=num_partial,

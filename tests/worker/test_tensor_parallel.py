@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from sluiceway.launcher import free_port
+from sluiceway.ports import free_port
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.worker.loader import load_config, load_model
 from sluiceway.worker.model import LlamaForCausalLM, ModelConfig
