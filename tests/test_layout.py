@@ -101,3 +101,20 @@ def _package_init_only(cycle: str) -> bool:
     """A 'cycle' that only goes through a package's __init__ naming its own submodule."""
     parts = cycle.split(" -> ")
     return any(b.startswith(a + ".") for a, b in itertools.pairwise(parts))
+
+
+def test_building_the_cli_parser_imports_no_torch() -> None:
+    """Every `sluiceway` command builds the whole parser first: it must stay light (the
+    scheduler and router processes never import torch at all)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, sluiceway.cli as c; c.build_parser(); "
+        "import sluiceway.scheduler.server, sluiceway.router.server; "
+        "print(sorted(m for m in ('torch', 'triton', 'xgrammar') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert out.strip() == "[]"

@@ -15,17 +15,8 @@ import random
 import statistics
 import time
 
-import torch
-
 from sluiceway.argtypes import positive_int
-from sluiceway.model_files import resolve_model, served_model_name
 from sluiceway.v1 import inference_pb2
-from sluiceway.worker.loader import load_config
-from sluiceway.worker.structured_output import (
-    GrammarCompiler,
-    allow_all_bitmask,
-    apply_token_bitmask,
-)
 
 PERSON = {
     "type": "object",
@@ -87,7 +78,17 @@ def add_grammar_args(p: argparse.ArgumentParser) -> None:
 
 def grammar_command(args: argparse.Namespace) -> int:
     """Prints the compile times and the per-step mask cost; returns 0."""
+    # here, not at the top: building the CLI parser (add_grammar_args) imports no torch
+    import torch
     from transformers import AutoTokenizer
+
+    from sluiceway.model_files import resolve_model, served_model_name
+    from sluiceway.worker.loader import load_config
+    from sluiceway.worker.structured_output import (
+        GrammarCompiler,
+        allow_all_bitmask,
+        apply_token_bitmask,
+    )
 
     model_dir = resolve_model(args.model)
     config = load_config(model_dir)
