@@ -183,7 +183,8 @@ def step_command(args: argparse.Namespace) -> int:
     from sluiceway.model_files import resolve_model
     from sluiceway.worker.loader import load_config, random_model
     from sluiceway.worker.model import ModelConfig
-    from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, resolve_dtype
+    from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk
+    from sluiceway.worker.model_setup import resolve_dtype
     from sluiceway.worker.sampler import SamplingOptions
 
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)

@@ -84,7 +84,7 @@ def run_transformers(
     from sluiceway.model_files import resolve_model
     from sluiceway.router.server import eos_token_ids
     from sluiceway.router.tokenizer import encode_prompt, load_tokenizer
-    from sluiceway.worker.model_runner import resolve_dtype
+    from sluiceway.worker.model_setup import resolve_dtype
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
