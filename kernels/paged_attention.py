@@ -53,7 +53,6 @@ __all__ = [
     "PrefillChunk",
     "build_attention_metadata",
     "check_step",
-    "dense_causal_attention",
     "key_blocks",
     "kv_pool_shape",
     "paged_attention",
@@ -289,7 +288,6 @@ def build_attention_metadata(
     Raises:
         ValueError: on inconsistent lengths or a block table too short for its context.
     """
-    n = len(query_lens)
     used = check_step(
         query_lens,
         context_lens,
@@ -298,9 +296,47 @@ def build_attention_metadata(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
     )
-    group = num_heads // num_kv_heads
-    max_blocks = max(used)
+    tables, ctx, qsl, slot_mapping = _step_indices(
+        query_lens, context_lens, block_tables, used, block_size
+    )
+    decode_buckets = _decode_buckets(
+        query_lens,
+        qsl,
+        tables,
+        ctx,
+        used,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        group=num_heads // num_kv_heads,
+        head_dim=head_dim,
+        device=device,
+    )
+    prefills = _prefill_chunks(query_lens, context_lens, qsl, tables, used, device)
+    return AttentionMetadata(
+        query_start_loc=qsl.to(device),
+        context_lens=ctx.to(device),
+        block_tables=tables.to(device),
+        slot_mapping=slot_mapping.to(device),
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        num_heads=num_heads,
+        decode_buckets=decode_buckets,
+        prefills=prefills,
+    )
 
+
+def _step_indices(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    used: list[int],
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's generic index tensors, int64 on the CPU (``S`` sequences, ``T`` rows):
+    block tables ``[S, max(used)]`` (each sequence's ``used`` blocks, padded with its first),
+    context lengths ``[S]``, ``query_start_loc`` ``[S + 1]`` and the slot mapping ``[T]``."""
+    n = len(query_lens)
+    max_blocks = max(used)
     cpu = torch.device("cpu")
     tables = torch.tensor(
         [
@@ -323,9 +359,26 @@ def build_attention_metadata(
     slot_mapping = (
         tables[seq_of_row, pos_of_row // block_size] * block_size + pos_of_row % block_size
     )
+    return tables, ctx, qsl, slot_mapping
 
+
+def _decode_buckets(
+    query_lens: Sequence[int],
+    qsl: torch.Tensor,
+    tables: torch.Tensor,
+    ctx: torch.Tensor,
+    used: list[int],
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    device: torch.device | str,
+) -> list[DecodeBucket]:
+    """The decode sequences (one query token) in buckets of similar context length
+    (:func:`split_decode_buckets`), each with its bag indices on ``device``."""
     decode_idx = [i for i, q in enumerate(query_lens) if q == 1]
-    decode_buckets = [
+    return [
         _decode_bucket(
             [decode_idx[b] for b in bucket],
             qsl,
@@ -341,6 +394,18 @@ def build_attention_metadata(
         for bucket in split_decode_buckets([used[i] for i in decode_idx])
     ]
 
+
+def _prefill_chunks(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    qsl: torch.Tensor,
+    tables: torch.Tensor,
+    used: list[int],
+    device: torch.device | str,
+) -> list[PrefillChunk]:
+    """The sequences with more than one query token, in batch order, their block ids and
+    masks on ``device`` (no mask where the chunk is the whole context: plain causal)."""
+    cpu = torch.device("cpu")
     prefills: list[PrefillChunk] = []
     for i, q in enumerate(query_lens):
         if q == 1:
@@ -356,18 +421,7 @@ def build_attention_metadata(
                 int(qsl[i]), int(qsl[i + 1]), c, tables[i, : used[i]].to(device), chunk_mask
             )
         )
-
-    return AttentionMetadata(
-        query_start_loc=qsl.to(device),
-        context_lens=ctx.to(device),
-        block_tables=tables.to(device),
-        slot_mapping=slot_mapping.to(device),
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        num_heads=num_heads,
-        decode_buckets=decode_buckets,
-        prefills=prefills,
-    )
+    return prefills
 
 
 def _decode_bucket(
@@ -500,30 +554,3 @@ def paged_attention(
         )
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
     return out
-
-
-def dense_causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None
-) -> torch.Tensor:
-    """Plain causal attention of one sequence, all in float64: the oracle for tests.
-
-    Args:
-        query: ``[Lq, Hq, D]``, the last ``Lq`` positions of the sequence.
-        key, value: ``[L, Hkv, D]`` for all ``L >= Lq`` positions.
-        scale: softmax scale; ``1 / sqrt(D)`` when ``None``.
-
-    Returns:
-        ``[Lq, Hq, D]`` float64.
-    """
-    lq, hq, d = query.shape
-    length, hkv, _ = key.shape
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    g = hq // hkv
-    k = key.double().repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, L, D]
-    v = value.double().repeat_interleave(g, dim=1).transpose(0, 1)
-    q = query.double().transpose(0, 1)  # [Hq, Lq, D]
-    scores = q @ k.transpose(-1, -2) * scale
-    qpos = torch.arange(length - lq, length)[:, None]
-    scores = scores.masked_fill(torch.arange(length)[None, :] > qpos, float("-inf"))
-    return (torch.softmax(scores, -1) @ v).transpose(0, 1)

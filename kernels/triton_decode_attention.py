@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sluiceway.kernels.triton_launch import check_query_and_cache, split_scratch
+
 __all__ = ["DEFAULT_BLOCK_N", "dot_precision", "triton_decode_attention"]
 
 DEFAULT_BLOCK_N = 32
@@ -216,13 +218,7 @@ def triton_decode_attention(
         ValueError: on inconsistent shapes (checked on shapes only: no device sync).
     """
     s, hq, d = query.shape
-    hkv = kv_cache.shape[2]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads is not a multiple of {hkv} KV heads")
-    if kv_cache.shape[3] != block_size * d or kv_cache.stride(3) != 1:
-        raise ValueError(
-            f"kv_cache {tuple(kv_cache.shape)} is not [2, blocks, Hkv, {block_size} * {d}]"
-        )
+    hkv = check_query_and_cache(query, kv_cache, block_size)
     if block_tables.dim() != 2 or block_tables.shape[0] != s or context_lens.shape != (s,):
         raise ValueError(
             f"block_tables {tuple(block_tables.shape)} / context_lens {tuple(context_lens.shape)}"
@@ -239,10 +235,7 @@ def triton_decode_attention(
     group = hq // hkv
     block_d = max(16, triton.next_power_of_2(d))
     if num_splits > 1:
-        part_ml = torch.empty((s, hq, num_splits, 2), dtype=torch.float32, device=query.device)
-        part_acc = torch.empty(
-            (s, hq, num_splits, block_d), dtype=torch.float32, device=query.device
-        )
+        part_ml, part_acc = split_scratch(s, hq, num_splits, block_d, query.device)
     else:
         part_ml = part_acc = out  # unused
     _decode_kernel[(s, hkv, num_splits)](
@@ -274,19 +267,33 @@ def triton_decode_attention(
         DOT_PRECISION=dot_precision(query.dtype),
     )
     if num_splits > 1:
-        _merge_kernel[(s, hq)](
-            part_ml,
-            part_acc,
-            out,
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            HEAD_DIM=d,
-            NUM_SPLITS=num_splits,
-            BLOCK_SPLITS=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d,
-        )
+        _merge_splits(part_ml, part_acc, out, num_splits, block_d)
     return out
+
+
+def _merge_splits(
+    part_ml: torch.Tensor,
+    part_acc: torch.Tensor,
+    out: torch.Tensor,
+    num_splits: int,
+    block_d: int,
+) -> None:
+    """Launches :func:`_merge_kernel` on the ``(S, Hq)`` grid: folds the ``num_splits``
+    partials of each (sequence, query head), ``part_ml`` ``[S, Hq, num_splits, 2]`` and
+    ``part_acc`` ``[S, Hq, num_splits, block_d]`` float32, into ``out`` ``[S, Hq, D]``."""
+    s, hq, d = out.shape
+    _merge_kernel[(s, hq)](
+        part_ml,
+        part_acc,
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        HEAD_DIM=d,
+        NUM_SPLITS=num_splits,
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+        BLOCK_D=block_d,
+    )
 
 
 def dot_precision(dtype: torch.dtype) -> str:

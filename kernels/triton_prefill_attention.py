@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from sluiceway.kernels.triton_decode_attention import dot_precision
+from sluiceway.kernels.triton_launch import check_query_and_cache, check_varlen_tables
 
 __all__ = ["DEFAULT_BLOCK_N", "triton_prefill_attention"]
 
@@ -172,19 +173,9 @@ def triton_prefill_attention(
         ValueError: on inconsistent shapes (checked on shapes only: no device sync).
     """
     t, hq, d = query.shape
-    hkv = kv_cache.shape[2]
     s = context_lens.shape[0]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads is not a multiple of {hkv} KV heads")
-    if kv_cache.shape[3] != block_size * d or kv_cache.stride(3) != 1:
-        raise ValueError(
-            f"kv_cache {tuple(kv_cache.shape)} is not [2, blocks, Hkv, {block_size} * {d}]"
-        )
-    if block_tables.dim() != 2 or block_tables.shape[0] != s or query_start_loc.shape != (s + 1,):
-        raise ValueError(
-            f"block_tables {tuple(block_tables.shape)} / query_start_loc "
-            f"{tuple(query_start_loc.shape)} do not match {s} sequences"
-        )
+    hkv = check_query_and_cache(query, kv_cache, block_size)
+    check_varlen_tables(block_tables, query_start_loc, s)
     if block_m is None:
         block_m = min(64, max(16, triton.next_power_of_2(max(max_query_len, 1))))
     for name, value in (("block_m", block_m), ("block_n", block_n)):

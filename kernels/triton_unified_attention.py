@@ -56,6 +56,11 @@ import torch
 import triton
 import triton.language as tl
 
+from sluiceway.kernels.triton_launch import (
+    check_query_and_cache,
+    check_varlen_tables,
+    split_scratch,
+)
 from sluiceway.kernels.triton_matmul import interpreter_dot
 
 __all__ = ["BLOCK_N", "SEGMENT", "block_m_for", "triton_unified_attention"]
@@ -356,19 +361,9 @@ def triton_unified_attention(
     t, hq, d = query.shape
     if segment < 1:
         raise ValueError(f"segment={segment} must be positive")
-    hkv = kv_cache.shape[2]
     s = context_lens.shape[0]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads is not a multiple of {hkv} KV heads")
-    if kv_cache.shape[3] != block_size * d or kv_cache.stride(3) != 1:
-        raise ValueError(
-            f"kv_cache {tuple(kv_cache.shape)} is not [2, blocks, Hkv, {block_size} * {d}]"
-        )
-    if block_tables.dim() != 2 or block_tables.shape[0] != s or query_start_loc.shape != (s + 1,):
-        raise ValueError(
-            f"block_tables {tuple(block_tables.shape)} / query_start_loc "
-            f"{tuple(query_start_loc.shape)} do not match {s} sequences"
-        )
+    hkv = check_query_and_cache(query, kv_cache, block_size)
+    check_varlen_tables(block_tables, query_start_loc, s)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     if out is None:
@@ -376,20 +371,12 @@ def triton_unified_attention(
     if t == 0 or s == 0:
         return out
     group = hq // hkv
-    block_m = block_m_for(group)
-    block_q = block_m // group
-    block_d = max(16, triton.next_power_of_2(d))
     num_segments = max(1, triton.cdiv(max_context_len, segment)) if split else 1
+    block_m, block_q, block_d, grid = _tiling(t, s, group, hkv, d, num_segments, split)
     if split:
-        part_ml = torch.empty((t, hq, num_segments, 2), dtype=torch.float32, device=query.device)
-        part_acc = torch.empty(
-            (t, hq, num_segments, block_d), dtype=torch.float32, device=query.device
-        )
-        grid: tuple[int, ...] = (t // block_q + s, hkv, num_segments)
+        part_ml, part_acc = split_scratch(t, hq, num_segments, block_d, query.device)
     else:
         part_ml = part_acc = out  # unused
-        grid = (t // block_q + s, hkv)
-    interpreted = query.device.type != "cuda"
     _unified_kernel[grid](
         query,
         kv_cache,
@@ -422,19 +409,49 @@ def triton_unified_attention(
         BLOCK_N=BLOCK_N,
         SEGMENT=segment,
         PARALLEL=split,
-        INTERPRET=interpreted,
+        INTERPRET=query.device.type != "cuda",
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     if split:
-        _merge_kernel[(t, hq)](
-            part_ml,
-            part_acc,
-            out,
-            num_segments,
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            HEAD_DIM=d,
-            BLOCK_D=block_d,
-        )
+        _merge_segments(part_ml, part_acc, out, num_segments, block_d)
     return out
+
+
+def _tiling(
+    t: int, s: int, group: int, hkv: int, d: int, num_segments: int, split: bool
+) -> tuple[int, int, int, tuple[int, ...]]:
+    """``(BLOCK_M, BLOCK_Q, BLOCK_D, grid)`` of a launch over ``t`` rows of ``s`` sequences:
+    tiles of ``BLOCK_Q`` tokens times the ``group`` query heads of a KV head (``BLOCK_M``
+    rows), ``t // BLOCK_Q + s`` tiles (each sequence's last may be partial) by ``hkv``, by
+    ``num_segments`` when ``split``; ``BLOCK_D`` covers the head dim ``d``."""
+    block_m = block_m_for(group)
+    block_q = block_m // group
+    block_d = max(16, triton.next_power_of_2(d))
+    if split:
+        return block_m, block_q, block_d, (t // block_q + s, hkv, num_segments)
+    return block_m, block_q, block_d, (t // block_q + s, hkv)
+
+
+def _merge_segments(
+    part_ml: torch.Tensor,
+    part_acc: torch.Tensor,
+    out: torch.Tensor,
+    num_segments: int,
+    block_d: int,
+) -> None:
+    """Launches :func:`_merge_kernel` on the ``(T, Hq)`` grid: folds the ``num_segments``
+    partials of each (row, query head), ``part_ml`` ``[T, Hq, num_segments, 2]`` and
+    ``part_acc`` ``[T, Hq, num_segments, block_d]`` float32, in segment order into ``out``
+    ``[T, Hq, D]``."""
+    t, hq, d = out.shape
+    _merge_kernel[(t, hq)](
+        part_ml,
+        part_acc,
+        out,
+        num_segments,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+    )

@@ -4,7 +4,9 @@ The runner owns the model and the KV pool. Sequences are :class:`SequenceData` r
 caller (the worker's gRPC server) keeps between steps: it appends sampled tokens and new block
 ids to them; the runner never mutates ``token_ids`` or ``block_table``. Everything runs under
 ``torch.inference_mode()``. Thread counts (``torch.set_num_threads``) are the process's choice,
-not the runner's.
+not the runner's. The runner's parts live beside it: :mod:`worker.model_setup` (device, dtype,
+weights, linear kernels), :mod:`worker.kv_sizing` (the KV pool's size and allocation) and
+:mod:`worker.step_inputs` (a step's chunks flattened into the forward's inputs).
 """
 
 from __future__ import annotations
@@ -12,26 +14,41 @@ from __future__ import annotations
 import logging
 import pathlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from sluiceway.kernels import cpu_ops, onednn_linear
 from sluiceway.kernels.backend import get_attention_backend
-from sluiceway.kernels.paged_attention import kv_pool_shape
 from sluiceway.model_files import resolve_max_model_len, served_model_name
 from sluiceway.sampling_params import SamplingParams
-from sluiceway.worker.loader import load_config, load_model
+from sluiceway.worker.kv_sizing import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    KvPoolFactory,
+    allocate_kv_pool,
+    count_kv_blocks,
+    kv_bytes_per_block,
+    profile_cuda_kv_budget,
+)
+from sluiceway.worker.loader import load_config
 from sluiceway.worker.model import LlamaForCausalLM, ModelConfig
+from sluiceway.worker.model_setup import (
+    load_or_check_model,
+    packing_note,
+    resolve_device,
+    resolve_dtype,
+    select_linear_kernels,
+)
 from sluiceway.worker.parallel import check_tensor_parallel, joined_group
 from sluiceway.worker.sampler import sample
-from sluiceway.worker.structured_output import (
-    ConstraintMatcher,
-    allow_all_bitmask,
-    apply_token_bitmask,
+from sluiceway.worker.step_inputs import (
+    ScheduledChunk,
+    SequenceData,
+    StepInputs,
+    prepare_step_inputs,
 )
+from sluiceway.worker.structured_output import allow_all_bitmask, apply_token_bitmask
 
 if TYPE_CHECKING:
     from sluiceway.worker.cuda_graphs import DecodeCudaGraphs
@@ -41,48 +58,9 @@ __all__ = [
     "SampledToken",
     "ScheduledChunk",
     "SequenceData",
-    "cpu_has_fast_bf16",
-    "resolve_dtype",
 ]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-KvPoolFactory = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
-
-
-@dataclass(slots=True)
-class SequenceData:
-    """Persistent per-sequence state the worker keeps between steps."""
-
-    seq_id: int
-    token_ids: list[int]  # prompt + generated so far
-    block_table: list[int]  # physical KV block ids, in order
-    sampling: SamplingParams  # resolved by the router
-    generator: torch.Generator | None = None  # created by ModelRunner when sampling.seed is set
-    num_prompt_tokens: int = 0  # the original prompt's length; the rest of token_ids is output
-    constraint: ConstraintMatcher | None = None  # structured outputs: its grammar's state
-
-    def append(self, token_ids: Sequence[int]) -> None:
-        """Appends tokens generated since the last step (and moves the constraint on)."""
-        self.token_ids.extend(token_ids)
-        if self.constraint is not None:
-            self.constraint.accept(token_ids)
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    """One sequence's share of a step.
-
-    The runner computes positions ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``
-    and samples for this chunk iff that range reaches ``len(seq.token_ids)``.
-    """
-
-    seq: SequenceData
-    num_computed_tokens: int  # tokens of seq.token_ids whose K/V are already in the pool
-    num_new_tokens: int  # compute positions [num_computed, num_computed + num_new)
 
 
 @dataclass(slots=True)
@@ -95,38 +73,6 @@ class SampledToken:
     logprob: float
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when ``/proc/cpuinfo`` lists ``amx_bf16`` or ``avx512_bf16``: oneDNN runs bf16
-    matmuls natively there (measured on an avx512_bf16 Xeon: SmolLM2 decode at batch 64 is
-    1.5x faster in bf16 than in fp32)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return not {"amx_bf16", "avx512_bf16"}.isdisjoint(line.split())
-    except OSError:
-        pass
-    return False
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """Map ``auto|float32|bfloat16|float16`` to a torch dtype.
-
-    ``auto`` is bfloat16 on CUDA (float16 where bf16 is unsupported) and on CPUs with AMX-BF16 or AVX512-BF16,
-    float32 elsewhere.
-
-    Raises:
-        ValueError: an unknown name.
-    """
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 @dataclass(slots=True)
@@ -142,22 +88,13 @@ class StepTimings:
     sample_s: float = 0.0  # sampling and copying tokens to the host
 
 
-@dataclass(slots=True)
-class _StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    metadata: Any  # from the attention backend's build_metadata
-    row_start: list[int]  # first flattened row of each chunk (chunk order)
-    sampling: list[int]  # chunk indices that sample, in chunk order
-
-
 class ModelRunner:
     """Loads a model folder, owns the KV pool and executes steps.
 
     Args:
         model_dir: an HF folder (see :func:`sluiceway.model_files.resolve_model`).
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available).
-        dtype: ``auto|float32|bfloat16|float16`` (see :func:`resolve_dtype`).
+        dtype: ``auto|float32|bfloat16|float16`` (see :func:`worker.model_setup.resolve_dtype`).
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV pool. On CPU the default is 4 GiB; on CUDA, when None,
             the pool takes ``gpu_memory_utilization * total - used`` after a profiling forward.
@@ -218,9 +155,7 @@ class ModelRunner:
     ) -> None:
         model_dir = pathlib.Path(model_dir)
         self.model_dir = model_dir
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self._device = torch.device(device)
+        self._device = resolve_device(device)
         self.last_timings = StepTimings()
         self.config: ModelConfig = load_config(model_dir) if model is None else model.config
         check_tensor_parallel(self.config, tensor_parallel_size)
@@ -231,81 +166,68 @@ class ModelRunner:
             max_model_len, self.config.max_position_embeddings, self.config.sliding_window
         )
         self._model_id = served_model_name(model_dir)
-        if model is None:
-            model = load_model(
-                model_dir,
-                dtype=self._dtype,
-                device=self._device,
-                max_positions=self._max_model_len,
-                tp=self.tp,
-            )
-        elif (
-            model.dtype != self._dtype
-            or model.embed_weight.device.type != self._device.type
-            or model.max_positions < self._max_model_len
-            or model.tp.world_size != self.tp.world_size
-        ):
-            raise ValueError(
-                f"the pre-built model ({model.dtype} on {model.embed_weight.device}, "
-                f"{model.max_positions} positions, {model.tp.world_size} ranks) does not fit "
-                f"the runner ({self._dtype} on {self._device}, max_model_len "
-                f"{self._max_model_len}, {self.tp.world_size} ranks)"
-            )
-        self.model: LlamaForCausalLM = model
+        self.model: LlamaForCausalLM = load_or_check_model(
+            model_dir,
+            model,
+            dtype=self._dtype,
+            device=self._device,
+            max_model_len=self._max_model_len,
+            tp=self.tp,
+        )
         self.attention_backend = get_attention_backend(attention_backend, self._device)
         self.model.attention_backend = self.attention_backend
-        if (
-            self.attention_backend.fused_layer_ops
-            and self._dtype in (torch.float32, torch.bfloat16)  # oneDNN's fp16 needs AVX512-FP16
-            and (
-                onednn_linear.available()
-                or (self._dtype == torch.bfloat16 and cpu_ops.bf16_gemm_supported())
-            )
-        ):
-            self.model.pack_linear_weights()
-        elif (
-            self.attention_backend.name == "triton"
-            and self.attention_backend.batch_invariant
-            and self._dtype == torch.bfloat16
-        ):
-            # before the CUDA profiling forward and the graph capture, which run the model
-            self.model.use_triton_ops()
-        c = self.config
+        # before the CUDA profiling forward and the graph capture, which run the model
+        select_linear_kernels(self.model, self.attention_backend, self._dtype)
         hkv = self.model.num_kv_heads  # the rank's
-        self.bytes_per_block = (
-            c.num_layers * 2 * block_size * hkv * c.head_dim * self._dtype.itemsize
-        )
+        self.bytes_per_block = kv_bytes_per_block(self.config, hkv, block_size, self._dtype)
         if kv_cache_memory is None:
             if self._device.type == "cuda":
-                kv_cache_memory = self._profile_cuda(gpu_memory_utilization, max_num_batched_tokens)
+                kv_cache_memory = profile_cuda_kv_budget(
+                    self.model,
+                    self.attention_backend,
+                    dtype=self._dtype,
+                    device=self._device,
+                    block_size=block_size,
+                    max_model_len=self._max_model_len,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    utilization=gpu_memory_utilization,
+                )
             else:
                 kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
-        # every rank must hold the blocks the scheduler hands out: the smallest pool wins
-        self._num_blocks = self.tp.min_int(int(kv_cache_memory) // self.bytes_per_block)
-        if self._num_blocks < 1:
-            raise ValueError(
-                f"KV cache memory of {kv_cache_memory} bytes holds no block of "
-                f"{self.bytes_per_block} bytes"
-            )
-        shape = kv_pool_shape(c.num_layers, self._num_blocks, block_size, hkv, c.head_dim)
-        factory = kv_pool_factory or (lambda s, dt, dev: torch.empty(s, dtype=dt, device=dev))
-        self.kv_pool = factory(shape, self._dtype, self._device)
+        self._num_blocks = count_kv_blocks(kv_cache_memory, self.bytes_per_block, self.tp)
+        self.kv_pool = allocate_kv_pool(
+            kv_pool_factory,
+            self.config,
+            num_blocks=self._num_blocks,
+            block_size=block_size,
+            num_kv_heads=hkv,
+            dtype=self._dtype,
+            device=self._device,
+        )
         self._kv_caches = list(self.kv_pool.unbind(0))
-        self.cuda_graphs: DecodeCudaGraphs | None = None
-        if (
+        self.cuda_graphs = None if enforce_eager else self._capture_cuda_graphs()
+        self._log_start()
+
+    def _capture_cuda_graphs(self) -> DecodeCudaGraphs | None:
+        """The decode forward's CUDA graphs, on CUDA with the Triton backend and one rank;
+        None elsewhere (steps run eagerly)."""
+        if not (
             self._device.type == "cuda"
             and self.attention_backend.name == "triton"
             and self.tp.world_size == 1
-            and not enforce_eager
         ):
-            from sluiceway.worker.cuda_graphs import DecodeCudaGraphs
+            return None
+        from sluiceway.worker.cuda_graphs import DecodeCudaGraphs
 
-            self.cuda_graphs = DecodeCudaGraphs(
-                self.model,
-                self._kv_caches,
-                max_blocks_per_seq=-(-self._max_model_len // block_size),
-                block_size=block_size,
-            )
+        return DecodeCudaGraphs(
+            self.model,
+            self._kv_caches,
+            max_blocks_per_seq=-(-self._max_model_len // self._block_size),
+            block_size=self._block_size,
+        )
+
+    def _log_start(self) -> None:
+        """The start line: model, dtype, device, KV pool, kernels."""
         log.info(
             "model %s: %s on %s, %d KV blocks of %d tokens (%d bytes each), max_model_len %d, "
             "attention backend %s%s, %s",
@@ -313,23 +235,13 @@ class ModelRunner:
             self._dtype,
             self._device,
             self._num_blocks,
-            block_size,
+            self._block_size,
             self.bytes_per_block,
             self._max_model_len,
             self.attention_backend.name,
-            self._packing_note(),
+            packing_note(self.model),
             "batch invariant" if self.batch_invariant else "not batch invariant",
         )
-
-    def _packing_note(self) -> str:
-        """The start line's word on the linear weights' packing."""
-        if self.model.bf16_pairs:
-            return ", linear weights packed for the bfloat16 GEMM"
-        if self.model.triton_ops is not None:
-            return ", linear layers and RMSNorm on the batch-invariant Triton kernels"
-        if self.model.packed_lm_head is not None:
-            return ", linear weights packed for oneDNN"
-        return ""
 
     # -- properties -----------------------------------------------------------------------
 
@@ -583,132 +495,22 @@ class ModelRunner:
             for c in chunks
         )
 
-    def compute_logits_for_test(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor]:
-        """Like :meth:`execute` (same metadata, same KV writes) but return the logits of every
-        computed position instead of sampling: one ``[num_new_tokens, V]`` float32 tensor per
-        chunk, in chunk order (on every tensor-parallel rank). For tests and debugging."""
-        with torch.inference_mode():
-            inputs = self._prepare(chunks)
-            logits = self.model.compute_logits(self._forward(inputs))
-            return [
-                logits[s : s + c.num_new_tokens].clone()
-                for s, c in zip(inputs.row_start, chunks, strict=True)
-            ]
-
-    def _forward(self, inputs: _StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, inputs.metadata, self._kv_caches)
 
-    def _prepare(self, chunks: Sequence[ScheduledChunk]) -> _StepInputs:
-        """Flatten the chunks (decode chunks first) into ids, positions and attention metadata.
+    def _prepare(self, chunks: Sequence[ScheduledChunk]) -> StepInputs:
+        """The chunks flattened into the forward's inputs (:func:`worker.step_inputs.prepare_step_inputs`).
 
         Raises:
-            ValueError: a sequence scheduled twice, an empty or out-of-range chunk, a position
-                at or beyond ``max_model_len`` or a block table too short.
+            ValueError: a bad chunk (:func:`worker.step_inputs.check_chunks`).
         """
-        seen: set[int] = set()
-        for c in chunks:
-            seq = c.seq
-            end = c.num_computed_tokens + c.num_new_tokens
-            if seq.seq_id in seen:
-                raise ValueError(f"sequence {seq.seq_id} scheduled twice in one step")
-            seen.add(seq.seq_id)
-            if c.num_new_tokens < 1 or c.num_computed_tokens < 0 or end > len(seq.token_ids):
-                raise ValueError(
-                    f"sequence {seq.seq_id}: chunk [{c.num_computed_tokens}, {end}) outside its "
-                    f"{len(seq.token_ids)} tokens"
-                )
-            if end > self._max_model_len:
-                raise ValueError(
-                    f"sequence {seq.seq_id}: {end} tokens exceed max_model_len {self._max_model_len}"
-                )
-            if len(seq.block_table) * self._block_size < end:
-                raise ValueError(
-                    f"sequence {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {end} tokens"
-                )
-        order = [i for i, c in enumerate(chunks) if c.num_new_tokens == 1]
-        order += [i for i, c in enumerate(chunks) if c.num_new_tokens != 1]
-        ids: list[int] = []
-        positions: list[int] = []
-        row_start = [0] * len(chunks)
-        for i in order:
-            c = chunks[i]
-            row_start[i] = len(ids)
-            start = c.num_computed_tokens
-            stop = start + c.num_new_tokens
-            if c.num_new_tokens == 1:
-                ids.append(c.seq.token_ids[start])
-                positions.append(start)
-            else:
-                ids.extend(c.seq.token_ids[start:stop])
-                positions.extend(range(start, stop))
-        ordered = [chunks[i] for i in order]
-        metadata = self.attention_backend.build_metadata(
-            [c.num_new_tokens for c in ordered],
-            [c.num_computed_tokens + c.num_new_tokens for c in ordered],
-            [c.seq.block_table for c in ordered],
+        return prepare_step_inputs(
+            chunks,
+            self.attention_backend,
             block_size=self._block_size,
+            max_model_len=self._max_model_len,
             num_heads=self.model.num_heads,
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.config.head_dim,
             device=self._device,
         )
-        sampling = [
-            i
-            for i, c in enumerate(chunks)
-            if c.num_computed_tokens + c.num_new_tokens == len(c.seq.token_ids)
-        ]
-        return _StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(self._device),
-            positions=torch.tensor(positions, dtype=torch.int64).to(self._device),
-            metadata=metadata,
-            row_start=row_start,
-            sampling=sampling,
-        )
-
-    # -- CUDA sizing -------------------------------------------------------------------------
-
-    def _profile_cuda(self, utilization: float, max_num_batched_tokens: int) -> int:
-        """Bytes left for the KV pool after a profiling forward of ``max_num_batched_tokens``
-        tokens: ``utilization * total - (peak torch memory + memory used outside torch)``."""
-        c = self.config
-        tokens = max(1, min(max_num_batched_tokens, self._max_model_len))
-        blocks = -(-tokens // self._block_size)
-        torch.cuda.synchronize(self._device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self._device)
-        hq, hkv = self.model.num_heads, self.model.num_kv_heads
-        shape = kv_pool_shape(c.num_layers, blocks, self._block_size, hkv, c.head_dim)
-        pool = torch.zeros(shape, dtype=self._dtype, device=self._device)
-        pool_bytes = pool.numel() * pool.element_size()
-        with torch.inference_mode():
-            metadata = self.attention_backend.build_metadata(
-                [tokens],
-                [tokens],
-                [list(range(blocks))],
-                block_size=self._block_size,
-                num_heads=hq,
-                num_kv_heads=hkv,
-                head_dim=c.head_dim,
-                device=self._device,
-            )
-            ids = torch.zeros(tokens, dtype=torch.int64, device=self._device)
-            pos = torch.arange(tokens, dtype=torch.int64, device=self._device)
-            hidden = self.model(ids, pos, metadata, list(pool.unbind(0)))
-            rows = min(tokens, 256)
-            logits = self.model.compute_logits(hidden[:rows])
-            sample(logits, [SamplingParams(top_p=0.9)] * rows, [None] * rows, [[0]] * rows)
-        torch.cuda.synchronize(self._device)
-        peak = torch.cuda.max_memory_allocated(self._device) - pool_bytes
-        del pool, hidden, logits
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self._device)
-        outside_torch = total - free - torch.cuda.memory_reserved(self._device)
-        budget = int(utilization * total - peak - max(outside_torch, 0))
-        log.info(
-            "CUDA profile: total %d, peak torch %d, outside torch %d -> KV budget %d bytes",
-            total,
-            peak,
-            outside_torch,
-            budget,
-        )
-        return max(budget, 0)

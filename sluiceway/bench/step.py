@@ -28,11 +28,14 @@ import platform
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sluiceway.argtypes import byte_size, positive_int
 
 if TYPE_CHECKING:
+    import torch
+
     from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk
 
 # Built-in configs for `--random-model` (HF config.json fields, read by ModelConfig).
@@ -174,24 +177,32 @@ def _batch_sizes(args: argparse.Namespace) -> list[int]:
     return sizes
 
 
-def step_command(args: argparse.Namespace) -> int:
-    """Prints per batch size the mean and median step time and the decode throughput
-    (tokens/s), with and without CUDA graphs where they apply, against the HBM bound;
-    `--json` writes the same figures."""
-    import torch
+@dataclass(slots=True)
+class _Setup:
+    """The runner of a `bench step` run and how its KV pool was sized."""
 
+    runner: ModelRunner
+    lens: list[int]  # context length of each sequence of the largest batch
+    distribution: dict[str, Any]  # how `lens` were drawn (the JSON's context_lengths)
+    bytes_per_block: int
+    kv_cache_memory: int
+    setup_s: float
+
+
+def _setup(args: argparse.Namespace, device: torch.device, max_batch: int) -> _Setup:
+    """The runner on `--model` or `--random-model` with a pool of exactly the blocks of the
+    largest batch (or `--kv-cache-memory`), and the context lengths.
+
+    Raises:
+        SystemExit: the pool holds fewer blocks than the largest batch needs.
+    """
     from sluiceway.model_files import resolve_model
-    from sluiceway.sampling_params import SamplingParams
+    from sluiceway.worker.kv_sizing import kv_bytes_per_block
     from sluiceway.worker.loader import load_config, random_model
     from sluiceway.worker.model import ModelConfig
-    from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, resolve_dtype
+    from sluiceway.worker.model_runner import ModelRunner
+    from sluiceway.worker.model_setup import resolve_dtype
 
-    torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
-    sizes = _batch_sizes(args)
-    max_batch = max(sizes)
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    )
     dtype = resolve_dtype(args.dtype, device)
     t_setup = time.perf_counter()
     if args.random_model:
@@ -220,9 +231,7 @@ def step_command(args: argparse.Namespace) -> int:
         distribution = {"kind": "sharegpt", "output_share": "uniform 1..128"}
     if args.context_len is not None:
         distribution = {"kind": "fixed", "context_len": args.context_len}
-    bytes_per_block = (
-        config.num_layers * 2 * BLOCK_SIZE * config.num_kv_heads * config.head_dim * dtype.itemsize
-    )
+    bytes_per_block = kv_bytes_per_block(config, config.num_kv_heads, BLOCK_SIZE, dtype)
     needed = sum(-(-n // BLOCK_SIZE) for n in lens)
     kv_cache_memory = args.kv_cache_memory or needed * bytes_per_block
     runner = ModelRunner(
@@ -240,8 +249,18 @@ def step_command(args: argparse.Namespace) -> int:
     setup_s = time.perf_counter() - t_setup
     if needed > runner.num_kv_blocks:
         raise SystemExit(f"{needed} KV blocks needed, the pool has {runner.num_kv_blocks}")
-    runner.kv_pool.zero_()  # no NaN or denormals from uninitialized memory in the timings
-    rng = random.Random(args.seed)
+    return _Setup(runner, lens, distribution, bytes_per_block, kv_cache_memory, setup_s)
+
+
+def _decode_chunks(runner: ModelRunner, lens: list[int], seed: int) -> list[ScheduledChunk]:
+    """One greedy sequence of random tokens per context length, its blocks contiguous from
+    block 0 on, each decoding its last token (the pool zeroed first: no NaN or denormals
+    from uninitialized memory in the timings)."""
+    from sluiceway.sampling_params import SamplingParams
+    from sluiceway.worker.model_runner import ScheduledChunk
+
+    runner.kv_pool.zero_()
+    rng = random.Random(seed)
     chunks, next_block = [], 0
     greedy = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
     for i, n in enumerate(lens):
@@ -250,110 +269,174 @@ def step_command(args: argparse.Namespace) -> int:
         seq.block_table.extend(range(next_block, next_block + nb))
         next_block += nb
         chunks.append(ScheduledChunk(seq, n - 1, 1))
+    return chunks
 
-    weight_bytes = runner.parameter_bytes
-    read_bytes = weight_bytes  # every weight once per step, but only `batch` embedding rows
+
+def _bench_batch(
+    runner: ModelRunner,
+    chunks: list[ScheduledChunk],
+    ctx: list[int],
+    args: argparse.Namespace,
+    *,
+    read_bytes: int,
+    bytes_per_token: int,
+) -> dict[str, Any]:
+    """Times the decode step of `chunks` (contexts `ctx`) through the CUDA graphs where one
+    fits, then eagerly; prints its line and returns its figures (a row of the JSON)."""
+    b = len(chunks)
+    kv_bytes = sum(ctx) * bytes_per_token
+    graphs = runner.cuda_graphs
+    graph_batch = graphs.batch_size_for(b) if graphs is not None else None
+    graph = None
+    if graphs is not None and graph_batch is not None:
+        graph = _time_steps(runner, chunks, args.warmup, args.iters)
+        graph["graph_batch"] = graph_batch
+    runner.cuda_graphs = None
+    try:
+        eager = _time_steps(runner, chunks, args.warmup, args.iters)
+    finally:
+        runner.cuda_graphs = graphs
+    bound = hbm_bound(b, read_bytes, kv_bytes, args.hbm_bandwidth)
+    best = max(eager["tokens_per_s"], graph["tokens_per_s"] if graph else 0.0)
+    row: dict[str, Any] = {
+        "batch_size": b,
+        "context_len_mean": statistics.fmean(ctx),
+        "context_len_min": min(ctx),
+        "context_len_max": max(ctx),
+        "kv_blocks_used": sum(-(-n // BLOCK_SIZE) for n in ctx),
+        "kv_bytes_read_per_step": kv_bytes,
+        "graph": graph,
+        "eager": eager,
+        "eager_over_graph": eager["ms_per_step"] / graph["ms_per_step"] if graph else None,
+        "hbm_bound": bound,
+        "fraction_of_hbm_bound": best / bound["with_kv_tokens_per_s"],
+    }
+    graph_text = (
+        f"graphs {graph['ms_per_step']:.2f} ms/step {graph['tokens_per_s']:.0f} tokens/s, "
+        f"eager/graphs {row['eager_over_graph']:.2f}x; "
+        if graph
+        else "graphs n/a; "
+    )
+    print(
+        f"batch {b}: context {min(ctx)}..{max(ctx)} tokens (mean {statistics.fmean(ctx):.0f}),"
+        f" {row['kv_blocks_used']} KV blocks; {graph_text}eager {eager['ms_per_step']:.2f} "
+        f"ms/step (median {eager['median_ms_per_step']:.2f}, forward "
+        f"{eager['forward_ms']:.2f}) {eager['tokens_per_s']:.1f} tokens/s; HBM bound "
+        f"{bound['with_kv_ms_per_step']:.3f} ms/step = {bound['with_kv_tokens_per_s']:.0f} "
+        f"tokens/s (weights alone {bound['weights_tokens_per_s']:.0f}); "
+        f"{100 * row['fraction_of_hbm_bound']:.1f}% of it"
+    )
+    return row
+
+
+def _read_bytes(runner: ModelRunner) -> int:
+    """Bytes of weights a decode step reads: every weight once, but of an untied embedding
+    only the batch's rows (left out)."""
+    read_bytes = runner.parameter_bytes
     if runner.model.lm_head_weight is not None:
         emb = runner.model.embed_weight
         read_bytes -= emb.numel() * emb.element_size()
-    bytes_per_token = bytes_per_block // BLOCK_SIZE
+    return read_bytes
+
+
+def _write_report(
+    path: pathlib.Path,
+    args: argparse.Namespace,
+    setup: _Setup,
+    device: torch.device,
+    gpu: str | None,
+    read_bytes: int,
+    results: list[dict[str, Any]],
+) -> None:
+    """Writes every figure of the run as JSON to `path` (its folder created)."""
+    import torch
+
+    runner = setup.runner
     graphs = runner.cuda_graphs
+    report = {
+        "model": runner.model_id,
+        "random_model": args.random_model,
+        "device": str(device),
+        "gpu": gpu,
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "attention_backend": runner.attention_backend.name,
+        "cuda_graphs": graphs is not None,
+        "cuda_graph_batch_sizes": graphs.batch_sizes if graphs is not None else None,
+        "setup_s": setup.setup_s,
+        "num_parameters": sum(p.numel() for p in runner.model.parameters()),
+        "weight_bytes": runner.parameter_bytes,
+        "weight_bytes_read_per_step": read_bytes,
+        "block_size": BLOCK_SIZE,
+        "bytes_per_block": setup.bytes_per_block,
+        "kv_cache_memory": setup.kv_cache_memory,
+        "num_kv_blocks": runner.num_kv_blocks,
+        "hbm_bandwidth": args.hbm_bandwidth,
+        "context_lengths": {**setup.distribution, "seed": args.seed},
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "threads": torch.get_num_threads(),
+        "results": results,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+
+
+def _print_profile(runner: ModelRunner, chunks: list[ScheduledChunk]) -> None:
+    """Prints torch's operator table of three steps of `chunks` (CUDA time on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = runner.device
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            runner.execute(chunks)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=20))
+
+
+def step_command(args: argparse.Namespace) -> int:
+    """Prints per batch size the mean and median step time and the decode throughput
+    (tokens/s), with and without CUDA graphs where they apply, against the HBM bound;
+    `--json` writes the same figures."""
+    import torch
+
+    torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
+    sizes = _batch_sizes(args)
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
+    setup = _setup(args, device, max(sizes))
+    runner, lens = setup.runner, setup.lens
+    chunks = _decode_chunks(runner, lens, args.seed)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(
         f"{runner.model_id}: {runner.dtype} on {device} ({gpu or platform.processor() or 'cpu'}),"
-        f" {weight_bytes / 1e9:.2f} GB of weights, {runner.num_kv_blocks} KV blocks of "
-        f"{bytes_per_block} bytes, attention {runner.attention_backend.name}, CUDA graphs "
-        f"{'on' if graphs is not None else 'off'}; ready in {setup_s:.1f} s, "
+        f" {runner.parameter_bytes / 1e9:.2f} GB of weights, {runner.num_kv_blocks} KV blocks of "
+        f"{setup.bytes_per_block} bytes, attention {runner.attention_backend.name}, CUDA graphs "
+        f"{'on' if runner.cuda_graphs is not None else 'off'}; ready in {setup.setup_s:.1f} s, "
         f"{torch.get_num_threads()} threads"
     )
-    results = []
-    for b in sizes:
-        batch = chunks[:b]
-        ctx = lens[:b]
-        kv_bytes = sum(ctx) * bytes_per_token
-        graph_batch = graphs.batch_size_for(b) if graphs is not None else None
-        graph = None
-        if graphs is not None and graph_batch is not None:
-            graph = _time_steps(runner, batch, args.warmup, args.iters)
-            graph["graph_batch"] = graph_batch
-        runner.cuda_graphs = None
-        try:
-            eager = _time_steps(runner, batch, args.warmup, args.iters)
-        finally:
-            runner.cuda_graphs = graphs
-        bound = hbm_bound(b, read_bytes, kv_bytes, args.hbm_bandwidth)
-        best = max(eager["tokens_per_s"], graph["tokens_per_s"] if graph else 0.0)
-        row: dict[str, Any] = {
-            "batch_size": b,
-            "context_len_mean": statistics.fmean(ctx),
-            "context_len_min": min(ctx),
-            "context_len_max": max(ctx),
-            "kv_blocks_used": sum(-(-n // BLOCK_SIZE) for n in ctx),
-            "kv_bytes_read_per_step": kv_bytes,
-            "graph": graph,
-            "eager": eager,
-            "eager_over_graph": eager["ms_per_step"] / graph["ms_per_step"] if graph else None,
-            "hbm_bound": bound,
-            "fraction_of_hbm_bound": best / bound["with_kv_tokens_per_s"],
-        }
-        results.append(row)
-        graph_text = (
-            f"graphs {graph['ms_per_step']:.2f} ms/step {graph['tokens_per_s']:.0f} tokens/s, "
-            f"eager/graphs {row['eager_over_graph']:.2f}x; "
-            if graph
-            else "graphs n/a; "
+    read_bytes = _read_bytes(runner)
+    results = [
+        _bench_batch(
+            runner,
+            chunks[:b],
+            lens[:b],
+            args,
+            read_bytes=read_bytes,
+            bytes_per_token=setup.bytes_per_block // BLOCK_SIZE,
         )
-        print(
-            f"batch {b}: context {min(ctx)}..{max(ctx)} tokens (mean {statistics.fmean(ctx):.0f}),"
-            f" {row['kv_blocks_used']} KV blocks; {graph_text}eager {eager['ms_per_step']:.2f} "
-            f"ms/step (median {eager['median_ms_per_step']:.2f}, forward "
-            f"{eager['forward_ms']:.2f}) {eager['tokens_per_s']:.1f} tokens/s; HBM bound "
-            f"{bound['with_kv_ms_per_step']:.3f} ms/step = {bound['with_kv_tokens_per_s']:.0f} "
-            f"tokens/s (weights alone {bound['weights_tokens_per_s']:.0f}); "
-            f"{100 * row['fraction_of_hbm_bound']:.1f}% of it"
-        )
+        for b in sizes
+    ]
     if args.json:
-        report = {
-            "model": runner.model_id,
-            "random_model": args.random_model,
-            "device": str(device),
-            "gpu": gpu,
-            "cpu": platform.processor() or platform.machine(),
-            "torch": torch.__version__,
-            "dtype": str(runner.dtype).removeprefix("torch."),
-            "attention_backend": runner.attention_backend.name,
-            "cuda_graphs": graphs is not None,
-            "cuda_graph_batch_sizes": graphs.batch_sizes if graphs is not None else None,
-            "setup_s": setup_s,
-            "num_parameters": sum(p.numel() for p in runner.model.parameters()),
-            "weight_bytes": weight_bytes,
-            "weight_bytes_read_per_step": read_bytes,
-            "block_size": BLOCK_SIZE,
-            "bytes_per_block": bytes_per_block,
-            "kv_cache_memory": kv_cache_memory,
-            "num_kv_blocks": runner.num_kv_blocks,
-            "hbm_bandwidth": args.hbm_bandwidth,
-            "context_lengths": {**distribution, "seed": args.seed},
-            "warmup": args.warmup,
-            "iters": args.iters,
-            "threads": torch.get_num_threads(),
-            "results": results,
-        }
-        path = pathlib.Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {path}")
+        _write_report(pathlib.Path(args.json), args, setup, device, gpu, read_bytes, results)
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        with profile(activities=activities) as prof:
-            for _ in range(3):
-                runner.execute(chunks)
-        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort, row_limit=20))
+        _print_profile(runner, chunks)
     return 0
 
 

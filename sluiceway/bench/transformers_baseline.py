@@ -13,6 +13,7 @@ import itertools
 import os
 import time
 from collections import deque
+from typing import Any
 
 from sluiceway.bench.metrics import RequestResult, summarize
 from sluiceway.bench.serve import BenchRun
@@ -79,32 +80,11 @@ def run_transformers(
     """
     import torch
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
-
-    from sluiceway.model_files import resolve_model
-    from sluiceway.router.request_path import eos_token_ids
-    from sluiceway.router.tokenizer import encode_prompt, load_tokenizer
-    from sluiceway.worker.model_runner import resolve_dtype
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     torch.set_num_threads(num_threads or os.cpu_count() or 1)
-    model_dir = resolve_model(model)
-    tokenizer = load_tokenizer(model_dir)
-    torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
-    eos_ids = set() if ignore_eos else set(eos_token_ids(tokenizer, model_dir))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    prompts = [
-        list(r.prompt_token_ids) if r.prompt_token_ids else encode_prompt(tokenizer, r.prompt)
-        for r in requests
-    ]
-
-    with torch.inference_mode():  # warm-up, as the server's first request
-        hf_model.generate(
-            input_ids=torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False,
-            temperature=None, top_p=None, top_k=None, pad_token_id=pad_id,
-        )  # fmt: skip
+    hf_model, prompts, eos_ids, pad_id = _load(requests, model, dtype, ignore_eos)
     results: list[RequestResult | None] = [None] * len(requests)
     arrivals, at = [], 0.0
     for wait_s in intervals:
@@ -124,50 +104,116 @@ def run_transformers(
             time.sleep(arrivals[next_arrival] - now)
             continue
         batch = [queue.popleft() for _ in range(min(batch_size, len(queue)))]
-        lens = [len(prompts[i]) for i in batch]
-        width = max(lens)
-        input_ids = torch.tensor([[pad_id] * (width - len(prompts[i])) + prompts[i] for i in batch])
-        attention_mask = torch.tensor([[0] * (width - n) + [1] * n for n in lens])
-        max_new = max(requests[i].output_len for i in batch)
-        clock = _StepClock()
-        with torch.inference_mode():
-            out = hf_model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=max_new,
-                min_new_tokens=max_new if ignore_eos else None,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-                pad_token_id=pad_id,
-                streamer=clock,
-            )
-        end = time.perf_counter()
-        generated = out[:, width:].tolist()
-        output_lens = []
-        for row, i in enumerate(batch):
-            tokens = generated[row][: requests[i].output_len]
-            n = next((k + 1 for k, t in enumerate(tokens) if t in eos_ids), len(tokens))
-            output_lens.append(n)
-            arrived = t0 + arrivals[i]
-            step_times = clock.times[:n]
-            results[i] = RequestResult(
-                ok=True,
-                prompt_len=lens[row],
-                output_len=n,
-                ttft=step_times[0] - arrived,
-                e2e=end - arrived,
-                itl=[b - a for a, b in itertools.pairwise(step_times)],
-            )
-        stored, slots = kv_slots(lens, output_lens)
+        done = _run_batch(
+            hf_model,
+            [requests[i] for i in batch],
+            [prompts[i] for i in batch],
+            [t0 + arrivals[i] for i in batch],
+            pad_id=pad_id,
+            eos_ids=eos_ids,
+            ignore_eos=ignore_eos,
+        )
+        for i, result in zip(batch, done, strict=True):
+            results[i] = result
+        stored, slots = kv_slots([r.prompt_len for r in done], [r.output_len for r in done])
         stored_total, slots_total = stored_total + stored, slots_total + slots
         progress.update(len(batch))
     duration = time.perf_counter() - t0
     progress.close()
-    done = [r for r in results if r is not None]
-    figures = summarize(done, duration)
+    finished = [r for r in results if r is not None]
+    figures = summarize(finished, duration)
     figures["kv_cache_utilization_pct"] = 100 * stored_total / slots_total if slots_total else 0.0
     figures["prefix_cache_hit_rate_pct"] = 0.0
     figures["num_preemptions"] = 0
-    return BenchRun(done, figures, [])
+    return BenchRun(finished, figures, [])
+
+
+def _load(
+    requests: list[SampledRequest], model: str | None, dtype: str, ignore_eos: bool
+) -> tuple[Any, list[list[int]], set[int], int]:
+    """The HF model (after one warm-up `generate`, as the server's first request), each
+    request's prompt token ids, the EOS ids that end an output (none with `ignore_eos`) and
+    the padding id.
+
+    Raises:
+        sluiceway.model_files.ModelFilesError: `model` is not a model.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sluiceway.model_files import resolve_model
+    from sluiceway.router.request_path import eos_token_ids
+    from sluiceway.router.tokenizer import encode_prompt, load_tokenizer
+    from sluiceway.worker.model_setup import resolve_dtype
+
+    model_dir = resolve_model(model)
+    tokenizer = load_tokenizer(model_dir)
+    torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    eos_ids = set() if ignore_eos else set(eos_token_ids(tokenizer, model_dir))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prompts = [
+        list(r.prompt_token_ids) if r.prompt_token_ids else encode_prompt(tokenizer, r.prompt)
+        for r in requests
+    ]
+
+    with torch.inference_mode():  # warm-up, as the server's first request
+        hf_model.generate(
+            input_ids=torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False,
+            temperature=None, top_p=None, top_k=None, pad_token_id=pad_id,
+        )  # fmt: skip
+    return hf_model, prompts, eos_ids, pad_id
+
+
+def _run_batch(
+    hf_model: Any,
+    requests: list[SampledRequest],
+    prompts: list[list[int]],
+    arrived: list[float],
+    *,
+    pad_id: int,
+    eos_ids: set[int],
+    ignore_eos: bool,
+) -> list[RequestResult]:
+    """One static batch: the prompts left-padded into one greedy `generate` to the longest
+    output of the batch; each request's result, its times from its arrival (`arrived`,
+    `time.perf_counter()` seconds) and its output cut at its length or its first EOS."""
+    import torch
+
+    lens = [len(p) for p in prompts]
+    width = max(lens)
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - n) + [1] * n for n in lens])
+    max_new = max(r.output_len for r in requests)
+    clock = _StepClock()
+    with torch.inference_mode():
+        out = hf_model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new if ignore_eos else None,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad_id,
+            streamer=clock,
+        )
+    end = time.perf_counter()
+    generated = out[:, width:].tolist()
+    results = []
+    for row, request in enumerate(requests):
+        tokens = generated[row][: request.output_len]
+        n = next((k + 1 for k, t in enumerate(tokens) if t in eos_ids), len(tokens))
+        step_times = clock.times[:n]
+        results.append(
+            RequestResult(
+                ok=True,
+                prompt_len=lens[row],
+                output_len=n,
+                ttft=step_times[0] - arrived[row],
+                e2e=end - arrived[row],
+                itl=[b - a for a, b in itertools.pairwise(step_times)],
+            )
+        )
+    return results

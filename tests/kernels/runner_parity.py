@@ -19,6 +19,7 @@ def worst_logit_difference(
     prefix) beside seq 1's whole prompt, then decodes of both together (teacher forcing: the
     reference's argmax is appended to both)."""
     from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk
+    from tests.worker.runner_logits import step_logits
     from tests.worker.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "llama", "llama-untied", seed=3)
@@ -51,7 +52,7 @@ def worst_logit_difference(
         logits = {}
         for name, runner in runners.items():
             chunks = [ScheduledChunk(seqs[name][s], done, new) for s, done, new in step]
-            logits[name] = runner.compute_logits_for_test(chunks)
+            logits[name] = step_logits(runner, chunks)
         for s, done, new in step:
             nxt = int(logits["torch"][[x for x, *_ in step].index(s)][-1].argmax())
             if done + new == len(seqs["torch"][s].token_ids):

@@ -351,6 +351,7 @@ def test_cpu_runner_packs_linear_weights_for_onednn(
     (tests/kernels/test_bf16_gemm.py covers the other choice)."""
     monkeypatch.setattr(cpu_ops, "bf16_gemm_supported", lambda: False)
     from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk
+    from tests.worker.runner_logits import step_logits
     from tests.worker.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "llama", "llama-untied", seed=3)
@@ -375,7 +376,7 @@ def test_cpu_runner_packs_linear_weights_for_onednn(
     )
     seq = runners["cpu"].make_sequence(0, [5, 9, 11, 200, 3], SamplingParams(temperature=0.0))
     seq.block_table.append(0)
-    logits = runners["cpu"].compute_logits_for_test([ScheduledChunk(seq, 0, 5)])[0]
+    logits = step_logits(runners["cpu"], [ScheduledChunk(seq, 0, 5)])[0]
     assert logits.shape == (5, packed.config.vocab_size) and torch.isfinite(logits).all()
 
 

@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 from sluiceway.kernels.backend import AttentionBackend, TorchAttentionBackend
 from sluiceway.kernels.paged_attention import (
     build_attention_metadata,
-    dense_causal_attention,
     key_blocks,
     kv_pool_shape,
     paged_attention,
     value_blocks,
     write_kv,
 )
+from tests.kernels.attention_oracle import dense_causal_attention
 
 BLOCK = 4
 

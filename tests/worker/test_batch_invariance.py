@@ -15,6 +15,7 @@ from sluiceway.kernels import cpu_ops
 from sluiceway.model_files import resolve_model
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
+from tests.worker.runner_logits import step_logits
 
 pytestmark = pytest.mark.skipif(
     not cpu_ops.bf16_gemm_supported(),
@@ -54,7 +55,7 @@ def _prefill(runner: ModelRunner, blocks: Blocks, seq_id: int, ids: list[int]) -
     """A sequence whose prompt's K/V are in the pool (one chunk of its own)."""
     seq = runner.make_sequence(seq_id, ids, GREEDY)
     blocks.grow(seq, len(ids))
-    runner.compute_logits_for_test([ScheduledChunk(seq, 0, len(ids))])
+    step_logits(runner, [ScheduledChunk(seq, 0, len(ids))])
     return seq
 
 
@@ -66,7 +67,7 @@ def test_logits_are_bitwise_the_same_alone_batched_chunked_and_cached(
 
     alone_seq = runner.make_sequence(0, prompt, GREEDY)
     blocks.grow(alone_seq, len(prompt))
-    alone = runner.compute_logits_for_test([ScheduledChunk(alone_seq, 0, len(prompt))])[0]
+    alone = step_logits(runner, [ScheduledChunk(alone_seq, 0, len(prompt))])[0]
 
     # 1. beside 4 decodes (contexts 20..300) and 2 prefills (one of 600 rows) in one step
     decodes = [_prefill(runner, blocks, 10 + i, _ids(10 + i, n)) for i, n in
@@ -83,7 +84,7 @@ def test_logits_are_bitwise_the_same_alone_batched_chunked_and_cached(
     step = [ScheduledChunk(d, len(d.token_ids) - 1, 1) for d in decodes]
     step += [ScheduledChunk(others[0], 0, 9), ScheduledChunk(seq, 0, 45)]
     step += [ScheduledChunk(others[1], 0, 600)]
-    batched = runner.compute_logits_for_test(step)[5]
+    batched = step_logits(runner, step)[5]
     assert torch.equal(batched, alone)
 
     # 1b. its first decode: alone, then beside the 4 decodes and a 600-row prefill
@@ -99,7 +100,7 @@ def test_logits_are_bitwise_the_same_alone_batched_chunked_and_cached(
                 blocks.grow(d, len(d.token_ids))
             rows += [ScheduledChunk(d, len(d.token_ids) - 1, 1) for d in decodes]
             rows += [ScheduledChunk(others[1], 0, 600)]
-        decoded[len(company)] = runner.compute_logits_for_test(rows)[0]
+        decoded[len(company)] = step_logits(runner, rows)[0]
     assert torch.equal(decoded[0], decoded[1])
 
     # 2. chunked 16 + 13 + 16 over three steps, each beside other rows
@@ -109,8 +110,8 @@ def test_logits_are_bitwise_the_same_alone_batched_chunked_and_cached(
     for start, n in ((0, 16), (16, 13), (29, 16)):
         extra = runner.make_sequence(30 + start, _ids(30 + start, 7 + start), GREEDY)
         blocks.grow(extra, len(extra.token_ids))
-        out = runner.compute_logits_for_test(
-            [ScheduledChunk(extra, 0, len(extra.token_ids)), ScheduledChunk(seq, start, n)]
+        out = step_logits(
+            runner, [ScheduledChunk(extra, 0, len(extra.token_ids)), ScheduledChunk(seq, start, n)]
         )
         parts.append(out[1])
     assert torch.equal(torch.cat(parts), alone)
@@ -119,11 +120,11 @@ def test_logits_are_bitwise_the_same_alone_batched_chunked_and_cached(
     #    this one reuses those blocks and computes the other 13
     other = runner.make_sequence(3, prompt[:32] + _ids(3, 20), GREEDY)
     blocks.grow(other, len(other.token_ids))
-    runner.compute_logits_for_test([ScheduledChunk(other, 0, len(other.token_ids))])
+    step_logits(runner, [ScheduledChunk(other, 0, len(other.token_ids))])
     cached = runner.make_sequence(4, prompt, GREEDY)
     cached.block_table.extend(other.block_table[:2])
     blocks.grow(cached, len(prompt))
-    tail = runner.compute_logits_for_test([ScheduledChunk(cached, 32, 13)])[0]
+    tail = step_logits(runner, [ScheduledChunk(cached, 32, 13)])[0]
     assert torch.equal(tail, alone[32:])
 
 

@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
+from tests.worker.runner_logits import step_logits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 16
@@ -64,7 +65,7 @@ def test_logits_are_bitwise_the_same_alone_batched_chunked_and_cached(
 ) -> None:
     blocks = Blocks(runner.num_kv_blocks)
     prompt = _ids(1, 37)
-    alone = runner.compute_logits_for_test([ScheduledChunk(_new(runner, blocks, 0, prompt), 0, 37)])
+    alone = step_logits(runner, [ScheduledChunk(_new(runner, blocks, 0, prompt), 0, 37)])
     alone_logits = alone[0]
     assert alone_logits.dtype == torch.float32
 
@@ -72,7 +73,7 @@ def test_logits_are_bitwise_the_same_alone_batched_chunked_and_cached(
     decodes = []
     for i, n in enumerate((5, 40)):
         d = _new(runner, blocks, 10 + i, _ids(10 + i, n))
-        runner.compute_logits_for_test([ScheduledChunk(d, 0, n)])
+        step_logits(runner, [ScheduledChunk(d, 0, n)])
         d.token_ids.append(7)
         blocks.grow(d, n + 1)
         decodes.append(d)
@@ -81,26 +82,26 @@ def test_logits_are_bitwise_the_same_alone_batched_chunked_and_cached(
     step = [ScheduledChunk(d, len(d.token_ids) - 1, 1) for d in decodes]
     step += [ScheduledChunk(others[0], 0, 3), ScheduledChunk(seq, 0, 37)]
     step += [ScheduledChunk(others[1], 0, 70)]
-    assert torch.equal(runner.compute_logits_for_test(step)[3], alone_logits)
+    assert torch.equal(step_logits(runner, step)[3], alone_logits)
 
     # chunked 16 + 5 + 16 over three steps, each beside another prefill
     seq = _new(runner, blocks, 2, prompt)
     parts = []
     for start, n in ((0, 16), (16, 5), (21, 16)):
         extra = _new(runner, blocks, 30 + start, _ids(30 + start, 4 + start))
-        out = runner.compute_logits_for_test(
-            [ScheduledChunk(extra, 0, len(extra.token_ids)), ScheduledChunk(seq, start, n)]
+        out = step_logits(
+            runner, [ScheduledChunk(extra, 0, len(extra.token_ids)), ScheduledChunk(seq, start, n)]
         )
         parts.append(out[1])
     assert torch.equal(torch.cat(parts), alone_logits)
 
     # a prefix-cache hit: another sequence computed the first 32 tokens (2 full blocks)
     other = _new(runner, blocks, 3, prompt[:32] + _ids(3, 9))
-    runner.compute_logits_for_test([ScheduledChunk(other, 0, len(other.token_ids))])
+    step_logits(runner, [ScheduledChunk(other, 0, len(other.token_ids))])
     cached = runner.make_sequence(4, prompt, GREEDY)
     cached.block_table.extend(other.block_table[:2])
     blocks.grow(cached, len(prompt))
-    tail = runner.compute_logits_for_test([ScheduledChunk(cached, 32, 5)])[0]
+    tail = step_logits(runner, [ScheduledChunk(cached, 32, 5)])[0]
     assert torch.equal(tail, alone_logits[32:])
 
     # its next token as a decode, alone and beside a 70-row prefill
@@ -110,7 +111,7 @@ def test_logits_are_bitwise_the_same_alone_batched_chunked_and_cached(
         s.token_ids.append(nxt)
         blocks.grow(s, 38)
         rows = [ScheduledChunk(s, 37, 1)] + [ScheduledChunk(c, 0, 70) for c in company]
-        got.append(runner.compute_logits_for_test(rows)[0])
+        got.append(step_logits(runner, rows)[0])
     assert torch.equal(got[0], got[1])
 
 

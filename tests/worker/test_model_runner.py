@@ -17,6 +17,7 @@ from sluiceway.worker.model_runner import (
     ScheduledChunk,
     SequenceData,
 )
+from tests.worker.runner_logits import step_logits
 from tests.worker.tiny_models import VARIANTS, make_tiny_model
 
 BLOCK = 4
@@ -62,7 +63,7 @@ def test_chunked_mixed_batch_matches_transformers(
             seq = seqs[s]
             blocks.grow(seq, computed[s] + n)
             chunks.append(ScheduledChunk(seq, computed[s], n))
-        for (s, n), logits in zip(plan, runner.compute_logits_for_test(chunks), strict=True):
+        for (s, n), logits in zip(plan, step_logits(runner, chunks), strict=True):
             assert logits.shape == (n, 256)
             got[s].append(logits)
             computed[s] += n
@@ -243,7 +244,7 @@ def test_a_runner_around_a_prebuilt_model_computes_what_the_loaded_one_does(
     for runner in (loaded, prebuilt):
         seq = runner.make_sequence(1, [5, 9, 11, 200, 3], SamplingParams(temperature=0.0))
         _Blocks(runner.num_kv_blocks).grow(seq, 16)
-        outputs.append(runner.compute_logits_for_test([ScheduledChunk(seq, 0, 5)])[0])
+        outputs.append(step_logits(runner, [ScheduledChunk(seq, 0, 5)])[0])
     assert torch.equal(outputs[0], outputs[1])
     with pytest.raises(ValueError, match="does not fit the runner"):
         ModelRunner(model_dir, dtype="bfloat16", kv_cache_memory=1 << 20, model=model)

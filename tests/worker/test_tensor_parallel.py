@@ -23,6 +23,7 @@ from sluiceway.worker.loader import load_config, load_model
 from sluiceway.worker.model import LlamaForCausalLM, ModelConfig
 from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
 from sluiceway.worker.parallel import TensorParallelGroup, check_tensor_parallel
+from tests.worker.runner_logits import step_logits
 
 BLOCK = 4
 WORLD = 2
@@ -208,7 +209,7 @@ def _scenario(runner: ModelRunner) -> dict[str, Any]:
                 seq.block_table.append(free.pop())
             start = 0 if step == 0 else total - 1
             chunks.append(ScheduledChunk(seq, start, total - start))
-        logits.append(torch.stack([x[-1] for x in runner.compute_logits_for_test(chunks)]))
+        logits.append(torch.stack([x[-1] for x in step_logits(runner, chunks)]))
         out = runner.execute(chunks)
         returned.append(len(out))
         ids = [[t.token_id for t in out]]
