@@ -52,10 +52,9 @@ IDLE_PROBE_TIMEOUT_S = STEP_TIMEOUT_FLOOR_S
 
 def step_timeout_s(out: SchedulerOutput) -> float:
     """The watchdog's bound on one step, seconds (see STEP_TIMEOUT_FLOOR_S)."""
-    tokens = sum(s.num_new_tokens for s in out.scheduled)
     return (
         STEP_TIMEOUT_FLOOR_S
-        + STEP_TIMEOUT_PER_TOKEN_S * tokens
+        + STEP_TIMEOUT_PER_TOKEN_S * out.num_batched_tokens
         + STEP_TIMEOUT_PER_SEQ_S * len(out.scheduled)
     )
 
@@ -131,14 +130,7 @@ def token_logprobs(sampled: worker_pb2.SampledToken) -> inference_pb2.TokenLogpr
 
 def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepRequest:
     """Translates a `SchedulerOutput` into the wire message of one step."""
-    req = worker_pb2.StepRequest(
-        step_id=step_id,
-        finished_seq_ids=out.finished_seq_ids,
-        block_copies=[
-            worker_pb2.BlockCopy(src_block_id=src, dst_block_id=dst)
-            for src, dst in out.block_copies
-        ],
-    )
+    req = worker_pb2.StepRequest(step_id=step_id, finished_seq_ids=out.finished_seq_ids)
     for s in out.scheduled:
         if s.is_new:
             req.new_sequences.append(
@@ -157,8 +149,6 @@ def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepReq
             num_new_tokens=s.num_new_tokens,
             new_block_ids=s.new_block_ids,
         )
-        if s.block_copy is not None and not s.is_new:  # a new one's table is sent whole
-            scheduled.copied_last_block_id = s.block_copy[1]
         req.scheduled.append(scheduled)
     return req
 
@@ -190,8 +180,6 @@ class EngineStats:
     slots_allocated_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
-    forked_tokens_total: int = 0  # parallel sampling: prompt tokens shared with a sibling
-    blocks_copied_on_write_total: int = 0
     num_preemptions_total: int = 0
 
 
@@ -378,8 +366,6 @@ class Engine:
             st.slots_allocated_total += sched.kv_usage.slots_allocated_total
             st.prefix_cache_queries_total += bm.prefix_cache_queries
             st.prefix_cache_hits_total += bm.prefix_cache_hits
-            st.forked_tokens_total += bm.forked_tokens
-            st.blocks_copied_on_write_total += bm.blocks_copied_on_write
             st.num_preemptions_total += sched.num_preemptions
         if st.num_kv_blocks:
             st.kv_usage_perc = (st.num_kv_blocks - st.num_free_kv_blocks) / st.num_kv_blocks
@@ -602,39 +588,26 @@ class Engine:
         where it is (logged)."""
         src_sched = source.scheduler
         assert src_sched is not None
-        # a sample whose siblings wait to fork its prompt's blocks stays one more step
-        ready = [
-            s for s in src_sched.running if s.output_token_ids and not src_sched.awaits_fork(s)
-        ]
+        ready = [s for s in src_sched.running if s.output_token_ids]
         if not ready:
             return
+        decode = [g for g in self.groups if g.role == "decode" and g.ready.is_set()]
         plans: dict[int, tuple[WorkerGroup, list[_Move]]] = {}
         for seq in ready:
-            best: tuple[tuple[int, int], WorkerGroup, list[int]] | None = None
-            for g in self.groups:
-                sched = g.scheduler
-                if g.role != "decode" or not g.ready.is_set() or sched is None:
-                    continue
-                bm = sched.block_manager
-                planned = len(plans.get(g.index, (g, []))[1])
-                cached = bm.find_cached_prefix(seq)[: bm.blocks_for(seq.num_computed_tokens)]
-                revived = sum(1 for b in cached if bm.blocks[b].ref_count == 0)
-                need = bm.blocks_for(seq.num_computed_tokens) - len(cached) + revived
-                if len(sched.running) + planned >= self.config.max_num_seqs:
-                    continue
-                if bm.num_free_blocks < need:
-                    continue
-                if best is None or g.load < best[0]:
-                    best = (g.load, g, cached)
-            if best is None:
-                continue  # keeps decoding here; tried again after the next step
-            _, dest, cached = best
-            assert dest.scheduler is not None
-            bm = dest.scheduler.block_manager
             n = seq.num_computed_tokens
-            bm.ref_blocks(cached)  # before allocating: allocation must not evict them
-            blocks = cached + bm.allocate_blocks(bm.blocks_for(n) - len(cached))
-            plans.setdefault(dest.index, (dest, []))[1].append(_Move(seq, n, blocks, len(cached)))
+            for dest in sorted(decode, key=lambda g: g.load):  # the least loaded with room
+                sched = dest.scheduler
+                planned = len(plans.get(dest.index, (dest, []))[1])
+                if sched is None or len(sched.running) + planned >= self.config.max_num_seqs:
+                    continue
+                reserved = sched.block_manager.allocate_for_transfer(seq, n)
+                if reserved is not None:
+                    blocks, num_cached = reserved
+                    plans.setdefault(dest.index, (dest, []))[1].append(
+                        _Move(seq, n, blocks, num_cached)
+                    )
+                    break
+            # (no group with room: it keeps decoding here; tried again after the next step)
         if not plans:
             return
 
@@ -754,7 +727,7 @@ class Engine:
         metrics.SCHEDULER_STEP_SECONDS.labels(model).observe(t1 - t0)
         metrics.MODEL_STEP_SECONDS.labels(model).observe(t2 - t1)
         metrics.BATCH_SIZE.labels(model).observe(len(out.scheduled))
-        metrics.BATCHED_TOKENS.labels(model).observe(sum(s.num_new_tokens for s in out.scheduled))
+        metrics.BATCHED_TOKENS.labels(model).observe(out.num_batched_tokens)
 
     def _fail_group(self, group: WorkerGroup, error: Exception) -> None:
         """Ends every sequence `group` holds with `error` and frees its blocks."""
