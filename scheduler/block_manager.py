@@ -13,16 +13,20 @@ cached prefix). A block whose last reference goes keeps its contents and
 its hash in an LRU free queue; it is evicted only when a fresh block is
 needed. So `num_free_blocks` counts evictable cached blocks as free.
 
-Parallel sampling, as in PagedAttention (Kwon et al., SOSP '23, section
-4.4): the n samples of one request share the prompt's blocks, its last
-partial block included (`fork`, reference counts). A sequence about to write
-into a block that others still hold gets a copy of it first
-(`copy_on_write`): with n sharers that is n - 1 copies, the last writer keeps
-the original.
+Every block question is asked here, in one call, as vLLM v1's
+`KVCacheManager.allocate_slots`: `allocate_slots` (a step's sequence, its
+cached prefix taken first when it is admitted) and `allocate_for_transfer`
+(a sequence moving in from another pool) either reserve everything asked or
+return None and change nothing. No other code counts blocks or reads
+reference counts.
+
+Parallel sampling shares the prompt through the prefix cache, as vLLM v1
+does: a sample takes its siblings' full prompt blocks as a cache hit and
+computes the partial last block itself (see scheduler.py).
 
 KV events (for cache-aware routing, scheduler/kv_events.py): while
 `kv_event_log` is a list, every hash entering the cache appends
-``(hash, True)`` and every hash leaving it (eviction, reset) ``(hash, False)``,
+``(hash, True)`` and every hash leaving it (an eviction) ``(hash, False)``,
 in order; its reader empties it.
 """
 
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 from sluiceway.prefix_hash import ROOT_HASH, hash_block
 from sluiceway.scheduler.sequence import Sequence
 
-__all__ = ["ROOT_HASH", "Block", "BlockManager", "hash_block"]
+__all__ = ["ROOT_HASH", "Block", "BlockManager", "CachedPrefix", "hash_block"]
 
 
 @dataclass(slots=True)
@@ -45,10 +49,18 @@ class Block:
     block_hash: bytes | None = None  # set once the block is full and registered in the cache
 
 
+@dataclass(slots=True, frozen=True)
+class CachedPrefix:
+    """The longest cached prefix of a sequence's tokens (`BlockManager.find_cached_prefix`),
+    for `BlockManager.allocate_slots` in the same step."""
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0  # tokens those blocks hold: every slot of each (full blocks)
+
+
 class BlockManager:
     """Allocates fixed-size KV blocks to sequences, sharing cached prefixes.
 
-    Two-phase API as in nano-vllm / vLLM: `can_allocate` then `allocate`.
     Every block is in exactly one state: owned (ref_count > 0, in some
     block tables), cached-evictable (ref_count 0, hashed, in the free
     queue) or free (ref_count 0, no hash, in the free queue).
@@ -66,8 +78,6 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self.prefix_cache_queries = 0  # prompt tokens looked up, tokens
         self.prefix_cache_hits = 0  # of those, found in the cache, tokens
-        self.forked_tokens = 0  # prompt tokens a sample took from a sibling (`fork`)
-        self.blocks_copied_on_write = 0
         # (block hash, stored) in order, while someone reads them (None: not recorded)
         self.kv_event_log: list[tuple[bytes, bool]] | None = None
 
@@ -78,30 +88,103 @@ class BlockManager:
         """Blocks not held by any sequence (free or cached-evictable)."""
         return len(self._free)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks with a registered hash (owned or evictable)."""
-        return len(self._cached)
-
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
-    # -- prefix cache -----------------------------------------------------------
+    # -- the door: every allocation ----------------------------------------------
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of `seq`'s tokens; no side effects.
+    def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """The longest cached prefix of `seq`'s tokens; no side effects.
 
-        At most `(num_tokens - 1) // block_size` blocks, so that at least one
-        token is left to compute (its logits give the next token).
+        At most `max_cached_prefix_tokens(seq.num_tokens)`, so that at least one
+        token is left to compute (its logits give the next token). Valid until
+        the pool changes: pass it to `allocate_slots` in the same step.
         """
+        max_tokens = self.max_cached_prefix_tokens(seq.num_tokens)
+        blocks = self._cached_blocks(seq, max_tokens // self.block_size)
+        return CachedPrefix(tuple(blocks), len(blocks) * self.block_size)
+
+    def max_cached_prefix_tokens(self, num_tokens: int) -> int:
+        """The most tokens a prefix-cache hit can give a sequence of `num_tokens` tokens:
+        its full blocks but the one of its last token; 0 with prefix caching off."""
+        if not self.enable_prefix_caching:
+            return 0
+        return (num_tokens - 1) // self.block_size * self.block_size
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, cached: CachedPrefix | None = None
+    ) -> list[int] | None:
+        """Gives `seq` the blocks for its computed tokens plus `num_new_tokens`, or returns
+        None and changes nothing when the free blocks do not suffice.
+
+        A sequence that holds no block (waiting: new or preempted, `num_computed_tokens`
+        0) first takes `cached`, its `find_cached_prefix` of this step (none: compute
+        everything): one more reference to each of those blocks (an evictable one is
+        revived, so it counts against the free blocks), and `seq.num_computed_tokens`
+        becomes `cached.num_tokens`; with prefix caching on the lookup is counted
+        (`prefix_cache_queries` += its tokens, `prefix_cache_hits` += `cached.num_tokens`).
+
+        Returns the fresh blocks (reference count 1) appended to `seq.block_table`, past
+        any cached ones; the least recently freed cached blocks are evicted when no plain
+        free block is left. Raises ValueError if `cached` is given for a sequence that holds
+        blocks.
+        """
+        table = seq.block_table
+        if table:  # the step loop's case: keep it short
+            if cached is not None:
+                raise ValueError(f"sequence {seq.seq_id} holds blocks: no cached prefix to take")
+            missing = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(table)
+            if missing > len(self._free):
+                return None
+            new_blocks = self._allocate_blocks(missing)
+            table.extend(new_blocks)
+            return new_blocks
+        assert seq.num_computed_tokens == 0, seq
+        prefix = cached if cached is not None else CachedPrefix()
+        missing = self.blocks_for(prefix.num_tokens + num_new_tokens) - len(prefix.block_ids)
+        revived = sum(1 for b in prefix.block_ids if self.blocks[b].ref_count == 0)
+        if max(0, missing) + revived > len(self._free):
+            return None
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += prefix.num_tokens
+        for block_id in prefix.block_ids:  # before allocating: allocation must not evict them
+            self._ref(block_id)
+        new_blocks = self._allocate_blocks(missing)
+        seq.block_table = [*prefix.block_ids, *new_blocks]
+        seq.num_computed_tokens = prefix.num_tokens
+        return new_blocks
+
+    def allocate_for_transfer(self, seq: Sequence, num_tokens: int) -> tuple[list[int], int] | None:
+        """Reserves the blocks of this pool that will hold the K/V of `seq`'s first
+        `num_tokens` tokens, copied in from another pool (disaggregated prefill), or returns
+        None and changes nothing when the free blocks do not suffice.
+
+        The first blocks are those of its longest cached prefix here (a shared system
+        prompt: not to be copied), revived if evictable; fresh ones follow. Returns
+        (block ids, how many of them were cached), each block holding one reference for
+        the transfer: give them to the sequence (`Scheduler.admit_prefilled`) or back
+        (`release_blocks`). Not counted as a prefix-cache lookup.
+        """
+        cached = self._cached_blocks(seq, num_tokens // self.block_size)
+        missing = self.blocks_for(num_tokens) - len(cached)
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        if missing + revived > len(self._free):
+            return None
+        for block_id in cached:  # before allocating: allocation must not evict them
+            self._ref(block_id)
+        return cached + self._allocate_blocks(missing), len(cached)
+
+    def _cached_blocks(self, seq: Sequence, max_blocks: int) -> list[int]:
+        """Block ids of the longest cached prefix of `seq`'s tokens, at most `max_blocks`."""
         if not self.enable_prefix_caching:
             return []
         tokens = seq.token_ids
         bs = self.block_size
         hits: list[int] = []
         parent = ROOT_HASH
-        for i in range((len(tokens) - 1) // bs):
+        for i in range(max_blocks):
             h = seq.block_hashes[i] if i < len(seq.block_hashes) else None
             if h is None:
                 h = hash_block(parent, tokens[i * bs : (i + 1) * bs])
@@ -112,115 +195,10 @@ class BlockManager:
             parent = h
         return hits
 
-    def can_allocate(
-        self,
-        seq: Sequence,
-        num_new_tokens: int,
-        cached_prefix: Seq[int] = (),
-        num_prefix_tokens: int | None = None,
-    ) -> bool:
-        """Whether `seq` (after taking `cached_prefix`, if its table is empty) can get the
-        blocks for its computed tokens plus `num_new_tokens`, a copy on write included.
-
-        `num_prefix_tokens` is how many tokens `cached_prefix` holds: every slot of its
-        blocks (a prefix-cache hit) unless given (a fork, see `fork`).
-        """
-        bs = self.block_size
-        table = seq.block_table
-        if table or not cached_prefix:  # the step loop's case: keep it short
-            num_computed = seq.num_computed_tokens
-            missing = -(-(num_computed + num_new_tokens) // bs) - len(table)
-            if (
-                num_computed % bs
-                and num_new_tokens
-                and table
-                and self.blocks[table[-1]].ref_count > 1
-            ):
-                missing += 1  # a copy on write
-            return missing <= len(self._free)
-        num_computed = len(cached_prefix) * bs if num_prefix_tokens is None else num_prefix_tokens
-        missing = max(0, self.blocks_for(num_computed + num_new_tokens) - len(cached_prefix))
-        # taking a block someone holds makes two holders: writing into it copies it
-        cow = int(
-            num_computed % bs != 0
-            and num_new_tokens > 0
-            and self.blocks[cached_prefix[-1]].ref_count > 0
-        )
-        revived = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
-        return missing + cow + revived <= len(self._free)
-
-    def take_cached_prefix(self, seq: Sequence, cached_prefix: Seq[int]) -> None:
-        """Gives `seq` (with an empty table) the blocks of its cached prefix and counts
-        the lookup: `prefix_cache_queries` += its tokens, `prefix_cache_hits` += cached tokens."""
-        assert not seq.block_table and seq.num_computed_tokens == 0
-        if self.enable_prefix_caching:
-            self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += len(cached_prefix) * self.block_size
-        for block_id in cached_prefix:
-            self._ref(block_id)
-        seq.block_table = list(cached_prefix)
-        seq.num_computed_tokens = len(cached_prefix) * self.block_size
-
-    def fork(self, seq: Sequence, source_blocks: Seq[int], num_tokens: int) -> None:
-        """Gives `seq` (with an empty table) the first `num_tokens` tokens' blocks of a
-        sibling with the same prompt: `source_blocks` is that sibling's table, of which
-        `blocks_for(num_tokens)` blocks are taken (one more reference each; the last may be
-        partial, and is copied on write when `seq` writes into it). Not counted as a
-        prefix-cache lookup (`forked_tokens` counts them). Raises ValueError if
-        `source_blocks` is too short."""
-        assert not seq.block_table and seq.num_computed_tokens == 0
-        num_blocks = self.blocks_for(num_tokens)
-        if len(source_blocks) < num_blocks:
-            raise ValueError(
-                f"{num_tokens} tokens need {num_blocks} blocks, got {len(source_blocks)}"
-            )
-        shared = list(source_blocks[:num_blocks])
-        for block_id in shared:
-            self._ref(block_id)
-        seq.block_table = shared
-        seq.num_computed_tokens = num_tokens
-        self.forked_tokens += num_tokens
-
-    def copy_on_write(self, seq: Sequence) -> tuple[int, int] | None:
-        """Before `seq` writes the K/V of position `seq.num_computed_tokens`: if that
-        position falls inside its last block and another sequence holds that block too,
-        replaces it in `seq`'s table by a fresh block and returns (source, destination) for
-        the worker to copy; else None. Raises RuntimeError if no block is free (`can_allocate`
-        counts this one)."""
-        if seq.num_computed_tokens % self.block_size == 0:
-            return None
-        table = seq.block_table  # its last block holds position num_computed_tokens
-        last = table[-1]
-        if self.blocks[last].ref_count <= 1:
-            return None
-        (copy,) = self.allocate_blocks(1)
-        self.release_blocks([last])
-        table[-1] = copy
-        self.blocks_copied_on_write += 1
-        return last, copy
-
-    # -- allocation -------------------------------------------------------------
-
-    def num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks `seq` lacks to store its computed tokens plus `num_new_tokens`."""
-        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
-        return max(0, needed - len(seq.block_table))
-
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int]:
-        """Appends the missing blocks to `seq.block_table` and returns them.
-
-        Evicts the least recently freed cached blocks when no plain free one
-        is left. Raises RuntimeError if there are not enough free blocks
-        (call `can_allocate` first).
-        """
-        new_blocks = self.allocate_blocks(self.num_missing_blocks(seq, num_new_tokens))
-        seq.block_table.extend(new_blocks)
-        return new_blocks
-
-    def allocate_blocks(self, num_blocks: int) -> list[int]:
-        """Takes `num_blocks` blocks (reference count 1) that belong to no sequence yet, e.g. the
-        destination of a block copy; give them to a sequence's table or back with
-        `release_blocks`. Evicts as `allocate` does. Raises RuntimeError if too few are free."""
+    def _allocate_blocks(self, num_blocks: int) -> list[int]:
+        """Takes `num_blocks` (none if <= 0) free blocks, reference count 1, evicting the
+        least recently freed cached ones when no plain free one is left. The callers have
+        counted them: too few free is a bug (RuntimeError)."""
         if num_blocks > len(self._free):
             raise RuntimeError(f"need {num_blocks} blocks, {len(self._free)} free")
         new_blocks = []
@@ -235,6 +213,8 @@ class BlockManager:
             block.ref_count = 1
             new_blocks.append(block_id)
         return new_blocks
+
+    # -- the cache and the way back -----------------------------------------------
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Registers the hashes of `seq`'s blocks that its computed tokens have filled.
@@ -286,13 +266,6 @@ class BlockManager:
             if h not in self._cached and block.block_hash is None:
                 self._enter(block, h)
 
-    def ref_blocks(self, block_ids: Seq[int]) -> None:
-        """Takes one more reference to each of `block_ids` (cached blocks found with
-        `find_cached_prefix`, revived from the free queue if evictable); give them back with
-        `release_blocks` or through a sequence's table."""
-        for block_id in block_ids:
-            self._ref(block_id)
-
     def _enter(self, block: Block, h: bytes) -> None:
         block.block_hash = h
         self._cached[h] = block.block_id
@@ -309,11 +282,3 @@ class BlockManager:
         if block.ref_count == 0:
             del self._free[block_id]
         block.ref_count += 1
-
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached hash (e.g. when the worker's KV pool is new)."""
-        if self.kv_event_log is not None:
-            self.kv_event_log.extend((h, False) for h in self._cached)
-        for block in self.blocks:
-            block.block_hash = None
-        self._cached.clear()

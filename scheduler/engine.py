@@ -56,8 +56,6 @@ class EngineStats:
     slots_allocated_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
-    forked_tokens_total: int = 0  # parallel sampling: prompt tokens shared with a sibling
-    blocks_copied_on_write_total: int = 0
     num_preemptions_total: int = 0
 
 
@@ -195,8 +193,6 @@ class Engine:
             st.slots_allocated_total += sched.kv_usage.slots_allocated_total
             st.prefix_cache_queries_total += bm.prefix_cache_queries
             st.prefix_cache_hits_total += bm.prefix_cache_hits
-            st.forked_tokens_total += bm.forked_tokens
-            st.blocks_copied_on_write_total += bm.blocks_copied_on_write
             st.num_preemptions_total += sched.num_preemptions
         if st.num_kv_blocks:
             st.kv_usage_perc = (st.num_kv_blocks - st.num_free_kv_blocks) / st.num_kv_blocks

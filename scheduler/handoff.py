@@ -54,39 +54,26 @@ class HandOff:
         sequence where it is (logged)."""
         src_sched = source.scheduler
         assert src_sched is not None
-        # a sample whose siblings wait to fork its prompt's blocks stays one more step
-        ready = [
-            s for s in src_sched.running if s.output_token_ids and not src_sched.awaits_fork(s)
-        ]
+        ready = [s for s in src_sched.running if s.output_token_ids]
         if not ready:
             return
+        decode = [g for g in self.groups if g.role == "decode" and g.ready.is_set()]
         plans: dict[int, tuple[WorkerGroup, list[_Move]]] = {}
         for seq in ready:
-            best: tuple[tuple[int, int], WorkerGroup, list[int]] | None = None
-            for g in self.groups:
-                sched = g.scheduler
-                if g.role != "decode" or not g.ready.is_set() or sched is None:
-                    continue
-                bm = sched.block_manager
-                planned = len(plans.get(g.index, (g, []))[1])
-                cached = bm.find_cached_prefix(seq)[: bm.blocks_for(seq.num_computed_tokens)]
-                revived = sum(1 for b in cached if bm.blocks[b].ref_count == 0)
-                need = bm.blocks_for(seq.num_computed_tokens) - len(cached) + revived
-                if len(sched.running) + planned >= self.max_num_seqs:
-                    continue
-                if bm.num_free_blocks < need:
-                    continue
-                if best is None or g.load < best[0]:
-                    best = (g.load, g, cached)
-            if best is None:
-                continue  # keeps decoding here; tried again after the next step
-            _, dest, cached = best
-            assert dest.scheduler is not None
-            bm = dest.scheduler.block_manager
             n = seq.num_computed_tokens
-            bm.ref_blocks(cached)  # before allocating: allocation must not evict them
-            blocks = cached + bm.allocate_blocks(bm.blocks_for(n) - len(cached))
-            plans.setdefault(dest.index, (dest, []))[1].append(_Move(seq, n, blocks, len(cached)))
+            for dest in sorted(decode, key=lambda g: g.load):  # the least loaded with room
+                sched = dest.scheduler
+                planned = len(plans.get(dest.index, (dest, []))[1])
+                if sched is None or len(sched.running) + planned >= self.max_num_seqs:
+                    continue
+                reserved = sched.block_manager.allocate_for_transfer(seq, n)
+                if reserved is not None:
+                    blocks, num_cached = reserved
+                    plans.setdefault(dest.index, (dest, []))[1].append(
+                        _Move(seq, n, blocks, num_cached)
+                    )
+                    break
+            # (no group with room: it keeps decoding here; tried again after the next step)
         if plans:
             await asyncio.gather(*(self._move(source, d, m) for d, m in plans.values()))
 

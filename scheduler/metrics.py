@@ -114,17 +114,6 @@ class SchedulerCollector(Collector):
         )
         yield counter("num_preemptions", "Sequences preempted (recomputed later).", preemptions)
         yield counter(
-            "kv_cache_forked_tokens",
-            "Prompt tokens whose KV blocks a parallel sample shared with a sibling (n > 1) "
-            "instead of computing them.",
-            st.forked_tokens_total,
-        )
-        yield counter(
-            "kv_blocks_copied_on_write",
-            "KV blocks copied because a parallel sample wrote into a block its siblings hold.",
-            st.blocks_copied_on_write_total,
-        )
-        yield counter(
             "kv_transfers",
             "Sequences whose prompt KV blocks moved from a prefill to a decode worker.",
             self.engine.num_kv_transfers,

@@ -28,13 +28,15 @@ admitted running sequence is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue with its generated tokens
 kept as part of its prompt (vLLM's RECOMPUTE preemption).
 
-Parallel sampling (PagedAttention, Kwon et al., SOSP '23, section 4.4): the
-n samples of one request are n sequences with one `parent_request_id`. The
-first one scheduled computes the prompt; the others wait for it (no other
-sequence waits behind them), then fork its blocks for all prompt tokens but
-the last, partial block included, and compute that last token themselves
-(its logits give each sample its own first token). A shared partial block is
-copied on write (`BlockManager.copy_on_write`), so each sample writes its own.
+Parallel sampling: the n samples of one request are n sequences with one
+`parent_request_id`, sharing the prompt's full blocks through the prefix
+cache, as vLLM v1 does. The first one scheduled computes the prompt; the
+others wait (no other sequence waits behind them) until it has computed the
+prompt's full blocks, which are then cached, take those as a prefix-cache
+hit and compute the rest of the prompt, at most a block, themselves (its
+logits give each sample its own first token). No block is ever shared
+partly filled, so none is copied. With prefix caching off they do not wait:
+each computes its whole prompt.
 
 The `static` policy is the baseline the benchmark compares against: batches
 of `static_batch_size` requests in arrival order, no request joins a running
@@ -58,13 +60,6 @@ if TYPE_CHECKING:
     from sluiceway.v1.inference_pb2 import FinishReason
 
 
-class _WaitForSibling:
-    """`Scheduler._fork_source`'s answer for a sample whose sibling is computing the prompt."""
-
-
-_WAIT_FOR_SIBLING = _WaitForSibling()
-
-
 @dataclass(slots=True)
 class ScheduledSequence:
     """One sequence's share of a step.
@@ -82,9 +77,6 @@ class ScheduledSequence:
     num_computed_tokens: int
     num_new_tokens: int
     new_block_ids: list[int]
-    # copy on write: (source, destination) block; the destination replaced the source as the
-    # last block of the table before new_block_ids were added
-    block_copy: tuple[int, int] | None = None
 
     @property
     def samples(self) -> bool:
@@ -101,12 +93,8 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
+        """Tokens the step computes, every sequence's chunk together."""
         return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def block_copies(self) -> list[tuple[int, int]]:
-        """(source, destination) block pairs the workers copy before the step's forward."""
-        return [s.block_copy for s in self.scheduled if s.block_copy is not None]
 
     @property
     def is_empty(self) -> bool:
@@ -213,7 +201,7 @@ class Scheduler:
         self, seq: Sequence, block_ids: list[int], num_computed_tokens: int
     ) -> None:
         """Takes over `seq`, whose first `num_computed_tokens` tokens' K/V were copied into
-        `block_ids` of this pool (from `block_manager.allocate_blocks`): it runs from the next
+        `block_ids` of this pool (from `block_manager.allocate_for_transfer`): it runs from the next
         step, announced to this worker as new, computing from `num_computed_tokens` on."""
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = num_computed_tokens
@@ -221,13 +209,6 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.block_manager.register_hashes(seq)
         self.running.append(seq)
-
-    def resume(self, seq: Sequence) -> None:
-        """Queues `seq`, which holds no blocks but may have outputs already, at the front of
-        the waiting queue, to be recomputed here (as after a preemption)."""
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
-        self._join_parent(seq)
 
     def carry_counters_from(self, previous: Scheduler) -> None:
         """Continues the cumulative counters (prefix cache, preemptions, KV utilization sums)
@@ -237,8 +218,6 @@ class Scheduler:
         self.kv_usage.slots_allocated_total = previous.kv_usage.slots_allocated_total
         self.block_manager.prefix_cache_queries = previous.block_manager.prefix_cache_queries
         self.block_manager.prefix_cache_hits = previous.block_manager.prefix_cache_hits
-        self.block_manager.forked_tokens = previous.block_manager.forked_tokens
-        self.block_manager.blocks_copied_on_write = previous.block_manager.blocks_copied_on_write
 
     @property
     def has_work(self) -> bool:
@@ -260,7 +239,7 @@ class Scheduler:
             seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
             num_new = self._chunk(remaining, budget)
-            while not bm.can_allocate(seq, num_new):
+            while (new_blocks := bm.allocate_slots(seq, num_new)) is None:
                 if self._holding:  # static: padding gives way before a live member does
                     self._release_holding()
                     continue
@@ -270,7 +249,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(self._schedule(seq, num_new))
+                out.scheduled.append(self._schedule(seq, num_new, new_blocks))
                 budget -= num_new
                 if num_new < remaining:
                     num_partial += 1
@@ -296,17 +275,11 @@ class Scheduler:
             and (not self._static or self.waiting[index].seq_id in self._batch)
         ):
             seq = self.waiting[index]
-            source = self._fork_source(seq)
-            if isinstance(source, _WaitForSibling):
+            if self._waits_for_sibling(seq):
                 index += 1
                 continue
-            if source is None:
-                prefix = bm.find_cached_prefix(seq)
-                num_prefix_tokens = len(prefix) * bm.block_size
-            else:
-                num_prefix_tokens = len(seq.prompt_token_ids) - 1
-                prefix = source.block_table[: bm.blocks_for(num_prefix_tokens)]
-            remaining = seq.num_tokens - num_prefix_tokens
+            cached = bm.find_cached_prefix(seq)
+            remaining = seq.num_tokens - cached.num_tokens
             num_new = self._chunk(remaining, budget)
             partial = num_new < remaining
             if partial and not cfg.enable_chunked_prefill:
@@ -318,19 +291,16 @@ class Scheduler:
             ):
                 index += 1  # passed over for this step; a shorter one behind it may fit
                 continue
-            if not bm.can_allocate(seq, num_new, prefix, num_prefix_tokens):
+            new_blocks = bm.allocate_slots(seq, num_new, cached)
+            if new_blocks is None:
                 if not self._holding:
                     break
                 self._release_holding()  # static: a member waits on its batch's padding
                 continue
             del self.waiting[index]
-            if source is None:
-                bm.take_cached_prefix(seq, prefix)
-            else:
-                bm.fork(seq, prefix, num_prefix_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(self._schedule(seq, num_new))
+            out.scheduled.append(self._schedule(seq, num_new, new_blocks))
             budget -= num_new
             if partial:
                 num_partial += 1
@@ -381,9 +351,8 @@ class Scheduler:
         a nonzero `long_prefill_token_threshold`)."""
         return 0 < self.long_prefill_token_threshold < remaining
 
-    def _schedule(self, seq: Sequence, num_new: int) -> ScheduledSequence:
-        block_copy = self.block_manager.copy_on_write(seq) if num_new and seq.block_table else None
-        new_blocks = self.block_manager.allocate(seq, num_new)
+    def _schedule(self, seq: Sequence, num_new: int, new_blocks: list[int]) -> ScheduledSequence:
+        """`seq`'s share of the step, its blocks allocated (`new_blocks` the fresh ones)."""
         is_new = seq.num_tokens_on_worker == 0
         appended = seq.token_ids[seq.num_tokens_on_worker :]
         seq.num_tokens_on_worker = seq.num_tokens
@@ -394,49 +363,29 @@ class Scheduler:
             num_computed_tokens=seq.num_computed_tokens,
             num_new_tokens=num_new,
             new_block_ids=list(seq.block_table) if is_new else new_blocks,
-            block_copy=block_copy,
         )
 
-    def _fork_source(self, seq: Sequence) -> Sequence | _WaitForSibling | None:
-        """For a sample of a parallel-sampling request that holds no blocks and has no
-        output: a running sibling whose computed tokens cover all of the prompt but its last
-        token (fork its blocks), `_WAIT_FOR_SIBLING` while a sibling is computing the prompt,
-        else None (compute it, from the prefix cache)."""
+    def _waits_for_sibling(self, seq: Sequence) -> bool:
+        """Whether waiting `seq`, a sample of a parallel-sampling request with no output yet,
+        is to wait for a running sibling computing their prompt: until one has computed the
+        prompt's tokens a prefix-cache hit can give, which the cache then gives `seq`. Never
+        with prefix caching off, nor for a prompt without a full block to share."""
         parent = seq.parent_request_id
-        if parent is None or not self._may_fork(seq):
-            return None
-        num_shared = len(seq.prompt_token_ids) - 1
-        wait = None
+        if parent is None or seq.output_token_ids:
+            return False
+        num_shared = self.block_manager.max_cached_prefix_tokens(len(seq.prompt_token_ids))
+        if num_shared == 0:
+            return False
+        computing = False
         for sibling in self._samples.get(parent, ()):
             if sibling is seq or sibling.status is not SequenceStatus.RUNNING:
                 continue
             if sibling.prompt_token_ids != seq.prompt_token_ids:
                 continue  # not a sample of the same request (a router would not do this)
             if sibling.num_computed_tokens >= num_shared:
-                return sibling
-            wait = _WAIT_FOR_SIBLING
-        return wait
-
-    @staticmethod
-    def _may_fork(seq: Sequence) -> bool:
-        """Whether `seq` could take a sibling's blocks: a sample of a parallel-sampling
-        request that holds no blocks, has no output, and a prompt of more than its last
-        token."""
-        return (
-            seq.parent_request_id is not None
-            and not seq.output_token_ids
-            and not seq.block_table
-            and len(seq.prompt_token_ids) > 1
-        )
-
-    def awaits_fork(self, seq: Sequence) -> bool:
-        """Whether a waiting sibling of `seq` will fork `seq`'s blocks at the next step."""
-        if seq.parent_request_id is None:
-            return False
-        return any(
-            sibling.status is SequenceStatus.WAITING and self._may_fork(sibling)
-            for sibling in self._samples.get(seq.parent_request_id, ())
-        )
+                return False  # cached: take them now
+            computing = True
+        return computing
 
     def _join_parent(self, seq: Sequence) -> None:
         if seq.parent_request_id is not None:

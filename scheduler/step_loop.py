@@ -105,14 +105,7 @@ def token_logprobs(sampled: worker_pb2.SampledToken) -> inference_pb2.TokenLogpr
 
 def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepRequest:
     """Translates a `SchedulerOutput` into the wire message of one step."""
-    req = worker_pb2.StepRequest(
-        step_id=step_id,
-        finished_seq_ids=out.finished_seq_ids,
-        block_copies=[
-            worker_pb2.BlockCopy(src_block_id=src, dst_block_id=dst)
-            for src, dst in out.block_copies
-        ],
-    )
+    req = worker_pb2.StepRequest(step_id=step_id, finished_seq_ids=out.finished_seq_ids)
     for s in out.scheduled:
         if s.is_new:
             req.new_sequences.append(
@@ -131,8 +124,6 @@ def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepReq
             num_new_tokens=s.num_new_tokens,
             new_block_ids=s.new_block_ids,
         )
-        if s.block_copy is not None and not s.is_new:  # a new one's table is sent whole
-            scheduled.copied_last_block_id = s.block_copy[1]
         req.scheduled.append(scheduled)
     return req
 

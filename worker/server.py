@@ -90,24 +90,12 @@ class StepExecutor:
                 seq_id=new.seq_id,
                 prompt_tokens=len(new.prompt_token_ids),
             )
-        if request.block_copies:
-            pool = self.runner.kv_pool
-            copy_blocks(
-                pool,
-                pool,
-                [c.src_block_id for c in request.block_copies],
-                [c.dst_block_id for c in request.block_copies],
-            )
         chunks: list[ScheduledChunk] = []
         for s in request.scheduled:
             seq = self.sequences.get(s.seq_id)
             if seq is None:
                 raise ValueError(f"step {request.step_id} names unknown sequence {s.seq_id}")
             seq.append(s.appended_token_ids)
-            if s.HasField("copied_last_block_id"):
-                if not seq.block_table:
-                    raise ValueError(f"sequence {s.seq_id}: no block to copy on write")
-                seq.block_table[-1] = s.copied_last_block_id
             seq.block_table.extend(s.new_block_ids)
             if s.num_computed_tokens + s.num_new_tokens > len(seq.token_ids):
                 raise ValueError(

@@ -2,10 +2,10 @@
 greedy and seeded requests give identical token ids alone, after a prefix-cache hit, amid two
 dozen ShareGPT requests of mixed lengths (chunked), after preemptions, with static batching and
 no chunking, long prefills capped and run side by side, disaggregated prefill/decode, two
-replicas, and tensor parallelism; and the n
-samples of a parallel-sampling request (forked prompt blocks) give the tokens of n single
-requests with seeds seed + i, in every mode; so does a seeded request under a JSON-schema
-constraint (structured outputs). No near-tie tolerance: the ids must be equal."""
+replicas, and tensor parallelism; and the n samples of a parallel-sampling request (full
+prompt blocks shared through the prefix cache) give the tokens of n single requests with seeds
+seed + i, in every mode; so does a seeded request under a JSON-schema constraint (structured
+outputs). No near-tie tolerance: the ids must be equal."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Parallel sampling (``sampling.n`` > 1) through the whole stack, in bfloat16 (the default):
-the n samples share the prompt's KV blocks (forked, the partial last block copied on write,
-scheduler/scheduler.py) and give the very tokens of n single requests with seeds seed + i.
-Every block comes back."""
+the n samples share the prompt's full KV blocks (through the prefix cache: the first computes
+the prompt, the others its partial last block only, scheduler/scheduler.py) and give the very
+tokens of n single requests with seeds seed + i. Every block comes back."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.integration.conftest import Stack, metric_sum, metrics_urls, wait_for
 pytestmark = pytest.mark.slow
 
 # 16-token blocks: a prompt of 2 full blocks and a partial one, so that the samples share
-# full blocks and copy the partial one on write
+# the full blocks and each computes the partial one
 PROMPT = (
     "Here is a list of European capitals, one per line, with their countries and a short "
     "note on each, written for a geography class of young students who are learning the "
@@ -38,14 +38,14 @@ def test_seeded_samples_are_the_tokens_of_single_requests_and_share_the_prompt(
         prompt_len = len(
             client.stub.Tokenize(inference_pb2.TokenizeRequest(prompt=PROMPT)).token_ids
         )
-        assert prompt_len > 32 and (prompt_len - 1) % 16, prompt_len  # a partial block to share
-        forked = _scheduler_metric(stack, "sluiceway:kv_cache_forked_tokens_total")
-        copied = _scheduler_metric(stack, "sluiceway:kv_blocks_copied_on_write_total")
+        assert prompt_len > 32 and prompt_len % 16, prompt_len  # full blocks and a partial one
+        queries = _scheduler_metric(stack, "sluiceway:prefix_cache_queries_total")
+        hits = _scheduler_metric(stack, "sluiceway:prefix_cache_hits_total")
         request = Client.request(PROMPT, temperature=1.0, seed=seed, max_tokens=24,
                                  ignore_eos=True, n=n, request_id="parallel-1")  # fmt: skip
         samples = client.generate_samples(request, timeout=600)
-        forked = _scheduler_metric(stack, "sluiceway:kv_cache_forked_tokens_total") - forked
-        copied = _scheduler_metric(stack, "sluiceway:kv_blocks_copied_on_write_total") - copied
+        queries = _scheduler_metric(stack, "sluiceway:prefix_cache_queries_total") - queries
+        hits = _scheduler_metric(stack, "sluiceway:prefix_cache_hits_total") - hits
         singles = [
             client.generate(
                 Client.request(
@@ -63,8 +63,8 @@ def test_seeded_samples_are_the_tokens_of_single_requests_and_share_the_prompt(
         assert len(ids) == 24 and last.index == i and last.request_id == "parallel-1"
         assert last.finish_reason == inference_pb2.FINISH_REASON_LENGTH
         assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (prompt_len, 24)
-    # n - 1 samples forked every prompt token but the last, and copied the partial block
-    assert (forked, copied) == ((n - 1) * (prompt_len - 1), n - 1)
+    # the first sample computed the prompt; n - 1 found its full blocks in the prefix cache
+    assert (queries, hits) == (n * prompt_len, (n - 1) * ((prompt_len - 1) // 16 * 16))
     assert info.num_free_kv_blocks == info.num_kv_blocks
 
 

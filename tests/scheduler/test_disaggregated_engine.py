@@ -374,3 +374,34 @@ def test_blocks_the_decode_pool_has_cached_are_reused_not_copied() -> None:
             await close()
 
     run_bounded(main)
+
+
+def test_parallel_samples_take_the_prompt_from_the_prefill_cache_and_all_move() -> None:
+    async def main() -> None:
+        prefill, decode = FakePagedWorker("p6", 64), FakePagedWorker("d6", 64)
+        stub, engine, close = await _serve_disaggregated(prefill, decode)
+        try:
+
+            async def sample(i: int) -> list[int]:
+                req = add_request(40, 4, f"s{i}")  # 40 tokens: 2 full blocks and 8
+                req.parent_request_id = "parallel"
+                return [t async for e in stub.AddRequest(req) for t in e.token_ids]
+
+            outs = await asyncio.gather(*(sample(i) for i in range(3)))
+            assert outs == [[140, 141, 142, 143]] * 3
+            # the first computed the prompt; the others its last 8 tokens only, after its
+            # full blocks were cached (the first one has moved on by then)
+            assert sum(s.num_new_tokens for st in prefill.steps for s in st.scheduled) == 40 + 2 * 8
+            assert engine.num_kv_transfers == 3
+            # the decode pool caches the first one's full blocks: the others copy 1 block each
+            assert sum(len(c.src_block_ids) for c in decode.copies) == 3 + 1 + 1
+            for _ in range(100):
+                info = await _info(stub)
+                if info.num_free_kv_blocks == 128 and not prefill.records and not decode.records:
+                    break
+                await asyncio.sleep(0.02)
+            assert info.num_free_kv_blocks == 128
+        finally:
+            await close()
+
+    run_bounded(main)

@@ -64,8 +64,9 @@ def test_the_block_manager_logs_stores_and_evictions_in_order() -> None:
     run_to_end(sched, b)
     assert bm.kv_event_log[:2] == [(h1, False), (h0, False)]  # a's tail is evicted first
     assert [stored for _, stored in bm.kv_event_log[2:]] == [True, True]
-    bm.reset_prefix_cache()
-    assert [stored for _, stored in bm.kv_event_log[-2:]] == [False, False]
+    bm.kv_event_log = []
+    run_to_end(sched, seq(3, list(range(200, 209))))  # evicts b's two cached blocks in turn
+    assert bm.kv_event_log[:2] == [(h, False) for h in reversed(b.block_hashes)]
 
 
 def test_a_subscriber_gets_a_snapshot_then_the_net_changes() -> None:
@@ -113,17 +114,18 @@ def test_a_hash_two_groups_hold_is_removed_when_neither_does() -> None:
     pub.poll()
     (stored,) = drain(queue)
     assert len(stored.stored) == 1  # type: ignore[attr-defined]
-    first.reset_prefix_cache()
+    pools[0] = first = BlockManager(2, BS)  # the first group's worker registered again
     pub.poll()
     assert drain(queue) == []  # the second group still holds it
-    second.reset_prefix_cache()
+    pools[1] = BlockManager(4, BS)  # and the second's
     pub.poll()
     (removed,) = drain(queue)
     assert list(removed.removed) == list(stored.stored)  # type: ignore[attr-defined]
     # evicted and stored again between two polls: no net change
-    run_to_end(Scheduler(SchedulerConfig(), first, max_model_len=16), seq(2, list(range(5))))
-    first.reset_prefix_cache()
-    run_to_end(Scheduler(SchedulerConfig(), first, max_model_len=16), seq(3, list(range(5))))
+    sched = Scheduler(SchedulerConfig(), first, max_model_len=8)
+    run_to_end(sched, seq(2, list(range(5))))
+    run_to_end(sched, seq(3, list(range(100, 107))))  # takes both blocks: evicts it
+    run_to_end(sched, seq(4, list(range(5))))  # stores it again, evicting seq 3's
     pub.poll()
     (again,) = drain(queue)
     assert list(again.stored) == list(stored.stored)  # type: ignore[attr-defined]

@@ -231,7 +231,7 @@ def test_prefix_cache_reuses_full_blocks_and_counts_tokens() -> None:
     a = shared_prompt_seq(1, prompt, max_tokens=50)
     sched.add(a)
     run_step(sched)
-    assert bm.num_cached_blocks == 2
+    assert len(bm.cached_hashes) == 2
     b = shared_prompt_seq(2, [*prompt[:35], 7, 7])  # shares 2 full blocks, then differs
     sched.add(b)
     out = run_step(sched)
@@ -263,16 +263,16 @@ def test_cached_blocks_are_evicted_only_when_fresh_blocks_run_out() -> None:
     a = shared_prompt_seq(1, list(range(100, 148)), max_tokens=1)  # 3 full blocks
     sched.add(a)
     run_step(sched)
-    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 3
+    assert bm.num_free_blocks == 4 and len(bm.cached_hashes) == 3
     b = shared_prompt_seq(2, list(range(300, 310)), max_tokens=1)  # 1 fresh block
     sched.add(b)
     run_step(sched)
-    assert bm.num_cached_blocks == 3  # the never-hashed block was reused first
+    assert len(bm.cached_hashes) == 3  # the never-hashed block was reused first
     c = shared_prompt_seq(3, list(range(500, 540)), max_tokens=1)  # 3 blocks: must evict
     sched.add(c)
     run_step(sched)
     assert c.finish_reason == inference_pb2.FINISH_REASON_LENGTH
-    assert bm.num_cached_blocks == 2 + 1  # c's 2 full blocks + whatever of a survived
+    assert len(bm.cached_hashes) == 2 + 1  # c's 2 full blocks + whatever of a survived
     assert bm.num_free_blocks == 4
 
 
@@ -331,7 +331,7 @@ def samples_of(parent: str, first_id: int, prompt: list[int], n: int, max_tokens
     ]
 
 
-def test_parallel_samples_fork_the_prompt_blocks_and_copy_the_partial_one_on_write() -> None:
+def test_parallel_samples_take_the_prompts_full_blocks_from_the_prefix_cache() -> None:
     sched = make_scheduler(num_blocks=16)
     bm = sched.block_manager
     prompt = list(range(100, 137))  # 37 tokens: 2 full blocks + 5
@@ -343,29 +343,39 @@ def test_parallel_samples_fork_the_prompt_blocks_and_copy_the_partial_one_on_wri
     assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 37)]
     assert b.block_table == c.block_table == [] and bm.num_free_blocks == 16 - 3
     out = run_step(sched, token=8)
-    # b and c fork a's 3 blocks (36 tokens) and compute the last prompt token themselves;
-    # a writes token 38 into its last block, b and c each get a copy of it first
+    # b and c take a's 2 full blocks (32 tokens) from the prefix cache and compute the
+    # partial block, 5 tokens, in a block of their own: nothing is copied
     by_seq = {s.seq: s for s in out.scheduled}
     assert [(s.num_computed_tokens, s.num_new_tokens) for s in (by_seq[b], by_seq[c])] == [
-        (36, 1),
-        (36, 1),
+        (32, 5),
+        (32, 5),
     ]
-    assert by_seq[a].block_copy is None
-    assert out.block_copies == [(a.block_table[2], b.block_table[2]),
-                                (a.block_table[2], c.block_table[2])]  # fmt: skip
     assert a.block_table[:2] == b.block_table[:2] == c.block_table[:2]
     assert len({a.block_table[2], b.block_table[2], c.block_table[2]}) == 3
     assert [bm.blocks[x].ref_count for x in a.block_table] == [3, 3, 1]
     assert by_seq[b].is_new and by_seq[b].new_block_ids == b.block_table
-    assert bm.num_free_blocks == 16 - 5  # 2 shared + 3 partial: n - 1 = 2 copies
-    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (37, 0)  # forks are no lookups
+    assert bm.num_free_blocks == 16 - 5  # 2 shared + 3 partial, one each
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (3 * 37, 2 * 32)
     assert [len(s.output_token_ids) for s in (a, b, c)] == [2, 1, 1]
     for s in (a, b, c):
         sched.finish(s, inference_pb2.FINISH_REASON_ABORT)
     assert bm.num_free_blocks == 16 and all(x.ref_count == 0 for x in bm.blocks)
 
 
-def test_a_sample_that_comes_late_forks_a_decoding_sibling_and_copies_on_write() -> None:
+def test_samples_wait_for_a_chunked_prompt_until_its_full_blocks_are_cached() -> None:
+    sched = make_scheduler(num_blocks=16, max_num_batched_tokens=16)
+    prompt = list(range(100, 137))  # 37 tokens: 3 chunks of at most 16
+    a, b = samples_of("p", 1, prompt, 2)
+    sched.add(a)
+    sched.add(b)
+    assert chunk_sizes(run_step(sched)) == [(1, 16)]
+    assert chunk_sizes(run_step(sched)) == [(1, 16)]  # b waits: a's second block not cached
+    out = run_step(sched)  # a's 2 full blocks are cached: b takes them, computes the rest
+    assert chunk_sizes(out) == [(1, 5), (2, 5)]
+    assert b.block_table[:2] == a.block_table[:2]
+
+
+def test_a_sample_that_comes_late_takes_a_decoding_siblings_full_blocks() -> None:
     sched = make_scheduler(num_blocks=16)
     bm = sched.block_manager
     prompt = list(range(100, 120))  # 20 tokens: 1 full block + 4
@@ -375,11 +385,11 @@ def test_a_sample_that_comes_late_forks_a_decoding_sibling_and_copies_on_write()
     run_step(sched)  # a holds 21 computed tokens, its second block partial
     sched.add(b)
     out = run_step(sched)
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled if s.seq is b] == [
+        (16, 4)
+    ]
     assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
-    assert out.block_copies == [(a.block_table[1], b.block_table[1])]
     assert [bm.blocks[x].ref_count for x in a.block_table] == [2, 1]
-    # a keeps writing its own block in place: no more copies
-    assert run_step(sched).block_copies == []
 
 
 def test_a_sample_whose_siblings_are_gone_computes_its_prompt() -> None:
@@ -389,11 +399,10 @@ def test_a_sample_whose_siblings_are_gone_computes_its_prompt() -> None:
     sched.add(a)
     sched.add(b)
     run_step(sched)
-    assert a.is_finished  # max_tokens 1: done before b could fork it
+    assert a.is_finished  # max_tokens 1: done at its first step
     out = run_step(sched)
     # the prefix cache still has a's full block; b computes the rest itself
     assert [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled] == [(16, 4)]
-    assert out.block_copies == []
 
 
 def test_a_waiting_sample_does_not_hold_back_other_requests() -> None:
@@ -407,31 +416,38 @@ def test_a_waiting_sample_does_not_hold_back_other_requests() -> None:
     assert list(sched.waiting) == [b]
 
 
-def test_copy_on_write_is_counted_when_checking_for_free_blocks() -> None:
-    sched = make_scheduler(num_blocks=3)
-    bm = sched.block_manager
-    a, b = samples_of("p", 1, list(range(100, 120)), 2, max_tokens=3)  # 2 blocks each
+def test_samples_compute_their_prompts_at_once_with_prefix_caching_off() -> None:
+    sched = make_scheduler(num_blocks=16, enable_prefix_caching=False)
+    a, b = samples_of("p", 1, list(range(100, 140)), 2)
     sched.add(a)
     sched.add(b)
-    run_step(sched)
-    # b's fork needs a copy of the partial block: 1 free block, so it fits
     out = run_step(sched)
-    assert len(out.block_copies) == 1 and bm.num_free_blocks == 0
-    assert bm.can_allocate(a, 1) and bm.can_allocate(b, 1)  # no more copies needed
-
-
-def test_samples_fork_only_a_sibling_with_their_prompt() -> None:
-    sched = make_scheduler(num_blocks=16)
-    (a,) = samples_of("p", 1, list(range(100, 140)), 1)
-    (b,) = samples_of("p", 2, list(range(500, 530)), 1)  # another prompt, the same parent id
-    sched.add(a)
-    run_step(sched)
-    sched.add(b)
-    out = run_step(sched)
-    assert [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled if s.seq is b] == [
-        (0, 30)
+    assert [(s.seq, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled] == [
+        (a, 0, 40),
+        (b, 0, 40),
     ]
-    assert out.block_copies == [] and sched.block_manager.forked_tokens == 0
+    assert not set(a.block_table) & set(b.block_table)
+
+
+def test_samples_of_a_prompt_within_one_block_do_not_wait() -> None:
+    sched = make_scheduler(num_blocks=16)
+    a, b = samples_of("p", 1, list(range(100, 116)), 2)  # 16 tokens: nothing cacheable
+    sched.add(a)
+    sched.add(b)
+    assert chunk_sizes(run_step(sched)) == [(1, 16), (2, 16)]
+
+
+def test_samples_wait_only_for_a_sibling_with_their_prompt() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=24)
+    (a,) = samples_of("p", 1, list(range(100, 140)), 1)  # 40 tokens: a chunk of 24 first
+    (b,) = samples_of("p", 2, list(range(500, 520)), 1)  # another prompt, the same parent id
+    sched.add(a)
+    sched.add(b)
+    out = run_step(sched)  # b does not wait for a's blocks: they are not its prompt's
+    assert [(s.seq, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled] == [
+        (a, 0, 24),
+        (b, 0, 20),
+    ]
 
 
 def test_static_batches_take_every_sample_of_a_request_in() -> None:
@@ -441,11 +457,11 @@ def test_static_batches_take_every_sample_of_a_request_in() -> None:
     sched.add(a0)
     sched.add(other)
     run_step(sched)  # the batch is a0 and other
-    sched.add(a1)  # a0's siblings come after the batch formed: they join it, fork a0
+    sched.add(a1)  # a0's siblings come after the batch formed: they join it, hit a0's block
     sched.add(a2)
     out = run_step(sched)
     assert {s.seq for s in out.scheduled} == {a0, other, a1, a2}
-    assert sched.block_manager.forked_tokens == 2 * 19
+    assert sched.block_manager.prefix_cache_hits == 2 * 16
 
 
 def chunk_sizes(out: SchedulerOutput) -> list[tuple[int, int]]:

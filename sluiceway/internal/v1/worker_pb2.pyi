@@ -47,42 +47,30 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
-    __slots__ = ("seq_id", "appended_token_ids", "num_computed_tokens", "num_new_tokens", "new_block_ids", "copied_last_block_id")
+    __slots__ = ("seq_id", "appended_token_ids", "num_computed_tokens", "num_new_tokens", "new_block_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     APPENDED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    COPIED_LAST_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     appended_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     num_new_tokens: int
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    copied_last_block_id: int
-    def __init__(self, seq_id: _Optional[int] = ..., appended_token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., copied_last_block_id: _Optional[int] = ...) -> None: ...
-
-class BlockCopy(_message.Message):
-    __slots__ = ("src_block_id", "dst_block_id")
-    SRC_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
-    DST_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
-    src_block_id: int
-    dst_block_id: int
-    def __init__(self, src_block_id: _Optional[int] = ..., dst_block_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., appended_token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "scheduled", "finished_seq_ids", "block_copies")
+    __slots__ = ("step_id", "new_sequences", "scheduled", "finished_seq_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledSequence]
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id", "logprob", "top_token_ids", "top_logprobs")
