@@ -118,21 +118,3 @@ def test_building_the_cli_parser_imports_no_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     ).stdout
     assert out.strip() == "[]"
-
-
-@pytest.mark.parametrize("folder", ["router", "scheduler", "worker", "kernels"])
-def test_a_process_folder_cannot_be_imported_under_a_second_name(folder: str) -> None:
-    """The folders are linked into the package: importing one as a top-level module (the
-    repository's root on sys.path) is refused, so no file runs as two modules."""
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [sys.executable, "-c", f"import {folder}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 1
-    assert f"ImportError: import sluiceway.{folder}, not {folder}" in result.stderr
