@@ -363,7 +363,7 @@ def test_parallel_samples_take_the_prompts_full_blocks_from_the_prefix_cache() -
 
 
 def test_samples_wait_for_a_chunked_prompt_until_its_full_blocks_are_cached() -> None:
-    sched = make_scheduler(num_blocks=16, max_num_batched_tokens=16)
+    sched = make_scheduler(num_blocks=16, max_num_batched_tokens=16, max_num_seqs=8)
     prompt = list(range(100, 137))  # 37 tokens: 3 chunks of at most 16
     a, b = samples_of("p", 1, prompt, 2)
     sched.add(a)
@@ -438,7 +438,9 @@ def test_samples_of_a_prompt_within_one_block_do_not_wait() -> None:
 
 
 def test_samples_wait_only_for_a_sibling_with_their_prompt() -> None:
-    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=24)
+    sched = make_scheduler(
+        max_num_batched_tokens=64, long_prefill_token_threshold=24, max_num_seqs=8
+    )
     (a,) = samples_of("p", 1, list(range(100, 140)), 1)  # 40 tokens: a chunk of 24 first
     (b,) = samples_of("p", 2, list(range(500, 520)), 1)  # another prompt, the same parent id
     sched.add(a)
