@@ -545,6 +545,7 @@ def test_envoy_http_health_check_asks_a_route_the_router_serves() -> None:
     from fastapi.testclient import TestClient
 
     from sluiceway.router.openai_api import build_app
+    from sluiceway.router.request_path import RequestPath
 
     _, cluster = _envoy_upstream("http_health_check")
     (check,) = [
@@ -553,7 +554,10 @@ def test_envoy_http_health_check_asks_a_route_the_router_serves() -> None:
     path = check["path"]
     assert path == "/health"
     assert "expected_statuses" not in check, "Envoy's default: 200 is healthy"
-    service = mock.Mock(limits=object(), draining=False)  # a scheduler has been ready
+    # the real request path's readiness over a stand-in pool: a scheduler has been ready
+    service = RequestPath.__new__(RequestPath)
+    service.pool = mock.Mock(limits=object(), any_ready=True)
+    service.draining = False
     client = TestClient(build_app(service))
     assert client.get(path).status_code == 200
     service.pool.any_ready = False  # its schedulers gone: as its gRPC health, not ready
