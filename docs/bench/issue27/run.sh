@@ -1,6 +1,6 @@
 #!/bin/bash
 # before/after bench compare, alternating
-cd /tmp
+cd /tmp  # before = a worktree at 83db0c5 (/work/wt-base), after = /work/main
 for i in 2 3 4; do
   for side in before after; do
     if [ $side = before ]; then export PYTHONPATH=/work/wt-base TORCH_EXTENSIONS_DIR=/tmp/ext-base; else export PYTHONPATH=/work/main TORCH_EXTENSIONS_DIR=/tmp/ext-main; fi
