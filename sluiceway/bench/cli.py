@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from sluiceway.argtypes import positive_int
 from sluiceway.bench.grammar import add_grammar_args
@@ -95,6 +96,12 @@ def bench_command(args: argparse.Namespace) -> int:
         from sluiceway.bench.grammar import grammar_command
 
         return grammar_command(args)
+    from sluiceway.bench.extras import missing_bench_extra
+
+    missing = missing_bench_extra(args)
+    if missing:
+        print(f"sluiceway bench {args.bench_command}: {missing}", file=sys.stderr)
+        return 2
     if args.bench_command == "compare":
         from sluiceway.bench.compare import compare_command
 
