@@ -236,11 +236,12 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
         model = served.check(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
-        # the chosen token's logprob comes with every token anyway: 0 top logprobs = none
-        logprobs = (body.top_logprobs or None) if body.logprobs else None
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        # logprobs: true alone = each token's logprob, no alternatives (OpenAI's; proto 0)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_tokens
         names = {}
-        if body.max_completion_tokens:
+        if body.max_completion_tokens is not None:  # OpenAI's newer name wins; 0 is refused
+            max_tokens = body.max_completion_tokens
             names["sampling.max_tokens"] = "max_completion_tokens"
         if max_tokens is None and path.limits is not None:  # no limit: as long as fits
             max_tokens = path.limits.max_model_len
@@ -258,7 +259,7 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
         if body.echo:
             raise ApiError(400, "echo: not supported", "echo")
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        sampling = _sampling(body, max_tokens, body.logprobs or None, chat=False, names={})
+        sampling = _sampling(body, max_tokens, body.logprobs, chat=False, names={})
         p = body.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
             items: list[Any] = [p]

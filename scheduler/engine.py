@@ -252,7 +252,7 @@ class Engine:
                 max_model_len, max_tokens not above the outputs, a constraint that does not
                 compile.
             RequestError: UNAVAILABLE (a worker missing or failing), RESOURCE_EXHAUSTED
-                (`max_waiting_requests` waiting).
+                (`max_waiting_requests` requests waiting, the samples of one counted once).
         """
         self._check_ready()
         params = SamplingParams.from_proto(req.sampling)
@@ -271,11 +271,18 @@ class Engine:
             await self.prepare_structured_outputs(params.structured_outputs)
             self._check_ready()  # a worker may have gone while it compiled
         entry = [g for g in self.groups if g.role != "decode"]
-        waiting = sum(len(g.scheduler.waiting) for g in entry if g.scheduler is not None)
-        if waiting >= self.config.max_waiting_requests:
+        # a request's n samples count once: n above the bound must not be refused forever
+        waiting = {
+            s.parent_request_id or s.request_id
+            for g in entry
+            if g.scheduler is not None
+            for s in g.scheduler.waiting
+        }
+        parent = req.parent_request_id or req.request_id
+        if parent not in waiting and len(waiting) >= self.config.max_waiting_requests:
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{waiting} requests are waiting (--max-waiting-requests "
+                f"{len(waiting)} requests are waiting (--max-waiting-requests "
                 f"{self.config.max_waiting_requests}); retry later",
             )
         seq = Sequence(

@@ -98,7 +98,8 @@ class Client:
             **sampling: `SamplingParams` fields by name (temperature, top_p, top_k, min_p,
                 repetition_penalty, presence_penalty, frequency_penalty, max_tokens,
                 min_tokens, stop, stop_token_ids, include_stop_str_in_output, ignore_eos,
-                skip_special_tokens, seed, logprobs, n, logit_bias, structured_outputs);
+                skip_special_tokens, seed, logprobs, n, logit_bias, allowed_token_ids,
+                structured_outputs); `stop` may be one string;
                 unset ones take vLLM's defaults
                 (docs/api.md has each default and range).
 
@@ -110,6 +111,8 @@ class Client:
                 field's type (max_tokens=-1).
             TypeError: a value of the wrong type (temperature="0").
         """
+        if isinstance(sampling.get("stop"), str):  # one stop string, as OpenAI's "stop"
+            sampling["stop"] = [sampling["stop"]]
         req = inference_pb2.GenerateRequest(
             request_id=request_id, sampling=inference_pb2.SamplingParams(**sampling)
         )

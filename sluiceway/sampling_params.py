@@ -77,6 +77,16 @@ def wire_range(descriptor: FieldDescriptor) -> tuple[str, int, int] | None:
     return _INTEGER_TYPES.get(descriptor.type)
 
 
+#: Entries of a token-id list or map that is not a vocabulary subset (stop_token_ids,
+#: logit_bias): each one is work in every step of the request.
+MAX_TOKEN_ID_ENTRIES = 1024
+#: allowed_token_ids may name a whole vocabulary: the largest of the models served (Gemma 3's).
+MAX_VOCAB_SIZE = 262_144
+
+#: The largest float32: a proto `float` holds no larger finite value.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclass(frozen=True, slots=True)
 class Rule:
     """What a sampling field allows beyond its proto type, and its one-line help.
@@ -106,8 +116,8 @@ class Rule:
 
     def allowed(self) -> str:
         """The range in words: "a finite number >= 0 (0 = greedy)", "in (0, 1]", "<= 20"."""
-        lo = None if self.low is None else f"{self.low:g}"
-        hi = None if self.high is None else f"{self.high:g}"
+        lo = None if self.low is None else _number(self.low)
+        hi = None if self.high is None else _number(self.high)
         if lo is not None and hi is not None:
             text = f"in {'(' if self.low_open else '['}{lo}, {hi}{')' if self.high_open else ']'}"
         elif lo is not None:
@@ -120,6 +130,15 @@ class Rule:
             text = f"a finite number {text}"
         return f"{text} ({self.note})" if self.note else text
 
+    def within(self, lo: float, hi: float) -> Rule:
+        """This rule with its bounds narrowed to the type's `[lo, hi]`: the range an error
+        states when a value passes the rule but not its proto type."""
+        low_open = self.low_open and self.low is not None and self.low >= lo
+        high_open = self.high_open and self.high is not None and self.high <= hi
+        low = lo if self.low is None else max(self.low, lo)
+        high = hi if self.high is None else min(self.high, hi)
+        return dataclasses.replace(self, low=low, high=high, low_open=low_open, high_open=high_open)
+
     def admits(self, value: float) -> bool:
         """Whether the number `value` lies in the range (NaN never does)."""
         if value != value or (self.finite and not math.isfinite(value)):
@@ -129,6 +148,11 @@ class Rule:
         return not (
             self.high is not None and (value >= self.high if self.high_open else value > self.high)
         )
+
+
+def _number(x: float) -> str:
+    """A bound in words: integers in full (4294967295), others as %g (0.5, 3.40282e+38)."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
 
 
 def _param(default: Any, help: str, **rule: Any) -> Any:
@@ -163,8 +187,9 @@ class SamplingParams:
         (), "stop strings, left out of the output", max_items=16, item_bytes=256
     )
     stop_token_ids: tuple[int, ...] = _param(
-        (), "token ids that end the output (the token is output)", token_ids=True
-    )
+        (), "token ids that end the output (the token is output)", token_ids=True,
+        max_items=MAX_TOKEN_ID_ENTRIES,
+    )  # fmt: skip
     ignore_eos: bool = _param(False, "keep generating past EOS")
     seed: int | None = _param(None, "sampling seed, for repeatable samples")
     min_p: float = _param(
@@ -187,18 +212,21 @@ class SamplingParams:
     )
     skip_special_tokens: bool = _param(True, "leave special tokens out of the text")
     logprobs: int | None = _param(
-        None, "each token's log-probability and the N most likely at its position", high=20
-    )
+        None, "each token's log-probability and the N most likely at its position", low=0,
+        high=20,
+    )  # fmt: skip
     n: int = _param(1, "samples of the prompt", low=1, high=16)
     structured_outputs: inference_pb2.StructuredOutputs | None = _param(
         None, "a constraint the output matches (JSON schema, regex, choice, grammar)"
     )
     logit_bias: dict[int, float] = _param(
-        {}, "token id -> bias added to its logit", low=-100, high=100, token_ids=True
-    )
+        {}, "token id -> bias added to its logit", low=-100, high=100, token_ids=True,
+        max_items=MAX_TOKEN_ID_ENTRIES,
+    )  # fmt: skip
     allowed_token_ids: tuple[int, ...] = _param(
-        (), "only these token ids may be sampled", token_ids=True
-    )
+        (), "only these token ids may be sampled", token_ids=True,
+        max_items=MAX_VOCAB_SIZE,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         for name, (default, rule) in FIELDS.items():
@@ -207,6 +235,12 @@ class SamplingParams:
                 _check_field(name, value, rule)
         if self.structured_outputs is not None:
             check_structured_outputs(self.structured_outputs)
+            if self.allowed_token_ids:  # the two masks could leave no token to sample
+                raise FieldError(
+                    "sampling.allowed_token_ids",
+                    "cannot be combined with structured_outputs (the grammar alone says "
+                    "which tokens may come)",
+                )
 
     # -- the wire form --------------------------------------------------------------------
 
@@ -355,7 +389,9 @@ def _check_number(where: str, value: float, rule: Rule, wire: tuple[str, int, in
     if wire is not None:
         kind, lo, hi = wire
         if not lo <= value <= hi:
-            raise FieldError(where, f"must be in [{lo}, {hi}] ({kind}); got {value}")
+            raise FieldError(
+                where, f"must be {rule.within(lo, hi).allowed()} ({kind}); got {value}"
+            )
 
 
 def _check_text(where: str, text: str, rule: Rule) -> None:
@@ -376,7 +412,12 @@ def sampling_proto(values: Mapping[str, Any]) -> inference_pb2.SamplingParams:
         FieldError("sampling.NAME..."): such an integer (said with the field's range).
     """
     for name, value in values.items():
-        wire = wire_range(_PROTO.fields_by_name[name])
+        descriptor = _PROTO.fields_by_name[name]
+        is_float = descriptor.type == FieldDescriptor.TYPE_FLOAT and isinstance(value, float)
+        if is_float and math.isfinite(value) and abs(value) > FLOAT32_MAX:  # float32: inf
+            rule = FIELDS[name][1].within(-FLOAT32_MAX, FLOAT32_MAX)
+            raise FieldError(f"sampling.{name}", f"must be {rule.allowed()} (float); got {value}")
+        wire = wire_range(descriptor)
         if wire is None or isinstance(value, bool):
             continue
         if isinstance(value, Mapping):  # a map: its keys are the integers

@@ -65,11 +65,19 @@ def test_every_field_survives_the_wire_both_ways() -> None:
         stop=("a", "b"), stop_token_ids=(5, 2), ignore_eos=True, seed=0, min_p=0.25,
         presence_penalty=-1.5, frequency_penalty=0.5, min_tokens=2,
         include_stop_str_in_output=True, skip_special_tokens=False, logprobs=0, n=3,
-        structured_outputs=inference_pb2.StructuredOutputs(regex="[a-z]+"),
         logit_bias={7: -100.0, 8: 2.5}, allowed_token_ids=(3, 9),
     )  # fmt: skip
-    assert all(getattr(params, n) != d for n, (d, _) in FIELDS.items()), "test every field"
-    assert SamplingParams.from_proto(params.to_proto()) == params
+    constrained = dataclasses.replace(  # allowed_token_ids and a constraint exclude each other
+        params,
+        allowed_token_ids=(),
+        structured_outputs=inference_pb2.StructuredOutputs(regex="[a-z]+"),
+    )
+    set_fields = {
+        n for n, (d, _) in FIELDS.items() if d != getattr(params, n) or d != getattr(constrained, n)
+    }
+    assert set_fields == set(FIELDS), "test every field"
+    for p in (params, constrained):
+        assert SamplingParams.from_proto(p.to_proto()) == p
     assert SamplingParams.from_proto(inference_pb2.SamplingParams()) == SamplingParams()
 
 
@@ -77,7 +85,17 @@ def test_integers_past_their_proto_type_are_refused_before_the_proto_is_made() -
     with pytest.raises(FieldError) as info:
         sampling_proto({"max_tokens": 2**32})
     assert info.value.field == "sampling.max_tokens"
-    assert info.value.message == "must be in [0, 4294967295] (uint32); got 4294967296"
+    # said with the range the field allows within its type, not the type's alone
+    assert info.value.message == "must be in [1, 4294967295] (uint32); got 4294967296"
+    with pytest.raises(FieldError) as info:
+        sampling_proto({"temperature": 1e39})  # a float32 would hold it as inf
+    assert (info.value.field, info.value.message) == (
+        "sampling.temperature",
+        "must be a finite number in [0, 3.40282e+38] (0 = greedy) (float); got 1e+39",
+    )
+    with pytest.raises(FieldError) as info:
+        sampling_proto({"logprobs": -1})
+    assert info.value.message == "must be in [0, 20]; got -1"
     with pytest.raises(FieldError) as info:
         sampling_proto({"max_tokens": -1})  # said with the field's own range first
     assert info.value.message == "must be >= 1; got -1"
@@ -95,6 +113,34 @@ def test_integers_past_their_proto_type_are_refused_before_the_proto_is_made() -
 def test_allowed_token_ids_must_be_in_the_vocabulary() -> None:
     assert resolve(allowed_token_ids=[0, VOCAB - 1]).allowed_token_ids == (0, VOCAB - 1)
     assert field_of(allowed_token_ids=[3, VOCAB]) == "sampling.allowed_token_ids[1]"
+
+
+def test_allowed_token_ids_do_not_combine_with_structured_outputs() -> None:
+    """Both mask tokens: together they could leave none to sample."""
+    choice = inference_pb2.StructuredOutputs(choice=inference_pb2.Choices(choices=["hello"]))
+    with pytest.raises(FieldError) as info:
+        SamplingParams(allowed_token_ids=(5,), structured_outputs=choice)
+    assert (info.value.field, info.value.message) == (
+        "sampling.allowed_token_ids",
+        "cannot be combined with structured_outputs (the grammar alone says which tokens may come)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "limit"),
+    [("stop_token_ids", 1024), ("logit_bias", 1024), ("allowed_token_ids", 262_144)],
+)
+def test_token_id_lists_are_bounded(name: str, limit: int) -> None:
+    """Each entry is work in every step of the request (a 3 MB list slowed every other
+    stream); allowed_token_ids may name the largest vocabulary served."""
+    ids = range(limit + 1)
+    value = dict.fromkeys(ids, 1.0) if name == "logit_bias" else tuple(ids)
+    with pytest.raises(FieldError) as info:
+        SamplingParams(**{name: value})
+    assert (info.value.field, info.value.message) == (
+        f"sampling.{name}",
+        f"at most {limit} entries; got {limit + 1}",
+    )
 
 
 def test_logit_bias_range_and_token_ids() -> None:
@@ -389,3 +435,11 @@ def test_every_field_is_documented_for_clients() -> None:
     assert not missing, f"docs/client.md lacks {missing}"
     missing = [n for n in FIELDS if f"`{n}`" not in readme]
     assert not missing, f"README.md lacks {missing}"
+
+
+def test_the_python_client_takes_one_stop_string_as_one() -> None:
+    """As OpenAI's `stop`: a str is one stop string, not its letters."""
+    from sluiceway.client import Client
+
+    assert list(Client.request("x", stop="zebra").sampling.stop) == ["zebra"]
+    assert list(Client.request("x", stop=["a", "b"]).sampling.stop) == ["a", "b"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from sluiceway.kernels import cpu_ops
-from sluiceway.sampling_params import SamplingParams
+from sluiceway.sampling_params import FLOAT32_MAX, SamplingParams
 
 __all__ = [
     "SampleResult",
@@ -57,7 +57,8 @@ def apply_repetition_penalty(
     """
     score = torch.gather(logits, 1, token_ids)
     p = penalty[:, None]
-    score = torch.where(score < 0, score * p, score / p)
+    # a penalty near 0 divides past float32's range: +inf would make the row's softmax NaN
+    score = torch.where(score < 0, score * p, score / p).clamp_(max=FLOAT32_MAX)
     return logits.scatter_(1, token_ids, score)
 
 
@@ -373,7 +374,9 @@ def _pick(
     temps = torch.tensor(
         [options[i].temperature for i in sampled], dtype=torch.float32, device=device
     )
-    sub = sub / temps[:, None]
+    # a temperature near 0 (or a logit near float32's top) divides past the range: +inf
+    # would make the row's softmax NaN; the largest finite value keeps its limit, argmax
+    sub = (sub / temps[:, None]).clamp_(max=FLOAT32_MAX)
     min_p_rows = [j for j, i in enumerate(sampled) if options[i].min_p > 0]
     if min_p_rows:
         mp = torch.tensor(min_p_rows, device=device)

@@ -88,6 +88,29 @@ def test_chat_logprobs(api: openai.OpenAI) -> None:
         assert entry.top_logprobs[0].token == entry.token
 
 
+def test_logprobs_without_alternatives_give_each_tokens_logprob(
+    api: openai.OpenAI, stack: Stack
+) -> None:
+    """OpenAI's chat `logprobs: true` alone and completions' `logprobs: 0`: every generated
+    token's logprob, no alternatives (the gRPC API's logprobs 0)."""
+    with stack.client() as client:
+        rs = list(client.generate_stream(
+            Client.request(messages=[("user", CHAT[0]["content"])], temperature=0, max_tokens=4,
+                           logprobs=0), timeout=60))  # fmt: skip
+    expected = [lp.logprob for r in rs for lp in r.logprobs]
+    assert len(expected) == 4 and all(lp <= 0 for lp in expected)
+    chat = api.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=4,
+                                       logprobs=True)  # fmt: skip
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and [e.logprob for e in content] == pytest.approx(expected)
+    assert all(e.top_logprobs == [] for e in content)
+    text = api.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
+                                  max_tokens=3, logprobs=0)  # fmt: skip
+    lps = text.choices[0].logprobs
+    assert lps is not None and lps.token_logprobs is not None and len(lps.token_logprobs) == 3
+    assert lps.top_logprobs == [{}, {}, {}]
+
+
 def test_n_samples_are_reproducible_with_a_seed(api: openai.OpenAI) -> None:
     def run() -> list[str]:
         out = api.chat.completions.create(model=MODEL, messages=CHAT, temperature=1.0, n=3,
@@ -116,6 +139,7 @@ def test_n_samples_are_reproducible_with_a_seed(api: openai.OpenAI) -> None:
         ({"max_tokens": 0}, "max_tokens"),
         ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
         ({"extra_body": {"repetition_penalty": 0.0}}, "repetition_penalty"),
+        ({"max_completion_tokens": 0, "max_tokens": 3}, "max_completion_tokens"),  # not "unset"
     ],
 )
 def test_errors_name_the_field(api: openai.OpenAI, kwargs: dict, param: str) -> None:  # type: ignore[type-arg]

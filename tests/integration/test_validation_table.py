@@ -52,6 +52,11 @@ CASES = [
      "sampling.min_tokens"),
     ("request_id over 256 chars", lambda: Client.request("Hi", request_id="r" * 257),
      "request_id"),
+    ("allowed_token_ids with a constraint", lambda: _request(
+        allowed_token_ids=[5], structured_outputs=inference_pb2.StructuredOutputs(
+            choice=inference_pb2.Choices(choices=["hello"]))), "sampling.allowed_token_ids"),
+    ("1025 stop token ids", lambda: _request(stop_token_ids=list(range(1025))),
+     "sampling.stop_token_ids"),
 ]  # fmt: skip
 
 
@@ -66,6 +71,22 @@ def test_invalid_input_names_the_field(stack: Stack, name: str, make, field: str
             Client.request("Hello", temperature=0, max_tokens=2), timeout=60
         )
         assert len(ids) == 2 and last.finish_reason == inference_pb2.FINISH_REASON_LENGTH
+
+
+def test_values_at_the_edge_of_their_range_are_served(stack: Stack) -> None:
+    """A repetition penalty near 0 and a temperature near the greedy threshold push logits
+    past float32's range: served with finite logprobs (such a row's NaN softmax once failed
+    the whole step, every request in it)."""
+    edge = [
+        _request(temperature=0, max_tokens=4, repetition_penalty=1e-38, logprobs=2),
+        _request(temperature=2e-5, max_tokens=4, repetition_penalty=1e-38, logprobs=2, seed=3),
+    ]
+    with stack.client() as client:
+        for req in edge:
+            responses = list(client.generate_stream(req, timeout=60))
+            lps = [lp for r in responses for lp in r.logprobs]
+            assert len(lps) == 4 and all(-1e30 < lp.logprob <= 0 for lp in lps), lps
+            assert responses[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
 
 
 def test_prompt_at_max_model_len_is_invalid(stack: Stack) -> None:

@@ -317,10 +317,23 @@ def test_requests_beyond_max_waiting_requests_get_resource_exhausted(fake: FakeW
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await run(3)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "--max-waiting-requests 2" in (err.value.details() or "")
+            assert err.value.details() == (
+                "2 requests are waiting (--max-waiting-requests 2); retry later"
+            )
+
+            async def second_sample_of_r1() -> list[int]:  # n = 2: counted with r1, once
+                req = add_request(20, 3, "r1-1")
+                req.parent_request_id = "r1"
+                return [t async for e in stub.AddRequest(req) for t in e.token_ids]
+
+            running.append(asyncio.create_task(second_sample_of_r1()))
+            while (await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())).num_requests_waiting < 3:  # fmt: skip
+                await asyncio.sleep(0.01)
             fake.gate.set()
             outs = await asyncio.gather(*running)
-            assert outs == [[100 + 10 + i + k for k in range(3)] for i in range(3)]
+            assert outs == [[100 + 10 + i + k for k in range(3)] for i in range(3)] + [
+                [100 + 20 + k for k in range(3)]
+            ]
             assert await free_blocks(stub) == NUM_BLOCKS
         finally:
             await close()

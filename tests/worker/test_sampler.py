@@ -270,3 +270,23 @@ def test_allowed_token_ids_restrict_every_draw_and_the_logprobs() -> None:
     hot = [SamplingParams(temperature=2.0, allowed_token_ids=allowed)] * 400
     tokens, _ = _tokens_and_logprobs(logits.clone(), hot, [None] * 400, [[]] * 400)
     assert set(tokens.tolist()) == set(allowed)  # every allowed one drawn, nothing else
+
+
+def test_extreme_penalty_and_temperature_keep_every_row_finite() -> None:
+    """A repetition penalty near 0 divides a logit past float32's range and a temperature
+    near 0 does so to every logit: the row's softmax would be NaN (the draw's index then
+    fell off the vocabulary and failed the whole step). The largest finite value stands in
+    for +inf: the token is the limit's (the argmax), the logprobs stay finite."""
+    logits = _logits(3)
+    best = logits.argmax(-1).tolist()
+    seen = [[best[0]], [best[1]], []]
+    options = [
+        SamplingParams(temperature=0, repetition_penalty=1e-38, logprobs=2),
+        SamplingParams(temperature=1.0, repetition_penalty=1e-38, seed=1, logprobs=2),
+        SamplingParams(temperature=2e-5, logprobs=2),
+    ]
+    gens = [None, torch.Generator().manual_seed(1), None]
+    result = sample(logits.clone(), options, gens, seen, [1, 1, 0])
+    assert result.token_ids.tolist() == best
+    assert torch.isfinite(result.logprobs).all()
+    assert result.top_logprobs is not None and torch.isfinite(result.top_logprobs).all()
