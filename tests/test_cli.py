@@ -498,3 +498,31 @@ def test_generate_with_nothing_listening_says_where_and_what_to_check() -> None:
         "refused); is `sluiceway serve` running there? (--target)\n"
     )
 
+
+# What a command that talks to a server, or only prints, must not pay for (~2.3 s of CPU for
+# torch through transformers at 83db0c5).
+HEAVY = {"torch", "transformers", "triton", "xgrammar", "numpy"}
+
+
+def imported_packages(*argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """Runs `python -X importtime -m sluiceway.cli *argv`; returns the result (importtime's
+    lines removed from its stderr) and the top-level packages the whole run imported."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "sluiceway.cli", *argv],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = result.stderr.splitlines(keepends=True)
+    timed = [line for line in lines if line.startswith("import time:")]
+    names = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in timed[1:]}  # [0]: header
+    result.stderr = "".join(line for line in lines if not line.startswith("import time:"))
+    return result, names
+
+
+@pytest.mark.parametrize(
+    "argv", [["--version"], ["--help"], ["generate", "--help"], ["bench", "serve", "--help"]]
+)
+def test_commands_that_only_print_import_no_torch(argv: list[str]) -> None:
+    result, packages = imported_packages(*argv)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert "sluiceway" in packages and "argparse" in packages  # importtime saw the run
+    assert packages & HEAVY == set()

@@ -173,3 +173,15 @@ def test_convert_writes_a_folder_that_serves_the_same_greedy_tokens(
     finally:
         assert stop_stack(served) == 0, "".join(served.log[-30:])
 
+
+def test_generate_against_a_server_imports_no_torch(stack: Stack) -> None:
+    from tests.test_cli import HEAVY, imported_packages
+
+    result, packages = imported_packages(
+        "generate", "--target", stack.target, "--temperature", "0", "--max-tokens", "8",
+        "--logprobs", "1", "--ignore-eos", "The capital of France is",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert len(result.stderr.splitlines()) == 8  # a logprobs line per token
+    assert result.stdout.strip()
+    assert "grpc" in packages and packages & HEAVY == set()
