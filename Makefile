@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROTOS := protos/sluiceway/v1/inference.proto protos/sluiceway/internal/v1/scheduler.proto protos/sluiceway/internal/v1/worker.proto
 
-.PHONY: install serve test lint protos docs bench
+.PHONY: install serve serve-check test lint protos docs bench
 
 # The runtime only: the pinned CPU dependencies (requirements/cpu.txt, written from
 # pyproject.toml by scripts/lock_cpu.py: torch==2.13.0 is the CPU wheel, triton is left
@@ -35,8 +35,13 @@ install: $(BIN)/sluiceway
 # Flags for `sluiceway serve`: make serve ARGS="--port 50061 --metrics-port 9091"
 ARGS ?=
 
-serve: install
+serve: serve-check install
 	$(BIN)/sluiceway serve $(ARGS)
+
+# Before the install: serve's flags and ports, with the standard library alone, so that a
+# taken port or a bad flag is found at once (sluiceway/serve_check.py).
+serve-check:
+	@PYTHONPATH=. $(PYTHON) -S -m sluiceway.serve_check $(ARGS)
 
 test: $(VENV)/.test-extra
 	$(BIN)/ruff check .

@@ -27,17 +27,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from sluiceway.router.openai_errors import ApiError, api_error, error_response
+from sluiceway.router.openai_errors import (
+    ApiError,
+    add_error_handlers,
+    api_error,
+    error_response,
+)
 from sluiceway.router.openai_models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -109,22 +112,6 @@ def _token_ids(ids: list[int], where: str) -> list[int]:
     return ids
 
 
-# pydantic's names for the member of a union that failed ("str", "list[int]"), not fields
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
-
-
-def _body_param(loc: Any) -> str | None:
-    """The body field a pydantic error location names, in this API's words:
-    ``("body", "messages", 0, "role")`` -> ``messages[0].role``; union member tags dropped."""
-    out = ""
-    for part in list(loc)[1:]:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not _TYPE_TAG.match(str(part)):
-            out += f".{part}" if out else str(part)
-    return out or None
-
-
 class _Served:
     """The served model's name, as the schedulers report it (`--served-model-name`)."""
 
@@ -149,19 +136,7 @@ class _Served:
 def build_app(path: RequestPath) -> FastAPI:
     """The FastAPI application over `path` (see the module docstring)."""
     app = FastAPI(title="sluiceway", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.exception_handler(ApiError)
-    async def on_api_error(request: Request, e: ApiError) -> JSONResponse:
-        return error_response(e.status, e.message, e.param)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"body: invalid JSON: {first.get('ctx', {})}", None)
-        param = _body_param(first.get("loc", ()))
-        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid body')}", param)
-
+    add_error_handlers(app)
     served = _Served(path)
     _add_info_routes(app, path, served)
     _add_generation_routes(app, path, served)

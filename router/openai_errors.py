@@ -1,17 +1,38 @@
 """Errors of the OpenAI-compatible HTTP API: OpenAI's error object, and a `RequestError` of the
 request path presented in this API's words (its HTTP status, and `param` naming the body field
-the failing request field came from, read from the error's field, never from its text)."""
+the failing request field came from, read from the error's field, never from its text).
+
+`add_error_handlers` gives every answer that is not a success this shape, FastAPI's and
+Starlette's own included: an unknown path (404), a method the path does not take (405, with
+its ``Allow`` header), a body that is not JSON by its Content-Type (415: what was sent is not
+what the endpoint reads; vLLM answers 400 with pydantic's "Input should be a valid
+dictionary", which hides the cause), JSON that does not parse (400, with the line and column
+where it broke, as OpenAI answers 400 for it), a body that does not validate (400 naming the
+field), and an unexpected exception (500)."""
 
 from __future__ import annotations
 
+import email.message
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from sluiceway.status import RequestError
 
-__all__ = ["HTTP_STATUS", "ApiError", "api_error", "error_body", "error_response"]
+__all__ = [
+    "HTTP_STATUS",
+    "ApiError",
+    "add_error_handlers",
+    "api_error",
+    "error_body",
+    "error_response",
+]
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "BadRequestError"),
@@ -37,14 +58,99 @@ class ApiError(Exception):
         self.param = param
 
 
+# an error's `type`: the name of the exception the openai SDK raises for its status
+ERROR_TYPES = {status: kind for status, kind in HTTP_STATUS.values()} | {
+    405: "MethodNotAllowedError",
+    415: "UnsupportedMediaTypeError",
+}
+
+
 def error_body(status: int, message: str, param: str | None) -> dict[str, Any]:
     """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
-    kind = next((k for s, k in HTTP_STATUS.values() if s == status), "InternalServerError")
+    kind = ERROR_TYPES.get(status, "InternalServerError")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def error_response(
+    status: int, message: str, param: str | None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    """`error_body` as a response with HTTP status `status` (and `headers`)."""
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Answers every failure of `app` with OpenAI's error object (the module docstring)."""
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, e: ApiError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, e: HTTPException) -> JSONResponse:
+        where = f"{request.method} {request.url.path}"
+        allow = {k.lower(): v for k, v in (e.headers or {}).items()}.get("allow")
+        message = {
+            404: f"no such endpoint: {where}",
+            405: f"method not allowed: {where} (allowed: {allow})",
+        }.get(e.status_code, str(e.detail))
+        return error_response(e.status_code, message, None, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
+        content_type = request.headers.get("content-type")
+        if not _is_json(content_type):  # FastAPI passed the body on as bytes: never valid
+            return error_response(
+                415, f"Content-Type: must be application/json, got {content_type or 'none'}", None
+            )
+        first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"body: invalid JSON: {_where(first, e.body)}", None)
+        param = _body_param(first.get("loc", ()))
+        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid body')}", param)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, e: Exception) -> JSONResponse:
+        # Starlette still raises `e` after this answer: the server logs it
+        return error_response(500, "internal error (the server's log has the cause)", None)
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type is one whose body FastAPI parses as JSON (its own test)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
+
+
+def _where(error: dict[str, Any], body: Any) -> str:
+    """A JSON decode error of FastAPI's with its place in `body`, as Python's json module
+    writes it: ``Expecting value: line 2 column 13 (char 14)``."""
+    pos = int(error["loc"][1])
+    doc = body.decode(errors="replace") if isinstance(body, bytes) else str(body)
+    line = doc.count("\n", 0, pos) + 1
+    column = pos - doc.rfind("\n", 0, pos)
+    what = error.get("ctx", {}).get("error", "invalid")
+    return f"{what}: line {line} column {column} (char {pos})"
+
+
+# pydantic's names for the member of a union that failed ("str", "list[int]"), not fields
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
+
+
+def _body_param(loc: Any) -> str | None:
+    """The body field a pydantic error location names, in this API's words:
+    ``("body", "messages", 0, "role")`` -> ``messages[0].role``; union member tags dropped."""
+    out = ""
+    for part in list(loc)[1:]:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _TYPE_TAG.match(str(part)):
+            out += f".{part}" if out else str(part)
+    return out or None
 
 
 def api_error(

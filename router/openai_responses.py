@@ -82,15 +82,12 @@ class Run:
         return merge_streams([self._stream(p, r) for p, r in enumerate(prompts)])
 
     def _logprobs(self, response: inference_pb2.GenerateResponse) -> list[dict[str, Any]]:
-        tok = self.path.tokenizer
-
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = tok.decode([token_id])
+        def entry(text: str, logprob: float) -> dict[str, Any]:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
         return [
-            {**entry(lp.token_id, lp.logprob),
-             "top_logprobs": [entry(x.token_id, x.logprob) for x in lp.top_logprobs]}
+            {**entry(lp.token, lp.logprob),
+             "top_logprobs": [entry(x.token, x.logprob) for x in lp.top_logprobs]}
             for lp in response.logprobs
         ]  # fmt: skip
 

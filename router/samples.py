@@ -23,6 +23,7 @@ from sluiceway.internal.v1 import scheduler_pb2
 from sluiceway.router.balancer import SchedulerPool, SchedulerReplica
 from sluiceway.router.detokenizer import IncrementalDetokenizer
 from sluiceway.router.metrics import FINISHED_REASONS, RequestRecorder
+from sluiceway.router.tokenizer import token_text
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.status import RequestError, error_from_rpc, written_by_sluiceway
 from sluiceway.v1 import inference_pb2
@@ -200,6 +201,10 @@ class Sample:
         finish = inference_pb2.FINISH_REASON_STOP if detok.stopped else event.finish_reason
         if finish != UNSPECIFIED and not detok.stopped:
             text += detok.flush()
+        for lp in event.logprobs:  # each token's own text, for every client (logprobs.token)
+            lp.token = token_text(ctx.tokenizer, lp.token_id)
+            for top in lp.top_logprobs:
+                top.token = token_text(ctx.tokenizer, top.token_id)
         ctx.totals.seconds += time.perf_counter() - t0
         ctx.totals.tokens += len(event.token_ids)
         response = inference_pb2.GenerateResponse(

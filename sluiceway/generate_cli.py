@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sluiceway.argtypes import bounded_float, bounded_int
 from sluiceway.sampling_params import FIELDS, python_type, wire_range
+from sluiceway.targets import DEFAULT_TARGET, TARGET_HELP, grpc_target
 from sluiceway.v1 import inference_pb2
 
-DEFAULT_TARGET = "127.0.0.1:50051"
+if TYPE_CHECKING:
+    import grpc
+
 _FINISH = {1: "stop", 2: "length", 3: "abort"}
 
 # How `generate` presents some sampling flags (metavar, a word on its output, a short name);
@@ -37,9 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "left out take the server's defaults (vLLM's); usage, logprobs and hints go to stderr.",
     )
     gen.add_argument("prompt", help="the prompt; - reads it from stdin (trailing newlines dropped)")
-    gen.add_argument(
-        "--target", default=DEFAULT_TARGET, help="the router's gRPC address, host:port or unix:PATH"
-    )
+    gen.add_argument("--target", type=grpc_target, default=DEFAULT_TARGET, help=TARGET_HELP)
     gen.add_argument(
         "--chat",
         action="store_true",
@@ -227,9 +229,11 @@ def generate_command(args: argparse.Namespace) -> int:
     ids: list[list[int]] = [[] for _ in range(n)]
     last: list[Any] = [None] * n
     logprobs: list[list[Any]] = [[] for _ in range(n)]
+    started = False
     with Client(args.target) as client:
         try:
             for response in client.generate_stream(req):
+                started = True
                 i = response.index
                 texts[i] += response.text
                 ids[i].extend(response.token_ids)
@@ -241,7 +245,7 @@ def generate_command(args: argparse.Namespace) -> int:
             eos_ids = set(client.model_info().eos_token_ids) if "" in texts else set()
         except grpc.RpcError as e:
             _end_line(n, texts)
-            print(f"sluiceway generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            print(f"sluiceway generate: {_failure(e, args.target, started)}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             _end_line(n, texts)
@@ -259,15 +263,44 @@ def generate_command(args: argparse.Namespace) -> int:
             print(f"sluiceway generate: {label}{_empty_hint(reason, ids[i], eos_ids)}",
                   file=sys.stderr)  # fmt: skip
         if args.logprobs is not None:
-            for k, lp in enumerate(logprobs[i]):
-                top = ", ".join(f"{t.token_id} {t.logprob:.4f}" for t in lp.top_logprobs)
-                print(f"logprobs: {label}{k} token {lp.token_id} {lp.logprob:.4f}"
-                      + (f"  top: {top}" if top else ""), file=sys.stderr)  # fmt: skip
+            _print_logprobs(label, logprobs[i])
         if args.show_usage and last[i] is not None:
             u = last[i].usage
             print(f"usage: {label}finish reason {reason}, prompt tokens {u.prompt_tokens}, "
                   f"completion tokens {u.completion_tokens}", file=sys.stderr)  # fmt: skip
     return 0
+
+
+def _failure(error: grpc.RpcError, target: str, started: bool) -> str:
+    """The line of a failed call: its code and details; or, when gRPC itself failed to reach
+    `target` before any response (UNAVAILABLE, not a status a sluiceway server wrote), what
+    went wrong in gRPC's last words and what to check."""
+    import grpc
+
+    from sluiceway.status import written_by_sluiceway
+
+    code, details = error.code(), error.details() or ""  # type: ignore[attr-defined]
+    if code != grpc.StatusCode.UNAVAILABLE or started or written_by_sluiceway(error):
+        return f"{code.name}: {details}"
+    reason = details.rstrip("]").rsplit(": ", 1)[-1]  # "...: Connection refused"
+    reason = reason[:1].lower() + reason[1:]
+    return (
+        f"cannot reach a sluiceway server at {target} ({reason}); is `sluiceway serve` "
+        "running there? (--target)"
+    )
+
+
+def _print_logprobs(label: str, logprobs: list[inference_pb2.TokenLogprobs]) -> None:
+    """One stderr line per token: its position, text (JSON-quoted: whitespace shows), id and
+    log-probability, then the top ones the same way."""
+
+    def token(text: str, token_id: int, logprob: float) -> str:
+        return f"{json.dumps(text, ensure_ascii=False)} ({token_id}) {logprob:.4f}"
+
+    for k, lp in enumerate(logprobs):
+        top = ", ".join(token(t.token, t.token_id, t.logprob) for t in lp.top_logprobs)
+        print(f"logprobs: {label}{k} token {token(lp.token, lp.token_id, lp.logprob)}"
+              + (f"  top: {top}" if top else ""), file=sys.stderr)  # fmt: skip
 
 
 def _end_line(n: int, texts: list[str]) -> None:

@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from sluiceway.client import wait_until_serving
+from sluiceway.layout import metrics_order, stack_layout
 from sluiceway.pids import dead_owner_paths
 from sluiceway.ports import Ports, free_port, free_ports, plan_ports
 from sluiceway.router.config import RouterConfig
@@ -152,13 +153,6 @@ def _spawn(command: str, argv: list[str]) -> subprocess.Popen[bytes]:
     )
 
 
-def _name(kind: str, *parts: tuple[str, int, int]) -> str:
-    """`kind` followed by each (label, index, count) part whose count is above 1:
-    ``worker``, ``worker-prefill0``, ``scheduler-1``, ``worker-r1-rank0`` ..."""
-    suffix = "".join(f"-{label}{i}" for label, i, n in parts if n > 1)
-    return kind + suffix
-
-
 def serve_command(args: argparse.Namespace) -> int:
     """Starts the stack, waits until each process is SERVING, prints the address, waits for a
     signal. Returns 0 once stopped; 2 with one line on stderr for a configuration error found
@@ -169,8 +163,8 @@ def serve_command(args: argparse.Namespace) -> int:
     configure_logging("serve", args.log_format, args.log_level)
     try:  # what the children would refuse, after importing torch and loading the model
         config = ServeConfig.from_namespace(args)
+        ports = plan_ports(config)  # first: a taken port is found at once, not after a conversion
         model_dir, model_id = _resolve_model(config)
-        ports = plan_ports(config)
     except ValueError as e:
         print(f"sluiceway: {e}", file=sys.stderr)
         return 2
@@ -196,86 +190,48 @@ def _resolve_model(config: ServeConfig) -> tuple[pathlib.Path, str]:
 def build_children(
     config: ServeConfig, ports: Ports, run_dir: str, model_dir: pathlib.Path, model_id: str
 ) -> list[Child]:
-    """The children of the stack, not started, in start order: the schedulers, their workers,
-    the routers. Each child's config is serve's (`ServeConfig.router`, ...) with the child's
-    own addresses and ports (Unix sockets in `run_dir`; the routers on TCP) and the resolved
-    model."""
-    n_routers, n_replicas = config.num_routers, config.num_replicas
+    """The children of the stack, not started, in start order (`stack_layout`: the
+    schedulers, their workers, the routers). Each child's config is serve's
+    (`ServeConfig.router`, ...) with the child's own addresses and ports (Unix sockets in
+    `run_dir`; the routers on TCP) and the resolved model; the ranks of a tensor-parallel
+    instance share a rendezvous port picked here."""
+    slots = stack_layout(config)
+    metrics = {s.name: port for s, port in zip(metrics_order(slots), ports.metrics, strict=True)}
+    schedulers = [f"unix:{run_dir}/{s.name}.sock" for s in slots if s.command == "scheduler"]
+    router_ports = iter(zip(ports.routers, ports.http or [-1] * len(ports.routers), strict=True))
+    rendezvous: dict[tuple[int, int], str] = {}
     children: list[Child] = []
-    for r in range(n_replicas):
-        name = _name("scheduler", ("", r, n_replicas))
-        address = f"unix:{run_dir}/{name}.sock"
-        metrics = ports.metrics[n_routers + r]
-        scheduler = replace(
-            config.scheduler, listen=address, metrics_port=metrics, metrics_host=config.host
-        )
-        children.append(Child(name, address, scheduler, r, -1))
-    addrs = [c.address for c in children]
-    children += _worker_children(config, ports, run_dir, addrs, model_dir, model_id)
-    for k, port in enumerate(ports.routers):
-        router = replace(
-            config.router,
-            host=config.host,
-            port=port,
-            scheduler=",".join(addrs),
-            model=str(model_dir),
-            metrics_port=ports.metrics[k],
-            metrics_host=config.host,
-            http_port=ports.http[k] if ports.http else -1,
-        )
-        name = _name("router", ("", k, n_routers))
-        children.append(Child(name, f"{config.host}:{port}", router))
-    return children
-
-
-def _worker_children(
-    config: ServeConfig,
-    ports: Ports,
-    run_dir: str,
-    scheduler_addrs: list[str],
-    model_dir: pathlib.Path,
-    model_id: str,
-) -> list[Child]:
-    """The workers of every replica (`build_children`): per replica, each model instance
-    (worker group) of the scheduler's layout, each with its tensor-parallel ranks (which share
-    a rendezvous port picked here)."""
-    roles = config.scheduler.group_roles
-    tp = config.scheduler.tensor_parallel_size
-    role_index = {"both": 0, "prefill": 0, "decode": 0}
-    instances = []  # (worker group, role, index among the groups of that role)
-    for g, role in enumerate(roles):
-        instances.append((g, role, role_index[role]))
-        role_index[role] += 1
-    first_port = config.num_routers + config.num_replicas
-    children: list[Child] = []
-    for r, scheduler_addr in enumerate(scheduler_addrs):
-        for g, role, i in instances:
+    for slot in slots:
+        address = f"unix:{run_dir}/{slot.name}.sock"
+        mport, mhost = metrics[slot.name], config.host
+        child_config: ChildConfig
+        if slot.command == "scheduler":
+            child_config = replace(
+                config.scheduler, listen=address, metrics_port=mport, metrics_host=mhost
+            )
+        elif slot.command == "router":
+            port, http_port = next(router_ports)
+            address = f"{config.host}:{port}"
+            child_config = replace(
+                config.router, host=config.host, port=port, scheduler=",".join(schedulers),
+                model=str(model_dir), http_port=http_port, metrics_port=mport, metrics_host=mhost,
+            )  # fmt: skip
+        else:
             init_method = None
-            if tp > 1:  # not a port another child of this stack was given
-                (rendezvous,) = free_ports(1, exclude=ports.all())
-                init_method = f"tcp://127.0.0.1:{rendezvous}"
-            for rank in range(tp):
-                name = _name(
-                    "worker",
-                    ("r", r, config.num_replicas),
-                    (role if role != "both" else "g", i, 2 if role != "both" else 1),
-                    ("rank", rank, tp),
-                )
-                address = f"unix:{run_dir}/{name}.sock"
-                worker = replace(
-                    config.worker,
-                    listen=address,
-                    scheduler=scheduler_addr,
-                    worker_group=g,
-                    rank=rank,
-                    distributed_init_method=init_method,
-                    share_kv_pool=role != "both",
-                    model=str(model_dir),
-                    served_model_name=model_id,
-                    metrics_port=ports.metrics[first_port + len(children)],
-                    metrics_host=config.host,
-                )
-                children.append(Child(name, address, worker, r, g))
+            if config.scheduler.tensor_parallel_size > 1:  # not a port of another child
+                key = (slot.replica, slot.instance)
+                if key not in rendezvous:
+                    (free,) = free_ports(1, exclude=ports.all())
+                    rendezvous[key] = f"tcp://127.0.0.1:{free}"
+                init_method = rendezvous[key]
+            child_config = replace(
+                config.worker, listen=address, scheduler=schedulers[slot.replica],
+                worker_group=slot.instance, rank=slot.rank,
+                distributed_init_method=init_method, share_kv_pool=slot.role != "both",
+                model=str(model_dir), served_model_name=model_id, metrics_port=mport,
+                metrics_host=mhost,
+            )  # fmt: skip
+        children.append(Child(slot.name, address, child_config, slot.replica, slot.instance))
     return children
 
 
@@ -338,7 +294,7 @@ def _print_ready(
     if config.metrics_port >= 0:
         urls = ", ".join(
             f"{c.name} http://{config.host}:{port}/metrics"
-            for c, port in zip(_metrics_order(children), ports.metrics, strict=True)
+            for c, port in zip(metrics_order(children), ports.metrics, strict=True)
         )
         print(f"sluiceway: metrics: {urls}", flush=True)
 
@@ -379,12 +335,6 @@ def remove_stale_run_dirs(directory: str | None = None) -> list[str]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(str(path))
     return removed
-
-
-def _metrics_order(children: list[Child]) -> list[Child]:
-    """The children in the order of their metrics ports: routers, schedulers, workers."""
-    rank = {"router": 0, "scheduler": 1, "worker": 2}
-    return sorted(children, key=lambda c: rank[c.command])
 
 
 def _restart_exited(children: list[Child]) -> None:

@@ -4,10 +4,12 @@ HTTP ports, every process's metrics port), and the OS's free ports for the `0`s.
 from __future__ import annotations
 
 import contextlib
+import errno
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sluiceway.layout import metrics_order, stack_layout
 from sluiceway.preflight import ConfigError
 from sluiceway.serve_config import ServeConfig
 
@@ -35,10 +37,10 @@ def num_workers(config: ServeConfig) -> int:
 def plan_ports(config: ServeConfig) -> Ports:
     """The ports of the stack `config` describes: consecutive ones from each first port, or
     distinct free ones for 0 (picked here, not by the children: the launcher dials each
-    router's health service and prints the metrics addresses).
+    router's health service and prints the metrics addresses), each checked free.
 
     Raises:
-        ConfigError: a router's gRPC or HTTP port is taken.
+        ConfigError: a port of the plan cannot be listened on (`check_ports`).
     """
     n = config.num_routers
     routers = [config.port + i for i in range(n)] if config.port else free_ports(n, config.host)
@@ -48,27 +50,55 @@ def plan_ports(config: ServeConfig) -> Ports:
         http = [config.http_port + i for i in range(n)]
     elif config.http_port == 0:
         http = free_ports(n, http_host, exclude=routers)
-    for host, port in [(config.host, p) for p in routers] + [(http_host, p) for p in http]:
-        taken = taken_port(host, port)
-        if taken:
-            raise ConfigError(f"cannot listen on {host}:{port}: {taken}")
     count = n + config.num_replicas + num_workers(config)
-    return Ports(routers, http, metrics_ports(config.metrics_port, count, [*routers, *http]))
+    ports = Ports(routers, http, metrics_ports(config.metrics_port, count, [*routers, *http]))
+    check_ports(config, ports)
+    return ports
 
 
-def taken_port(host: str, port: int) -> str:
-    """Why `host:port` cannot be listened on ("" when it can): checked before the children
+def check_ports(config: ServeConfig, ports: Ports) -> None:
+    """Checks that every port of `ports` can be listened on, before any child starts.
+
+    Raises:
+        ConfigError: the first that cannot, naming the flag it comes from and, for a port
+            derived from it (the next routers, every process's metrics), whose port it is:
+            ``--http-port 8000 is taken (Address already in use)``, ``--metrics-port 9400:
+            port 9401 (scheduler's metrics) is taken (Address already in use)``.
+    """
+    processes = metrics_order(stack_layout(config))
+    routers = [p.name for p in processes if p.command == "router"]
+    http_host = config.router.http_host or config.host
+    planned = [
+        *[("--port", config.port, config.host, port, f"{name}'s gRPC")
+          for name, port in zip(routers, ports.routers, strict=True)],
+        *[("--http-port", config.http_port, http_host, port, f"{name}'s HTTP")
+          for name, port in zip(routers, ports.http, strict=False)],
+        *[("--metrics-port", config.metrics_port, config.host, port, f"{p.name}'s metrics")
+          for p, port in zip(processes, ports.metrics, strict=True) if port >= 0],
+    ]  # fmt: skip
+    for flag, value, host, port, whose in planned:
+        error = bind_error(host, port)
+        if error is None:
+            continue
+        where = f"{flag} {value}" if port == value else f"{flag} {value}: port {port} ({whose})"
+        if error.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{where} is taken ({error.strerror})")
+        raise ConfigError(f"{where}: cannot listen on {host}:{port} ({error.strerror or error})")
+
+
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why `host:port` cannot be listened on (None when it can): checked before the children
     start, so that another server answering health checks there is never taken for ours."""
     if port == 0:
-        return ""
+        return None
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
             # as gRPC does: a port left in TIME_WAIT by a server just stopped is free
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
     except OSError as e:
-        return e.strerror or str(e)
-    return ""
+        return e
+    return None
 
 
 def metrics_ports(first: int, count: int, exclude: list[int]) -> list[int]:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import pathlib
 
-from sluiceway.model_files import context_window, resolve_max_model_len
-
 
 class ConfigError(ValueError):
     """A flag, or a combination of flags, that cannot be served."""
@@ -39,6 +37,8 @@ def check_max_model_len(model_dir: pathlib.Path, max_model_len: int | None) -> N
     Raises:
         ConfigError: see :func:`sluiceway.model_files.resolve_max_model_len`.
     """
+    from sluiceway.model_files import context_window, resolve_max_model_len  # numpy: not here
+
     if max_model_len is None:
         return
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))

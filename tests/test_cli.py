@@ -453,3 +453,76 @@ def test_generate_with_an_unreadable_schema_file_is_one_line_and_exit_2(capsys) 
     assert capsys.readouterr().err == (
         "sluiceway generate: /nonexistent/g.ebnf: No such file or directory\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("target", "dialled"),
+    [
+        ("127.0.0.1", "127.0.0.1:50051"),  # serve's default port, not gRPC's 443
+        ("localhost:50061", "localhost:50061"),
+        ("[::1]", "[::1]:50051"),
+        ("::1", "[::1]:50051"),
+        ("unix:/tmp/router.sock", "unix:/tmp/router.sock"),
+        ("dns:///localhost:50051", "dns:///localhost:50051"),
+    ],
+)
+def test_generate_and_bench_serve_targets(target: str, dialled: str) -> None:
+    assert build_parser().parse_args(["generate", "--target", target, "x"]).target == dialled
+    assert build_parser().parse_args(["bench", "serve", "--target", target]).target == dialled
+
+
+def test_a_url_target_is_a_usage_error_giving_the_address_to_use() -> None:
+    assert usage_error("generate", "--target", "http://127.0.0.1:50051", "x") == (
+        "sluiceway generate: error: argument --target: a gRPC address is written without a "
+        "scheme: use 127.0.0.1:50051, not http://127.0.0.1:50051 (see sluiceway generate --help)"
+    )
+    assert usage_error("bench", "serve", "--target", "https://example.com/v1") == (
+        "sluiceway bench serve: error: argument --target: a gRPC address is written without a "
+        "scheme: use example.com:50051, not https://example.com/v1 (see sluiceway bench serve "
+        "--help)"
+    )
+    assert usage_error("generate", "--target", "127.0.0.1:http", "x") == (
+        "sluiceway generate: error: argument --target: port must be a number in [1, 65535], "
+        "got 'http' (see sluiceway generate --help)"
+    )
+
+
+def test_generate_with_nothing_listening_says_where_and_what_to_check() -> None:
+    from sluiceway.ports import free_port
+
+    port = free_port()
+    result = run_cli("generate", "--target", f"127.0.0.1:{port}", "Hi")
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == (
+        f"sluiceway generate: cannot reach a sluiceway server at 127.0.0.1:{port} (connection "
+        "refused); is `sluiceway serve` running there? (--target)\n"
+    )
+
+
+# What a command that talks to a server, or only prints, must not pay for (~2.3 s of CPU for
+# torch through transformers at 83db0c5).
+HEAVY = {"torch", "transformers", "triton", "xgrammar", "numpy"}
+
+
+def imported_packages(*argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """Runs `python -X importtime -m sluiceway.cli *argv`; returns the result (importtime's
+    lines removed from its stderr) and the top-level packages the whole run imported."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "sluiceway.cli", *argv],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = result.stderr.splitlines(keepends=True)
+    timed = [line for line in lines if line.startswith("import time:")]
+    names = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in timed[1:]}  # [0]: header
+    result.stderr = "".join(line for line in lines if not line.startswith("import time:"))
+    return result, names
+
+
+@pytest.mark.parametrize(
+    "argv", [["--version"], ["--help"], ["generate", "--help"], ["bench", "serve", "--help"]]
+)
+def test_commands_that_only_print_import_no_torch(argv: list[str]) -> None:
+    result, packages = imported_packages(*argv)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert "sluiceway" in packages and "argparse" in packages  # importtime saw the run
+    assert packages & HEAVY == set()

@@ -1,13 +1,23 @@
 """`sluiceway serve`'s flags: the ports it picks for `--port 0` and `--metrics-port 0` are
 distinct (two separate OS picks can return the same port once the first socket is closed);
 out-of-range sizes are usage errors; each child's config is serve's forwarded flags plus its
-own addresses and ports, and its command line gives that config back."""
+own addresses and ports, and its command line gives that config back; a taken port is one
+line naming its flag, exit 2, before any child starts (and before `make serve`'s install)."""
 
 from __future__ import annotations
 
+import os
+import pathlib
 import socket
+import subprocess
+import sys
+import time
+
+import pytest
 
 from sluiceway.ports import free_ports, metrics_ports
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_free_ports_are_distinct_and_skip_the_excluded() -> None:
@@ -25,8 +35,6 @@ def test_free_ports_are_distinct_and_skip_the_excluded() -> None:
 def test_block_size_below_1_is_a_usage_error() -> None:
     import contextlib
     import io
-
-    import pytest
 
     from sluiceway.cli import build_parser
 
@@ -59,7 +67,6 @@ def test_every_child_flag_is_forwarded_or_set_by_the_launcher() -> None:
 
 
 def test_the_children_get_serves_flags_and_their_own_addresses() -> None:
-    import pathlib
     from dataclasses import replace
 
     from sluiceway.cli import build_parser
@@ -115,3 +122,93 @@ def test_the_children_get_serves_flags_and_their_own_addresses() -> None:
     inits = {n: c.distributed_init_method for n, c in by_name.items() if n.startswith("worker")}
     assert inits["worker-r1-decode0-rank0"] == inits["worker-r1-decode0-rank1"]
     assert len(set(inits.values())) == 4
+
+
+def _children_of(pid: int) -> set[int]:
+    """The pids whose parent is `pid` now (from /proc)."""
+    found = set()
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+# (serve's port flags with the taken port at P, or at P-1 for the flag's first port, the line)
+TAKEN = [
+    (["--port", "0", "--http-port", "-1", "--metrics-port", "{P-1}"],
+     "sluiceway: --metrics-port {P-1}: port {P} (scheduler's metrics) is taken "
+     "(Address already in use)"),
+    (["--port", "0", "--http-port", "{P}", "--metrics-port", "-1"],
+     "sluiceway: --http-port {P} is taken (Address already in use)"),
+    (["--port", "{P}", "--http-port", "-1", "--metrics-port", "-1"],
+     "sluiceway: --port {P} is taken (Address already in use)"),
+]  # fmt: skip
+
+
+def _fill(text: str, port: int) -> str:
+    return text.replace("{P-1}", str(port - 1)).replace("{P}", str(port))
+
+
+@pytest.mark.parametrize(("flags", "line"), TAKEN, ids=["metrics", "http", "grpc"])
+def test_a_taken_port_is_one_line_naming_its_flag_before_any_child_starts(
+    flags: list[str], line: str
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "sluiceway.cli", "serve", *(_fill(f, port) for f in flags)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        children: set[int] = set()
+        while serve.poll() is None and time.monotonic() - t0 < 5:
+            children |= _children_of(serve.pid)
+            time.sleep(0.01)
+        out, err = serve.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    assert (serve.returncode, out, err) == (2, "", _fill(line, port) + "\n")
+    assert elapsed < 5
+    assert children == set()  # no worker, scheduler or router was started
+
+
+def test_make_serve_finds_a_taken_port_before_the_install_with_the_standard_library() -> None:
+    """`make serve` runs sluiceway/serve_check.py with `python3 -S` before it builds the venv:
+    without site-packages, the same parser and check give serve's line."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argvs = [
+            [_fill(f, port) for f in TAKEN[0][0]],
+            ["--port", str(port - 1), "--num-routers", "2", "--http-port", "-1"],
+            ["--max-num-seqs", "0"],
+            ["--port", "0", "--http-port", "0", "--metrics-port", "0"],
+            ["--help"],
+        ]
+        env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)}
+        results = [
+            subprocess.run(
+                [sys.executable, "-S", "-m", "sluiceway.serve_check", *argv],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=ROOT,
+                env=env,
+            )
+            for argv in argvs
+        ]
+    assert [(r.returncode, r.stdout, r.stderr) for r in results] == [
+        (2, "", _fill(TAKEN[0][1], port) + "\n"),
+        (2, "", f"sluiceway: --port {port - 1}: port {port} (router-1's gRPC) is taken "
+                "(Address already in use)\n"),
+        (2, "", "sluiceway serve: error: argument --max-num-seqs: must be >= 1, got 0 "
+                "(see sluiceway serve --help)\n"),
+        (0, "", ""),
+        (0, "", ""),  # the installed serve prints the help
+    ]  # fmt: skip

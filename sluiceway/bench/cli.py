@@ -9,13 +9,19 @@ from sluiceway.argtypes import positive_int
 from sluiceway.bench.grammar import add_grammar_args
 from sluiceway.bench.step import add_step_args
 from sluiceway.bench.workload import add_workload_args
+from sluiceway.targets import DEFAULT_TARGET, TARGET_HELP, grpc_target
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     serve = bench_sub.add_parser("serve", help="serving benchmark against a running server")
-    serve.add_argument("--target", default="127.0.0.1:50051", help="gRPC API (--backend sluiceway)")
+    serve.add_argument(
+        "--target",
+        type=grpc_target,
+        default=DEFAULT_TARGET,
+        help=f"{TARGET_HELP} (--backend sluiceway)",
+    )
     serve.add_argument(
         "--backend",
         choices=("sluiceway", "openai"),

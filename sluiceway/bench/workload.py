@@ -9,8 +9,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from sluiceway.argtypes import positive_float, positive_int
 from sluiceway.sharegpt import SampledRequest
 
@@ -27,6 +25,8 @@ def request_intervals(n: int, request_rate: float, burstiness: float, seed: int)
     """
     if request_rate <= 0 or burstiness <= 0:
         raise ValueError(f"request_rate ({request_rate}) and burstiness ({burstiness}) must be > 0")
+    import numpy as np  # here, not at the top: the CLI parser imports this module
+
     if np.isinf(request_rate):
         return [0.0] * n
     rng = np.random.default_rng(seed)
@@ -74,6 +74,8 @@ def random_requests(
     uniformly from [len * (1 - range_ratio), len * (1 + range_ratio)] (tokens)."""
     if not 0 <= range_ratio < 1:
         raise ValueError(f"random_range_ratio must be in [0, 1), got {range_ratio}")
+    import numpy as np
+
     rng = np.random.default_rng(seed)
 
     def lengths(n: int) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -49,7 +50,7 @@ def test_generate_reads_stdin_and_shows_usage(stack: Stack) -> None:
     assert len(ids) == 6
 
 
-def test_generate_system_prompt_stop_string_and_logprobs(stack: Stack) -> None:
+def test_generate_system_prompt_stop_string_and_logprobs(stack: Stack, tokenizer) -> None:  # type: ignore[no-untyped-def]
     messages = [("system", "Answer in one sentence."), ("user", "What is the capital of France?")]
     with stack.client() as client:
         text, ids, _ = client.generate(
@@ -64,12 +65,24 @@ def test_generate_system_prompt_stop_string_and_logprobs(stack: Stack) -> None:
     lines = result.stderr.splitlines()
     assert re.fullmatch(r"usage: finish reason stop, prompt tokens \d+, completion tokens \d+",
                         lines[-1])  # fmt: skip
-    logprobs = [re.fullmatch(r"logprobs: (\d+) token (\d+) (-?\d+\.\d{4})  top: (\d+) .+", line)
-                for line in lines[:-1]]  # fmt: skip
+    quoted = r'("(?:[^"\\]|\\.)*")'  # a JSON string: the token's text
+    logprobs = [
+        re.fullmatch(rf"logprobs: (\d+) token {quoted} \((\d+)\) (-?\d+\.\d{{4}})  "
+                     rf"top: {quoted} \((\d+)\) -?\d+\.\d{{4}}, {quoted} \((\d+)\) .+", line)
+        for line in lines[:-1]
+    ]  # fmt: skip
     assert all(logprobs), lines
-    got = [int(m.group(2)) for m in logprobs if m]
+    got = [int(m.group(3)) for m in logprobs if m]
     assert got == ids[: len(got)] and len(got) >= 2
-    assert all(m.group(2) == m.group(4) for m in logprobs if m)  # greedy: the top one
+    for m in logprobs:
+        assert m is not None
+        for text_group, id_group in ((2, 3), (5, 6), (7, 8)):  # the token, the top two
+            token_id = int(m.group(id_group))
+            assert json.loads(m.group(text_group)) == tokenizer.decode([token_id])
+        assert m.group(3) == m.group(6)  # greedy: the top one
+    # the answer's tokens up to the stop string, as the texts of the logprobs lines
+    shown = "".join(json.loads(m.group(2)) for m in logprobs if m)
+    assert shown.startswith(text.split(" Paris")[0]), shown
 
 
 def test_generate_an_eos_first_answer_prints_a_hint(stack: Stack) -> None:
@@ -159,3 +172,16 @@ def test_convert_writes_a_folder_that_serves_the_same_greedy_tokens(
         assert "serving SmolLM2-hf on" in "".join(served.log)
     finally:
         assert stop_stack(served) == 0, "".join(served.log[-30:])
+
+
+def test_generate_against_a_server_imports_no_torch(stack: Stack) -> None:
+    from tests.test_cli import HEAVY, imported_packages
+
+    result, packages = imported_packages(
+        "generate", "--target", stack.target, "--temperature", "0", "--max-tokens", "8",
+        "--logprobs", "1", "--ignore-eos", "The capital of France is",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert len(result.stderr.splitlines()) == 8  # a logprobs line per token
+    assert result.stdout.strip()
+    assert "grpc" in packages and packages & HEAVY == set()

@@ -69,7 +69,7 @@ def test_a_second_serve_on_a_taken_port_fails_and_the_first_keeps_serving() -> N
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert second.returncode == 2
-        assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in second.stderr
+        assert second.stderr == f"sluiceway: --port {port} is taken (Address already in use)\n"
         with first.client() as client:
             _, ids, _ = client.generate(Client.request("Hi", temperature=0, max_tokens=2))
         assert len(ids) == 2

@@ -70,6 +70,8 @@ def test_completions_with_logprobs_match_grpc(api: openai.OpenAI, stack: Stack) 
     assert choice.text == "".join(r.text for r in rs)
     assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
     assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in grpc_lps])
+    assert choice.logprobs.tokens == [lp.token for lp in grpc_lps]  # the router's text, both
+    assert "".join(choice.logprobs.tokens) == choice.text
     assert choice.logprobs.top_logprobs is not None
     assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
     streamed = api.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=5,

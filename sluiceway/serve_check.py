@@ -1,0 +1,37 @@
+"""`make serve`'s first step, before the install: serve's flags parsed by serve's own parser
+and every port of the stack checked (`sluiceway.ports.plan_ports`), with the standard library
+alone (``python3 -S -m sluiceway.serve_check [serve flags]`` from the repository's root), so
+that a bad flag or a taken port is one line and exit 2 before a four-minute install, not
+after it. `sluiceway serve` makes the same checks again, then those that need the installed
+packages (the model, the device)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from sluiceway.argtypes import ArgumentParser
+from sluiceway.ports import plan_ports
+from sluiceway.serve_config import ServeConfig
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Returns 0 when serve's flags `argv` parse and every port is free; else prints
+    serve's line (a usage error, or ``sluiceway: --port 50051 is taken (...)``) and returns
+    2. ``--help`` is left to `sluiceway serve`, which prints it after the install."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if {"-h", "--help"} & set(argv):
+        return 0
+    parser = ArgumentParser(prog="sluiceway serve")
+    ServeConfig.add_arguments(parser)
+    args = parser.parse_args(argv)  # a usage error exits 2 here, as serve's would
+    try:
+        plan_ports(ServeConfig.from_namespace(args))
+    except ValueError as e:
+        print(f"sluiceway: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Every failure of the OpenAI-compatible HTTP API answers OpenAI's error object, FastAPI's and
+Starlette's own too: an unknown path, a wrong method, a body that is not JSON by its
+Content-Type, JSON that does not parse (with its line and column), an unexpected exception.
+
+The app is the real `build_app` over a request path that is never reached (each request here
+fails before its endpoint runs, or, for the 500, in it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from sluiceway.router.openai_api import build_app
+from sluiceway.router.request_path import RequestPath
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    unready = RequestPath.__new__(RequestPath)  # no attribute set: any use of it raises
+    return TestClient(build_app(unready), raise_server_exceptions=False)
+
+
+def error(status: int, kind: str, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def test_an_unknown_path_is_404(client: TestClient) -> None:
+    r = client.post("/v1/chat/completion", json={"messages": []})
+    assert (r.status_code, r.json()) == (
+        404,
+        error(404, "NotFoundError", "no such endpoint: POST /v1/chat/completion"),
+    )
+    assert client.get("/").json() == error(404, "NotFoundError", "no such endpoint: GET /")
+
+
+def test_a_wrong_method_is_405_with_allow(client: TestClient) -> None:
+    r = client.get("/v1/completions")
+    assert (r.status_code, r.headers["allow"], r.json()) == (
+        405,
+        "POST",
+        error(405, "MethodNotAllowedError",
+              "method not allowed: GET /v1/completions (allowed: POST)"),
+    )  # fmt: skip
+    r = client.post("/v1/models")
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        405,
+        "method not allowed: POST /v1/models (allowed: GET)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("headers", "shown"),
+    [
+        ({"Content-Type": "text/plain"}, "text/plain"),
+        ({"Content-Type": "application/x-www-form-urlencoded"},  # curl -d without -H
+         "application/x-www-form-urlencoded"),
+        ({}, "none"),
+    ],
+)  # fmt: skip
+def test_a_body_that_is_not_json_by_its_content_type_is_415(
+    client: TestClient, headers: dict[str, str], shown: str
+) -> None:
+    r = client.post("/v1/completions", content=b'{"prompt": "hi"}', headers=headers)
+    assert (r.status_code, r.json()) == (
+        415,
+        error(415, "UnsupportedMediaTypeError",
+              f"Content-Type: must be application/json, got {shown}"),
+    )  # fmt: skip
+
+
+def test_json_that_does_not_parse_is_400_with_its_line_and_column(client: TestClient) -> None:
+    r = client.post(
+        "/v1/completions",
+        content=b'{\n  "prompt": [}\n',
+        headers={"Content-Type": "application/json; charset=utf-8"},
+    )
+    assert (r.status_code, r.json()) == (
+        400,
+        error(400, "BadRequestError",
+              "body: invalid JSON: Expecting value: line 2 column 14 (char 15)"),
+    )  # fmt: skip
+
+
+def test_an_unexpected_exception_is_500_in_the_same_shape(client: TestClient) -> None:
+    r = client.get("/v1/models")  # the request path has no pool: AttributeError
+    assert (r.status_code, r.json()) == (
+        500,
+        error(500, "InternalServerError", "internal error (the server's log has the cause)"),
+    )
