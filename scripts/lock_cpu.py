@@ -67,7 +67,9 @@ def main() -> int:
     if changed:  # the extra would move a runtime pin: the two files could not be stacked
         raise SystemExit(f"the bench extra changes runtime pins: {changed}")
     LOCKS.mkdir(exist_ok=True)
-    write("cpu.txt", list(runtime.values()), "The runtime dependencies of sluiceway on CPU", "install")
+    write(
+        "cpu.txt", list(runtime.values()), "The runtime dependencies of sluiceway on CPU", "install"
+    )
     bench = [v for k, v in with_bench.items() if k not in runtime]
     write("cpu-bench.txt", bench, "What the bench extra adds to requirements/cpu.txt", "bench")
     return 0
