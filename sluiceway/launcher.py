@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 
 from sluiceway.client import wait_until_serving
 from sluiceway.layout import metrics_order, stack_layout
-from sluiceway.pids import dead_owner_paths
+from sluiceway.pids import dead_owner_paths, process_age_s
 from sluiceway.ports import Ports, free_port, free_ports, plan_ports
 from sluiceway.router.config import RouterConfig
 from sluiceway.scheduler.config import SchedulerConfig
@@ -159,7 +159,7 @@ def serve_command(args: argparse.Namespace) -> int:
     before the start or by a child that exits 2 while starting; 1 for another failure."""
     from sluiceway.logs import configure_logging
 
-    t0 = time.monotonic()
+    t0 = time.monotonic() - process_age_s()  # "ready in" counts from the command's start
     configure_logging("serve", args.log_format, args.log_level)
     try:  # what the children would refuse, after importing torch and loading the model
         config = ServeConfig.from_namespace(args)

@@ -212,3 +212,11 @@ def test_make_serve_finds_a_taken_port_before_the_install_with_the_standard_libr
         (0, "", ""),
         (0, "", ""),  # the installed serve prints the help
     ]  # fmt: skip
+
+
+def test_ready_in_counts_from_the_process_start() -> None:
+    """`serve`'s "ready in" starts its clock at the process's start (the interpreter and the
+    imports before serve_command were left out: 2-7 s on a loaded machine)."""
+    code = "import time; time.sleep(1.0); from sluiceway.pids import process_age_s; print(process_age_s())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert 1.0 <= float(out.stdout) < 30.0
