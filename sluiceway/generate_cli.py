@@ -25,6 +25,7 @@ _PRESENTATION: dict[str, dict[str, str]] = {
     "stop": {"metavar": "STRING", "more": "; repeat for several"},
     "stop_token_ids": {"metavar": "ID[,ID...]", "more": ", comma-separated"},
     "logit_bias": {"metavar": "ID=BIAS[,ID=BIAS...]", "more": ", comma-separated"},
+    "allowed_token_ids": {"metavar": "ID[,ID...]", "more": ", comma-separated"},
     "logprobs": {"metavar": "N", "more": "; printed to stderr after the text"},
     "n": {"short": "-n", "more": "; printed one after the other under a '--- sample I ---' line"},
 }
