@@ -118,3 +118,17 @@ def test_building_the_cli_parser_imports_no_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     ).stdout
     assert out.strip() == "[]"
+
+
+def test_every_module_is_named_in_docs_layout() -> None:
+    """docs/layout.md says what each module of the process folders, the kernels and the
+    package's top level holds: a module it does not name is one a reader cannot place."""
+    text = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
+    folders = ["router", "scheduler", "worker", "kernels", "sluiceway"]
+    modules = [p for f in folders for p in sorted((ROOT / f).glob("*.py"))]
+    missing = [
+        str(p.relative_to(ROOT))
+        for p in modules
+        if p.name != "__init__.py" and f"`{p.name}`" not in text and f"/{p.name}`" not in text
+    ]
+    assert not missing, f"docs/layout.md does not name {missing}"
