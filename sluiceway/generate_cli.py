@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sluiceway.argtypes import bounded_float, bounded_int
-from sluiceway.sampling_params import FIELDS, python_type, wire_range
+from sluiceway.sampling_params import FIELDS, Rule, python_type, wire_range
 from sluiceway.targets import DEFAULT_TARGET, TARGET_HELP, grpc_target
 from sluiceway.v1 import inference_pb2
 
@@ -85,9 +85,7 @@ def _add_sampling_flag(gen: argparse.ArgumentParser, name: str) -> None:
         if not default:
             kwargs["default"] = False
     elif kind is float:
-        kwargs["type"] = bounded_float(
-            rule.low, rule.high, low_open=rule.low_open, high_open=rule.high_open
-        )
+        kwargs["type"] = _float_type(rule)
     elif kind is int:
         kwargs["type"] = _integer_type(name)
     elif kind == list[str]:
@@ -97,6 +95,22 @@ def _add_sampling_flag(gen: argparse.ArgumentParser, name: str) -> None:
     else:
         kwargs["type"] = _bias_map
     gen.add_argument(*names, **kwargs)
+
+
+def _float_type(rule: Rule) -> Callable[[str], float]:
+    """An argparse type for a float sampling field: the contract's own range and words
+    (`Rule.admits`, `Rule.allowed`: "must be a finite number >= 0 (0 = greedy), got inf")."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not rule.admits(value):
+            raise argparse.ArgumentTypeError(f"must be {rule.allowed()}, got {text}")
+        return value
+
+    return parse
 
 
 def _integer_type(name: str) -> Callable[[str], int]:

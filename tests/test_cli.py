@@ -184,6 +184,11 @@ U32, U64, I32 = 2**32 - 1, 2**64 - 1, 2**31 - 1
     ("argv", "error"),
     [
         (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+        (  # the contract's own range and words: finite, with its note
+            ["--temperature", "inf"],
+            "argument --temperature: must be a finite number >= 0 (0 = greedy), got inf",
+        ),
+        (["--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
         (
             ["--seed", "18446744073709551616"],
             f"argument --seed: must be <= {U64} (uint64), got 18446744073709551616",
