@@ -56,7 +56,10 @@ class Run:
         self.chat = chat
         self.logprobs = logprobs
         self.names = names or {}
-        self.id = ("chatcmpl-" if chat else "cmpl-") + (body.request_id or uuid.uuid4().hex)
+        # the client's request_id travels as it is (its length checked as the gRPC API's);
+        # OpenAI's prefix is the response's id only
+        self.request_id = body.request_id or uuid.uuid4().hex
+        self.id = ("chatcmpl-" if chat else "cmpl-") + self.request_id
         self.created = int(time.time())
         self.arrival = time.monotonic()
 
@@ -76,7 +79,7 @@ class Run:
     ) -> AsyncGenerator[tuple[int, inference_pb2.GenerateResponse], None]:
         """Every choice's responses as they come; a failure of one ends them all."""
         for p, request in enumerate(prompts):
-            request.request_id = self.id if len(prompts) == 1 else f"{self.id}-{p}"
+            request.request_id = self.request_id if len(prompts) == 1 else f"{self.request_id}-{p}"
         if len(prompts) == 1:
             return self._stream(0, prompts[0])
         return merge_streams([self._stream(p, r) for p, r in enumerate(prompts)])

@@ -153,6 +153,17 @@ def test_errors_name_the_field(api: openai.OpenAI, kwargs: dict, param: str) -> 
     assert param in error["message"]
 
 
+def test_request_id_is_bounded_as_the_grpc_apis(base: str) -> None:
+    """vLLM's `request_id` body field travels as the client wrote it: the same 256-character
+    bound as gRPC's, not counting the `chatcmpl-` of the response's id."""
+    body = {"messages": CHAT, "max_tokens": 1, "request_id": "r" * 256}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-" + "r" * 256
+    r = httpx.post(f"{base}/v1/chat/completions", json=body | {"request_id": "r" * 257})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "request_id: at most 256 characters; got 257"
+
+
 def test_unknown_model_and_bad_bodies(api: openai.OpenAI, base: str) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         api.chat.completions.create(model="gpt-4o", messages=CHAT)
