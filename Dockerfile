@@ -79,11 +79,14 @@ RUN useradd --create-home --uid 10001 sluiceway \
 ENV SLUICEWAY_CACHE_DIR=/cache \
     TORCH_EXTENSIONS_DIR=/cache/torch_extensions
 USER sluiceway
-RUN python -c "from sluiceway.model_files import resolve_model; print(resolve_model(None))"
+# From / (`cd /`), not /app: the installed package, as the containers import it (`python
+# -c` and `-m` put the working directory first on sys.path, and /app holds the checkout).
+RUN cd / && python -c "from sluiceway.model_files import resolve_model; print(resolve_model(None))"
 # The CPU build of torch: compile the C++ CPU kernels now (about 10 s; -march=native, for
 # the build machine's CPU: a worker on another CPU compiles them again at its first start,
-# into /cache).
-RUN if python -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; then \
+# into /cache). Their build files name the sources' paths: compiled from /app's copy, every
+# worker would compile them again.
+RUN cd / && if python -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; then \
         python -m sluiceway.kernels.cpu_ops; \
     fi
 

