@@ -87,6 +87,7 @@ fi
 record "date $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- || echo ' (modified)')"
 record "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, $(free -g | awk '/^Mem:/{print $2}') GiB"
 record "docker engine $(docker version -f '{{.Server.Version}}'), $(docker compose version)"
+record "load average before: $(cut -d' ' -f1-3 /proc/loadavg) (other jobs share the machine)"
 
 # --------------------------------------------------------------------------- base image
 start=$(date +%s)
@@ -127,7 +128,7 @@ start=$(date +%s)
 status=0
 SLUICEWAY_COMPOSE_CHECK=1 "$PYTHON" -m pytest -m docker tests/integration/test_compose_cpu.py \
     -s -p no:cacheprovider || status=$?
-record "the test: $(elapsed "$start") s, pytest exit $status"
+record "the test: $(elapsed "$start") s, pytest exit $status; load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
 record "docker ps -a for the project after it: $(docker ps -aq --filter label=com.docker.compose.project=sluiceway-cpu | wc -l) containers"
 
 echo

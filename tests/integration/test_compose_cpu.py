@@ -80,9 +80,11 @@ def inspect(service: str) -> dict[str, Any]:
     return dict(state)
 
 
-def health(service: str) -> str:
-    state = inspect(service)["State"]
-    return str(state["Health"]["Status"]) if "Health" in state else str(state["Status"])
+def states() -> dict[str, str]:
+    """Each service's container: its health ("healthy", "starting", "unhealthy"), or its
+    state where it has no healthcheck ("running", "exited"). One `docker compose ps`."""
+    rows = [json.loads(line) for line in sh(*COMPOSE, "ps", "-a", "--format", "json").splitlines()]
+    return {r["Service"]: r["Health"] or r["State"] for r in rows}
 
 
 def wait_healthy(services: list[str], timeout_s: float = HEALTHY_TIMEOUT_S) -> dict[str, float]:
@@ -91,15 +93,15 @@ def wait_healthy(services: list[str], timeout_s: float = HEALTHY_TIMEOUT_S) -> d
     start = time.monotonic()
     healthy: dict[str, float] = {}
     while True:
-        states = {s: health(s) for s in services}
-        for s, state in states.items():
-            if state == "healthy":
+        now = states()
+        for s in services:
+            if now.get(s) == "healthy":
                 healthy.setdefault(s, round(time.monotonic() - start, 1))
         if len(healthy) == len(services):
             return healthy
         if time.monotonic() - start > timeout_s:
             logs = sh(*COMPOSE, "logs", "--tail", "30", check=False)
-            raise AssertionError(f"not healthy after {timeout_s} s: {states}\n{logs}")
+            raise AssertionError(f"not healthy after {timeout_s} s: {now}\n{logs}")
         time.sleep(1)
 
 
