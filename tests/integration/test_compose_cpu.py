@@ -221,7 +221,8 @@ def stack() -> Iterator[Processes]:
     log(f"docker compose up -d: {time.monotonic() - start:.1f} s")
     healthy = wait_healthy(SLUICEWAY_SERVICES)
     log(f"all {len(SLUICEWAY_SERVICES)} sluiceway containers healthy "
-        f"{time.monotonic() - start:.1f} s after up; each, s after up returned: {healthy}")  # fmt: skip
+        f"{time.monotonic() - start:.1f} s after `up -d` began; each, s after it returned: "
+        f"{healthy}")  # fmt: skip
     pids = host_processes()
     try:
         yield pids
