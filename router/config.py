@@ -69,7 +69,9 @@ class RouterConfig(ProcessConfig):
     http_host: str | None = option(None, "the HTTP API's address (default: --host)")
     drain_timeout: float = option(
         30.0,
-        "on SIGTERM, seconds the router lets streams in flight finish (new ones get UNAVAILABLE)",
+        "on SIGTERM or Ctrl-C, seconds the router lets streams in flight finish (new ones get "
+        "UNAVAILABLE); then, or at a second signal, those left end with UNAVAILABLE "
+        '"server shutting down"',
         type=non_negative_float,
     )
     cache_threshold: float = option(

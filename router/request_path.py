@@ -20,7 +20,7 @@ import structlog
 from sluiceway.internal.v1 import scheduler_pb2
 from sluiceway.router.balancer import ModelLimits, SchedulerPool, merge_scheduler_infos
 from sluiceway.router.metrics import Protocol, RequestRecorder
-from sluiceway.router.samples import DetokenizeTotals, Sample, SampleContext
+from sluiceway.router.samples import DetokenizeTotals, Sample, SampleContext, StreamCuts
 from sluiceway.router.streams import merge_streams
 from sluiceway.router.tokenizer import encode_chat, encode_prompt
 from sluiceway.sampling_params import SamplingParams, check_prompt_token_ids, check_request_id
@@ -74,7 +74,10 @@ class RequestPath:
         self.pool = SchedulerPool(scheduler_addresses, **pool_options)
         self.detokenize = DetokenizeTotals()
         self.draining = False  # set on SIGTERM: new generations get UNAVAILABLE
-        self.num_in_flight = 0  # generations forwarded to a scheduler, not yet ended
+        self.num_in_flight = 0  # generations admitted (not refused at once), not yet ended
+        self.cuts = StreamCuts()
+        self._idle = asyncio.Event()  # set while num_in_flight is 0
+        self._idle.set()
 
     @property
     def limits(self) -> ModelLimits | None:
@@ -93,6 +96,15 @@ class RequestPath:
 
     async def close(self) -> None:
         await self.pool.close()
+
+    async def wait_idle(self) -> None:
+        """Returns once no generation is in flight."""
+        await self._idle.wait()
+
+    def cut_streams(self) -> None:
+        """Ends every generation in flight, and any admitted from now on, with UNAVAILABLE
+        "server shutting down" (`StreamCuts`): a shutdown that will not wait for them."""
+        self.cuts.cut()
 
     def prompt_token_ids(
         self, request: inference_pb2.GenerateRequest | inference_pb2.TokenizeRequest
@@ -152,44 +164,52 @@ class RequestPath:
             raise fail(RequestError(UNAVAILABLE, "router is draining; retry another router"))
         if limits is None:
             raise fail(RequestError(UNAVAILABLE, "no scheduler is ready yet"))
+        self.num_in_flight += 1  # from here on, a drain waits for it and a cut ends it
+        self._idle.clear()
         try:
-            prompt_ids, params = await self._admit(request, limits)
-        except FieldError as e:
-            raise fail(e) from None
-        except asyncio.CancelledError:
-            recorder.on_failure(cancel_code().name)
-            raise
-        replica = self.pool.pick(prompt_ids)
-        if replica is None:
-            raise fail(RequestError(UNAVAILABLE, "no scheduler is ready"))
-        ctx = SampleContext(
-            pool=self.pool,
-            tokenizer=self.tokenizer,
-            totals=self.detokenize,
-            request_id=request_id,
-            prompt_ids=prompt_ids,
-            params=params,
-            cancel_code=cancel_code,
-            # unique, unlike a client's request_id, which two live requests may share
-            parent_request_id=f"{request_id}/{uuid.uuid4().hex}" if params.n > 1 else None,
-        )
-        samples = [
-            Sample(
-                ctx,
-                i,
-                rlog if params.n == 1 else rlog.bind(index=i),
-                recorder if i == 0 else RequestRecorder(recorder.model_name, arrival, protocol),
-            ).responses(replica)
-            for i in range(params.n)
-        ]
-        self.num_in_flight += 1
-        try:
+            try:
+                prompt_ids, params = await self._admit(request, limits)
+            except FieldError as e:
+                raise fail(e) from None
+            except asyncio.CancelledError:
+                recorder.on_failure(cancel_code().name)
+                raise
+            replica = self.pool.pick(prompt_ids)
+            if replica is None:
+                raise fail(RequestError(UNAVAILABLE, "no scheduler is ready"))
+            ctx = SampleContext(
+                pool=self.pool,
+                tokenizer=self.tokenizer,
+                totals=self.detokenize,
+                request_id=request_id,
+                prompt_ids=prompt_ids,
+                params=params,
+                cancel_code=cancel_code,
+                # unique, unlike a client's request_id, which two live requests may share
+                parent_request_id=f"{request_id}/{uuid.uuid4().hex}" if params.n > 1 else None,
+                cuts=self.cuts,
+            )
+            samples = [
+                Sample(
+                    ctx,
+                    i,
+                    rlog if params.n == 1 else rlog.bind(index=i),
+                    recorder if i == 0 else RequestRecorder(recorder.model_name, arrival, protocol),
+                ).responses(replica)
+                for i in range(params.n)
+            ]
             merged = samples[0] if params.n == 1 else merge_streams(samples)
             async with contextlib.aclosing(merged) as responses:
                 async for response in responses:
                     yield response
         finally:
-            self.num_in_flight -= 1
+            self._end_flight()
+
+    def _end_flight(self) -> None:
+        """A generation counted in `num_in_flight` ended."""
+        self.num_in_flight -= 1
+        if not self.num_in_flight:
+            self._idle.set()
 
     async def _admit(
         self, request: inference_pb2.GenerateRequest, limits: ModelLimits

@@ -28,9 +28,35 @@ from sluiceway.sampling_params import SamplingParams
 from sluiceway.status import RequestError, error_from_rpc, written_by_sluiceway
 from sluiceway.v1 import inference_pb2
 
-__all__ = ["DetokenizeTotals", "Sample"]
+__all__ = ["SHUTTING_DOWN", "DetokenizeTotals", "Sample", "StreamCuts"]
 
 UNSPECIFIED = inference_pb2.FINISH_REASON_UNSPECIFIED
+# The status details of a stream a shutdown cut (UNAVAILABLE: another server may take it).
+SHUTTING_DOWN = "server shutting down"
+
+
+class StreamCuts:
+    """The scheduler calls of a router's streams, for a shutdown to cut (`cut`): each stream
+    it cuts ends with UNAVAILABLE "server shutting down", which its front presents (a gRPC
+    status, an HTTP 503 or SSE error event), instead of a reset connection."""
+
+    def __init__(self) -> None:
+        self.cutting = False
+        self.calls: set[grpc.aio.Call] = set()
+
+    def cut(self) -> None:
+        """Cancels every scheduler call (the scheduler frees their KV blocks); their streams,
+        and any stream that would start one from now on, end with `SHUTTING_DOWN`."""
+        self.cutting = True
+        for call in list(self.calls):
+            call.cancel()
+
+
+def _task_cancelled() -> bool:
+    """Whether the running task was cancelled (a client gone), as opposed to a scheduler
+    call cancelled under it by `StreamCuts.cut`."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 @dataclass(slots=True)
@@ -54,6 +80,7 @@ class SampleContext:
     params: SamplingParams  # resolved (SamplingParams.resolve)
     cancel_code: Callable[[], grpc.StatusCode]
     parent_request_id: str | None  # set when n > 1
+    cuts: StreamCuts
 
 
 class Sample:
@@ -93,6 +120,10 @@ class Sample:
         self.rlog.warning("request_failed", code=error.code.name, error=error.details)
         return error
 
+    def _cut(self) -> RequestError:
+        """The failure of a stream a shutdown cut (`StreamCuts`), counted and logged."""
+        return self._fail(RequestError(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN))
+
     async def responses(
         self, replica: SchedulerReplica
     ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
@@ -128,12 +159,15 @@ class Sample:
         tried: list[SchedulerReplica] = []
         received: list[int] = []  # token ids this sample got, from every replica tried
         while True:
+            if ctx.cuts.cutting:
+                raise self._cut()
             current = replica
             tried.append(current)
             ctx.pool.begin(current)
             call = current.stub.AddRequest(
                 add_request, metadata=((REQUEST_ID_METADATA, add_request.request_id.encode()),)
             )
+            ctx.cuts.calls.add(call)
             try:
                 async for event in call:
                     received.extend(event.token_ids)
@@ -142,7 +176,14 @@ class Sample:
                     if response.finish_reason != UNSPECIFIED:
                         self._log_finished(response, current)
                         return
+            except asyncio.CancelledError:
+                # grpc.aio raises CancelledError from a call cancelled locally: here, cut
+                if not ctx.cuts.cutting or _task_cancelled():
+                    raise
+                raise self._cut() from None
             except grpc.aio.AioRpcError as e:
+                if ctx.cuts.cutting:
+                    raise self._cut() from None
                 retry = self._on_scheduler_error(e, current, tried)
                 if retry is None:
                     raise self._fail(error_from_rpc(e)) from None
@@ -161,7 +202,10 @@ class Sample:
                 continue
             finally:
                 call.cancel()  # a client gone, a stop string or an error: abort upstream
+                ctx.cuts.calls.discard(call)
                 ctx.pool.end(current)
+            if ctx.cuts.cutting:
+                raise self._cut()
             error = RequestError(grpc.StatusCode.UNAVAILABLE, "scheduler ended the stream early")
             raise self._fail(error)
 

@@ -10,18 +10,27 @@ each call the path and neither imports the other.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import structlog
 
-from sluiceway.grpc_server import on_shutdown_signal, set_health
+from sluiceway.grpc_server import ShutdownSignals, set_health
 from sluiceway.options import port_or_none
 from sluiceway.router.config import RouterConfig
-from sluiceway.router.grpc_api import start_router
+from sluiceway.router.grpc_api import Router, start_router
 from sluiceway.router.request_path import RequestPath
 from sluiceway.router.tokenizer import load_tokenizer
 
 log = structlog.get_logger("router")
+
+# Once the streams are cut, how long they may take to end (each ends at its next event:
+# milliseconds).
+CUT_WAIT_S = 1.0
+# How long the gRPC server lets its other calls (Tokenize, a health watch) finish when it
+# stops after a drain, and after a cut (stop now).
+STOP_GRACE_S = 1.0
+STOP_NOW_GRACE_S = 0.2
 
 
 async def serve(config: RouterConfig, model_dir: Path) -> None:
@@ -40,7 +49,8 @@ async def serve(config: RouterConfig, model_dir: Path) -> None:
     Health is NOT_SERVING until a scheduler reports ready, and again whenever
     none does. On a signal the router drains: health NOT_SERVING, new
     `Generate` streams get UNAVAILABLE, the streams in flight run to their end
-    for at most `config.drain_timeout` seconds, then the server stops. Prometheus
+    for at most `config.drain_timeout` seconds or until a second signal, then those left
+    end with UNAVAILABLE "server shutting down" (`drain`) and the server stops. Prometheus
     metrics on `config.metrics_host:config.metrics_port` unless the port is -1 (OSError if
     it is taken).
     """
@@ -65,23 +75,41 @@ async def serve(config: RouterConfig, model_dir: Path) -> None:
         from sluiceway.router.openai_api import start_http_server
 
         http = await start_http_server(path, config.http_host or config.host, http_port)
+    signals = ShutdownSignals()  # before saying so: a signal from then on drains
     log.info(
         "router_listening",
         address=router.address,
         http=http.url if http is not None else None,
         schedulers=path.pool.addresses,
     )
-    stop = asyncio.Event()
-    on_shutdown_signal(stop.set)
-    await stop.wait()
+    await signals.first.wait()
+    cut = await drain(router, signals.second, drain_timeout_s)
+    log.info("router_stopping", unfinished=path.num_in_flight)
+    grace = STOP_NOW_GRACE_S if cut else STOP_GRACE_S
+    await asyncio.gather(router.stop(grace), *([http.stop()] if http is not None else []))
+
+
+async def drain(router: Router, stop_now: asyncio.Event, drain_timeout_s: float) -> bool:
+    """Takes the router out of service (health NOT_SERVING, new generations UNAVAILABLE) and
+    lets the streams in flight run to their end, for at most `drain_timeout_s` seconds or
+    until `stop_now` is set; then cuts those left (UNAVAILABLE "server shutting down", which
+    each front presents: `RequestPath.cut_streams`) and waits up to CUT_WAIT_S for them to
+    end, so that no stream is left to a server's stop to reset. Returns whether it cut."""
+    path = router.path
     path.draining = True
     await set_health(router.health, router.names, serving=False)
     log.info("router_draining", in_flight=path.num_in_flight, drain_timeout_s=drain_timeout_s)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + drain_timeout_s
-    while path.num_in_flight and loop.time() < deadline:
-        await asyncio.sleep(0.05)
-    log.info("router_stopping", unfinished=path.num_in_flight)
-    if http is not None:
-        await http.stop()
-    await router.stop(grace=1.0)
+    idle = asyncio.create_task(path.wait_idle())
+    now = asyncio.create_task(stop_now.wait())
+    done, _ = await asyncio.wait(
+        {idle, now}, timeout=drain_timeout_s, return_when=asyncio.FIRST_COMPLETED
+    )
+    now.cancel()
+    if idle in done:
+        return False
+    reason = "second signal" if now in done else "drain timeout"
+    log.warning("router_cutting_streams", streams=path.num_in_flight, reason=reason)
+    path.cut_streams()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(idle, CUT_WAIT_S)
+    return True

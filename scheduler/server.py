@@ -175,9 +175,9 @@ async def serve(config: SchedulerConfig) -> None:
     bound = bind(server, config.listen)
     await server.start()
     engine.start()
-    log.info("scheduler_listening", address=bound)
     stop = asyncio.Event()
-    on_shutdown_signal(stop.set)
+    on_shutdown_signal(stop.set)  # before saying so: a signal from then on stops it cleanly
+    log.info("scheduler_listening", address=bound)
 
     async def follow_readiness(poll_s: float = 0.1) -> None:
         """SERVING while a worker is registered and has not failed, else NOT_SERVING."""

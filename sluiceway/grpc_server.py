@@ -116,3 +116,16 @@ def on_shutdown_signal(callback: Callable[[], None]) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, callback)
+
+
+class ShutdownSignals:
+    """SIGINT and SIGTERM, counted, in the running event loop: the first sets `first` (drain),
+    the next one `second` (stop now: what uvicorn and vLLM do with a second Ctrl-C)."""
+
+    def __init__(self) -> None:
+        self.first = asyncio.Event()
+        self.second = asyncio.Event()
+        on_shutdown_signal(self._on_signal)
+
+    def _on_signal(self) -> None:
+        (self.second if self.first.is_set() else self.first).set()

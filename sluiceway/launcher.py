@@ -157,9 +157,12 @@ def serve_command(args: argparse.Namespace) -> int:
     """Starts the stack, waits until each process is SERVING, prints the address, waits for a
     signal. Returns 0 once stopped; 2 with one line on stderr for a configuration error found
     before the start or by a child that exits 2 while starting; 1 for another failure."""
-    from sluiceway.logs import configure_logging
+    from sluiceway.logs import configure_logging, resolve_log_format
 
     t0 = time.monotonic() - process_age_s()  # "ready in" counts from the command's start
+    # decided once, from serve's stderr, and given to every child as --log-format json or
+    # console: one format for the whole stack, whatever a child's stderr is
+    args.log_format = resolve_log_format(args.log_format)
     configure_logging("serve", args.log_format, args.log_level)
     try:  # what the children would refuse, after importing torch and loading the model
         config = ServeConfig.from_namespace(args)

@@ -1,22 +1,34 @@
-"""structlog set-up shared by the three processes: JSON lines by default, console for humans."""
+"""structlog set-up shared by the three processes: console lines for a person at a terminal,
+JSON lines for a log collector (`--log-format auto`, the default, picks by stderr)."""
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 import structlog
 
 
-def configure_logging(process: str, log_format: str = "json", level: str = "INFO") -> None:
+def resolve_log_format(log_format: str, stream: TextIO | None = None) -> str:
+    """The format to log in, json or console: `log_format` itself, or for auto console when
+    `stream` (default: stderr) is a terminal, else json. Raises ValueError for another one."""
+    if log_format not in ("auto", "json", "console"):
+        raise ValueError(f"log_format must be auto, json or console, got {log_format!r}")
+    if log_format != "auto":
+        return log_format
+    stream = sys.stderr if stream is None else stream
+    return "console" if stream.isatty() else "json"
+
+
+def configure_logging(process: str, log_format: str = "auto", level: str = "INFO") -> None:
     """Routes structlog and stdlib logging (torch, grpc, our own `logging` users) to stderr
     through the same renderer, each line tagged with `process`, a level and an ISO timestamp.
 
-    log_format: "json" (one JSON object per line) or "console".
+    log_format: "json" (one JSON object per line), "console", or "auto" (`resolve_log_format`).
     Raises ValueError for another format.
     """
-    if log_format not in ("json", "console"):
-        raise ValueError(f"log_format must be json or console, got {log_format!r}")
+    log_format = resolve_log_format(log_format)
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
         if log_format == "json"

@@ -201,9 +201,11 @@ TENSOR_PARALLEL_SIZE = Option(
     aliases=("-tp",),
 )
 LOG_FORMAT = Option(
-    default="json",
-    help="log lines on stderr: JSON objects or aligned text for a terminal",
-    choices=("json", "console"),
+    default="auto",
+    help="log lines on stderr: console (aligned text, for people) when stderr is a terminal, "
+    "else json (one JSON object per line, for log collectors); json or console forces one "
+    "(serve decides once, from its own stderr, for all its processes)",
+    choices=("auto", "json", "console"),
 )
 LOG_LEVEL = Option(
     default="INFO",

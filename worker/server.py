@@ -423,6 +423,8 @@ async def serve(
                 "is --scheduler right, and is the scheduler running?"
             ) from None
         raise
+    stop = asyncio.Event()
+    on_shutdown_signal(stop.set)  # before saying so: a signal from then on stops it cleanly
     await health.set("", SERVING)
     log.info(
         "worker_ready",
@@ -431,8 +433,6 @@ async def serve(
         num_kv_blocks=runner.num_kv_blocks,
         dtype=str(runner.dtype),
     )
-    stop = asyncio.Event()
-    on_shutdown_signal(stop.set)
     waits = [asyncio.create_task(stop.wait()), asyncio.create_task(service.broken.wait())]
     watcher = asyncio.create_task(stay_registered(scheduler_address, register_once))
     done, _ = await asyncio.wait([*waits, watcher], return_when=asyncio.FIRST_COMPLETED)
