@@ -37,8 +37,11 @@ install: $(BIN)/sluiceway
 # Flags for `sluiceway serve`: make serve ARGS="--port 50061 --metrics-port 9091"
 ARGS ?=
 
+# exec: serve is make's own child, with no shell in between, so the SIGTERM that make forwards
+# to its recipe reaches serve (which drains), and Ctrl-C on the terminal (SIGINT to the
+# whole process group) reaches it directly. GNU make forwards no SIGINT sent to make alone.
 serve: serve-check install
-	$(BIN)/sluiceway serve $(ARGS)
+	exec $(BIN)/sluiceway serve $(ARGS)
 
 # Before the install: serve's flags and ports, with the standard library alone, so that a
 # taken port or a bad flag is found at once (sluiceway/serve_check.py).

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from sluiceway.argtypes import ArgumentParser
 from sluiceway.generate_cli import add_parser as add_generate_parser
@@ -71,14 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "generate":
-        try:
-            from sluiceway.generate_cli import generate_command
+    try:
+        return _command(args)
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handlers: no traceback
+        print(f"sluiceway {args.command}: interrupted", file=sys.stderr)
+        return 130
 
-            return generate_command(args)
-        except KeyboardInterrupt:
-            print("sluiceway generate: interrupted", file=sys.stderr)
-            return 130
+
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        from sluiceway.generate_cli import generate_command
+
+        return generate_command(args)
     if args.command == "bench":
         from sluiceway.bench.cli import bench_command
 
@@ -86,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         from sluiceway.launcher import serve_command
 
-        return serve_command(args)
+        _exit_now(serve_command(args))  # its children stopped: nothing left to tear down
     if args.command == "convert":
         return _convert(args)
 
@@ -121,26 +126,43 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _run_async(coro) -> int:  # type: ignore[no-untyped-def]
     """Runs a process's main coroutine; a port it cannot bind or a refused registration is
-    a clear error (exit 2), an unreachable scheduler too (exit 1: a restart may help)."""
+    a clear error (exit 2), an unreachable scheduler too (exit 1: a restart may help). After
+    a clean stop the process exits 0 at once (no return)."""
     from sluiceway.grpc_server import BindError, RegistrationRefused, SchedulerUnreachable
     from sluiceway.metrics import MetricsPortError
+
+    async def run_then_exit() -> None:
+        await coro
+        # Stopped cleanly (servers stopped, streams ended, pools closed): exit from inside the
+        # loop, whose teardown would cancel gRPC's tasks of the calls just ended (grpc logs
+        # each as an unhandled CancelledError, traceback and all).
+        _exit_now(0)
 
     try:
         try:
             import uvloop
-
-            uvloop.run(coro)
         except ImportError:  # uvloop has no Windows build
             import asyncio
 
-            asyncio.run(coro)
+            asyncio.run(run_then_exit())
+        else:
+            uvloop.run(run_then_exit())
     except (MetricsPortError, BindError, RegistrationRefused) as e:
         print(f"sluiceway: {e}", file=sys.stderr)
         return 2
     except SchedulerUnreachable as e:
         print(f"sluiceway: {e}", file=sys.stderr)
         return 1
-    return 0
+    raise AssertionError("run_then_exit returned")
+
+
+def _exit_now(status: int) -> NoReturn:
+    """Exits with `status` without the interpreter's teardown of the modules (torch,
+    transformers, grpc: 0.5-1.6 s on a busy 2-core machine, which would hold a second Ctrl-C
+    to `serve` past a second). Only once the process has released what it holds."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _run_router(args: argparse.Namespace) -> int:

@@ -11,7 +11,8 @@ The children talk over Unix sockets in a private temp folder; only the
 routers listen on TCP. Children get SIGKILL if this process dies
 (PR_SET_PDEATHSIG), so nothing is orphaned and a `serve` started again at once
 finds its ports free; on SIGINT/SIGTERM the routers drain and stop first, then
-the schedulers and workers. A child that fails is
+the schedulers and workers; a second signal stops them at once, each stream cut with a status
+(sluiceway/serve_stop.py). A child that fails is
 started again, after a backoff that doubles with each recent restart
 (RESTART_BACKOFF_S, 0.5 s, 1 s, 2 s, ...): a restarted scheduler takes its
 replica's workers with it (they must register anew), a restarted
@@ -50,11 +51,11 @@ from sluiceway.ports import Ports, free_port, free_ports, plan_ports
 from sluiceway.router.config import RouterConfig
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.serve_config import ServeConfig
+from sluiceway.serve_stop import STOP_TIMEOUT_S, StopSignals, stop_stack
 from sluiceway.worker.config import WorkerConfig
 
 STARTUP_TIMEOUT_S = 600.0
 RUN_DIR_PREFIX = "sluiceway-"  # + pid + "-": the children's Unix sockets
-STOP_TIMEOUT_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -238,18 +239,6 @@ def build_children(
     return children
 
 
-class _StopFlag:
-    """Set by SIGINT/SIGTERM: `serve` stops the stack."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        signal.signal(signal.SIGINT, self._request)
-        signal.signal(signal.SIGTERM, self._request)
-
-    def _request(self, signum: int, frame: object) -> None:
-        self.requested = True
-
-
 def _run_stack(
     config: ServeConfig, ports: Ports, model_dir: pathlib.Path, model_id: str, t0: float
 ) -> int:
@@ -258,8 +247,9 @@ def _run_stack(
     status (`serve_command`)."""
     remove_stale_run_dirs()
     run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
-    stop = _StopFlag()
+    stop = StopSignals()
     children: list[Child] = []  # those started
+    served = False
     try:
         for child in build_children(config, ports, run_dir, model_dir, model_id):
             child.start()
@@ -267,6 +257,7 @@ def _run_stack(
         for child in children:
             _wait_healthy(child, children, lambda: stop.requested)
         _print_ready(config, children, ports, model_id, t0)
+        served = True
         return _supervise(children, stop)
     except StartupConfigError as e:
         print(f"sluiceway: {e}", file=sys.stderr)
@@ -275,7 +266,12 @@ def _run_stack(
         print(f"sluiceway: {e}", file=sys.stderr)
         return 1
     finally:
-        _stop_all(children, router_timeout_s=config.router.drain_timeout + STOP_TIMEOUT_S)
+        routers = [c.process for c in children if c.command == "router"]
+        others = [c.process for c in children if c.command != "router"]
+        schedulers = [c.address for c in children if c.command == "scheduler"]
+        stop_stack(
+            routers, others, config.router.drain_timeout, stop, schedulers if served else None
+        )
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -302,7 +298,7 @@ def _print_ready(
         print(f"sluiceway: metrics: {urls}", flush=True)
 
 
-def _supervise(children: list[Child], stop: _StopFlag) -> int:
+def _supervise(children: list[Child], stop: StopSignals) -> int:
     """Restarts failed children (`_restart_exited`) until a signal (returns 0), a child that
     exits 0 on purpose (0; a drained router is left down while another router serves) or
     exits 2 (1: a configuration error that a restart cannot mend)."""
@@ -442,18 +438,6 @@ def _wait_healthy(child: Child, children: list[Child], stopping) -> None:  # typ
                 raise TimeoutError(
                     f"{child.name} not healthy after {STARTUP_TIMEOUT_S:.0f} s"
                 ) from None
-
-
-def _stop_all(children: list[Child], router_timeout_s: float) -> None:
-    """SIGTERM the routers first and let them drain (up to `router_timeout_s`), then the rest;
-    SIGKILL whatever is left after the timeout."""
-    routers = [c for c in children if c.command == "router"]
-    for group, timeout_s in ((routers, router_timeout_s), (children, STOP_TIMEOUT_S)):
-        for child in group:
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-        for child in group:
-            _wait(child, timeout_s)
 
 
 def _wait(child: Child, timeout_s: float) -> None:
