@@ -258,3 +258,19 @@ def test_bench_grammar_prints_compile_times_and_the_per_step_mask_cost() -> None
     total = float(rows["total"][0])
     parts = sum(float(rows[k][0]) for k in ("fill bitmask", "apply to logits", "advance matchers"))
     assert abs(total - parts) < 0.02
+
+
+def test_the_workloads_token_counter_is_the_models_tokenizer() -> None:
+    """`bench`'s counter (tokenizer.json through `tokenizers`) gives the ids transformers'
+    fast tokenizer gives, special tokens included, on ShareGPT's own turns."""
+    from sluiceway.bench.workload import TokenCounter
+    from sluiceway.model_files import resolve_model
+    from sluiceway.router.tokenizer import load_tokenizer
+    from sluiceway.sharegpt import load_conversations
+
+    model_dir = resolve_model(None)
+    counter, tokenizer = TokenCounter.of(model_dir), load_tokenizer(model_dir)
+    _, conversations = load_conversations(None)
+    texts = [turn["value"] for conv in conversations[:100] for turn in conv[:2]]
+    assert [counter(t).input_ids for t in texts] == [tokenizer(t).input_ids for t in texts]
+    assert len(counter) == len(tokenizer) == 49152

@@ -7,7 +7,8 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 from sluiceway.argtypes import positive_float, positive_int
 from sluiceway.sharegpt import SampledRequest
@@ -67,6 +68,35 @@ async def send_workload(
     return results, duration
 
 
+class TokenCounter:
+    """A model's `tokenizer.json` through `tokenizers` alone, which transformers' fast
+    tokenizer wraps: the same ids (special tokens added as the post-processor says) without
+    importing transformers, which imports torch (3-4 s for a client that only counts).
+    Duck-types what the workload reads of a tokenizer: ``tok(text).input_ids`` and ``len``."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    @classmethod
+    def of(cls, model_dir: Path) -> Any:
+        """The counter of `model_dir`, or its transformers tokenizer where it has no
+        tokenizer.json (a slow tokenizer's files)."""
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            from sluiceway.router.tokenizer import load_tokenizer
+
+            return load_tokenizer(model_dir)
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(str(path)))
+
+    def __call__(self, text: str) -> SimpleNamespace:
+        return SimpleNamespace(input_ids=self._tokenizer.encode(text).ids)
+
+    def __len__(self) -> int:
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+
 def random_requests(
     num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int
 ) -> list[SampledRequest]:
@@ -102,10 +132,9 @@ def load_requests(args: argparse.Namespace) -> list[SampledRequest]:
             or is no JSON array (one line for the command to print).
     """
     from sluiceway.model_files import resolve_model
-    from sluiceway.router.tokenizer import load_tokenizer
     from sluiceway.sharegpt import load_conversations, sample_requests
 
-    tokenizer = load_tokenizer(resolve_model(args.model))
+    tokenizer = TokenCounter.of(resolve_model(args.model))
     if args.dataset_name == "random":
         return random_requests(
             args.num_prompts,

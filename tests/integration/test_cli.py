@@ -185,3 +185,18 @@ def test_generate_against_a_server_imports_no_torch(stack: Stack) -> None:
     assert len(result.stderr.splitlines()) == 8  # a logprobs line per token
     assert result.stdout.strip()
     assert "grpc" in packages and packages & HEAVY == set()
+
+
+def test_bench_serve_against_a_server_imports_no_torch(stack: Stack) -> None:
+    """The workload's token counts come from the model's tokenizer.json through `tokenizers`
+    (transformers would import torch: 3-4 s before the first request); numpy draws the
+    arrival times."""
+    from tests.test_cli import HEAVY, imported_packages
+
+    result, packages = imported_packages(
+        "bench", "serve", "--target", stack.target, "--num-prompts", "2",
+        "--sharegpt-max-output-len", "4",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "successful_requests                                  2" in result.stdout, result.stdout
+    assert "tokenizers" in packages and packages & (HEAVY - {"numpy"}) == set()
