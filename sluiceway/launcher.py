@@ -262,6 +262,9 @@ def _run_stack(
     except StartupConfigError as e:
         print(f"sluiceway: {e}", file=sys.stderr)
         return 2
+    except StartupInterrupted as e:  # as a Ctrl-C before any child started: 128 + SIGINT
+        print(f"sluiceway: {e}", file=sys.stderr)
+        return 130
     except (TimeoutError, RuntimeError) as e:
         print(f"sluiceway: {e}", file=sys.stderr)
         return 1
@@ -414,6 +417,10 @@ def _restart_together(group: list[Child]) -> None:
         child.restart()
 
 
+class StartupInterrupted(RuntimeError):
+    """A signal came while the children were starting: the stack stops, exit 130."""
+
+
 class StartupConfigError(RuntimeError):
     """A child exited 2 (a configuration error, its own line on stderr) while starting."""
 
@@ -429,7 +436,7 @@ def _wait_healthy(child: Child, children: list[Child], stopping) -> None:  # typ
             if c.process.poll() is not None:
                 raise RuntimeError(f"{c.name} exited with {c.process.returncode} during start-up")
         if stopping():
-            raise RuntimeError("interrupted during start-up")
+            raise StartupInterrupted("interrupted during start-up")
         try:
             wait_until_serving(child.address, timeout_s=1.0)
             return
