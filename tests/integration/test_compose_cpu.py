@@ -271,13 +271,18 @@ def test_a_crashed_worker_is_restarted_and_its_replica_serves_again(stack: Proce
     log(f"worker-0 restarted by Docker {restarted:.1f} s after the kill (RestartCount "
         f"{restarts} -> {inspect('worker-0')['RestartCount']}); it and scheduler-0 healthy "
         f"again {time.monotonic() - start:.1f} s after the kill")  # fmt: skip
+    twenty_streams_reach("scheduler-0")
+    stack |= host_processes()
+
+
+def twenty_streams_reach(scheduler: str) -> None:
+    """20 streams through the balancer end whole, and `scheduler`'s replica serves some."""
     before = served()
     after = streams(20)
     delta = {k: v - before[k] for k, v in served().items()}
     log(f"20 streams after: {after.count(WHOLE)} whole; per scheduler {delta}")
     assert after == [WHOLE] * 20
-    assert delta["scheduler-0"] > 0, f"replica 0 serves again: {delta}"
-    stack |= host_processes()
+    assert delta[scheduler] > 0, f"{scheduler}'s replica serves again: {delta}"
 
 
 def test_a_docker_killed_worker_stays_down_until_started(stack: Processes) -> None:
@@ -298,12 +303,7 @@ def test_a_docker_killed_worker_stays_down_until_started(stack: Processes) -> No
     sh(*COMPOSE, "start", "worker-1")
     healthy = wait_healthy(["worker-1", "scheduler-1"])
     log(f"docker compose start worker-1: healthy again in {max(healthy.values()):.1f} s")
-    before = served()
-    after = streams(20)
-    delta = {k: v - before[k] for k, v in served().items()}
-    log(f"20 streams after: {after.count(WHOLE)} whole; per scheduler {delta}")
-    assert after == [WHOLE] * 20
-    assert delta["scheduler-1"] > 0, f"replica 1 serves again: {delta}"
+    twenty_streams_reach("scheduler-1")
     stack |= host_processes()
 
 

@@ -29,19 +29,12 @@ from sluiceway.client import Client
 from sluiceway.ports import free_port
 from tests.integration.conftest import START_TIMEOUT_S
 from tests.integration.test_lifecycle import alive
+from tests.router.test_router_shutdown import SHUTTING_DOWN
 from tests.terminal import Terminal
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-SHUTTING_DOWN = {
-    "error": {
-        "message": "server shutting down",
-        "type": "ServiceUnavailableError",
-        "param": None,
-        "code": 503,
-    }
-}
 
 
 def _serve(*flags: str) -> list[str]:
