@@ -28,12 +28,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 
 from sluiceway.router.openai_errors import (
     ApiError,
@@ -41,6 +42,7 @@ from sluiceway.router.openai_errors import (
     api_error,
     error_response,
 )
+from sluiceway.router.openai_fields import check_body_fields, check_json_nesting
 from sluiceway.router.openai_models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -133,9 +135,25 @@ class _Served:
         return served
 
 
+class _CheckedJsonRoute(APIRoute):
+    """A route whose JSON body's nesting is checked before FastAPI parses it
+    (`check_json_nesting`: a 400 naming where, not a RecursionError)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            if request.method == "POST":
+                check_json_nesting(await request.body())  # cached for FastAPI's own read
+            return await handler(request)
+
+        return checked
+
+
 def build_app(path: RequestPath) -> FastAPI:
     """The FastAPI application over `path` (see the module docstring)."""
     app = FastAPI(title="sluiceway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.route_class = _CheckedJsonRoute
     add_error_handlers(app)
     served = _Served(path)
     _add_info_routes(app, path, served)
@@ -173,6 +191,7 @@ def _add_info_routes(app: FastAPI, path: RequestPath, served: _Served) -> None:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_body_fields(body)
         served.check(body.model)
         request = inference_pb2.TokenizeRequest()
         if body.messages is not None:
@@ -191,6 +210,7 @@ def _add_info_routes(app: FastAPI, path: RequestPath, served: _Served) -> None:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        check_body_fields(body)
         served.check(body.model)
         ids = _token_ids(body.tokens, "tokens")
         limits = path.limits
@@ -208,6 +228,7 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
     async def chat_completions(
         body: ChatCompletionRequest, raw: Request
     ) -> JSONResponse | StreamingResponse:
+        check_body_fields(body)
         model = served.check(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
@@ -230,6 +251,7 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
     async def completions(
         body: CompletionRequest, raw: Request
     ) -> JSONResponse | StreamingResponse:
+        check_body_fields(body)
         model = served.check(body.model)
         if body.echo:
             raise ApiError(400, "echo: not supported", "echo")

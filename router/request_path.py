@@ -25,6 +25,7 @@ from sluiceway.router.streams import merge_streams
 from sluiceway.router.tokenizer import encode_chat, encode_prompt
 from sluiceway.sampling_params import SamplingParams, check_prompt_token_ids, check_request_id
 from sluiceway.status import FieldError, RequestError, error_from_rpc
+from sluiceway.unknown_fields import check_unknown_fields
 from sluiceway.v1 import inference_pb2
 
 __all__ = ["RequestPath", "eos_token_ids"]
@@ -214,10 +215,11 @@ class RequestPath:
     async def _admit(
         self, request: inference_pb2.GenerateRequest, limits: ModelLimits
     ) -> tuple[list[int], SamplingParams]:
-        """The gate every request passes: its id, its prompt's token ids (tokenized in a
-        thread: a megabyte prompt takes seconds, other streams go on) and its sampling
-        parameters, checked and resolved. Raises FieldError."""
+        """The gate every request passes: its id, no field this server does not know, its
+        prompt's token ids (tokenized in a thread: a megabyte prompt takes seconds, other
+        streams go on) and its sampling parameters, checked and resolved. Raises FieldError."""
         check_request_id(request.request_id)
+        check_unknown_fields(request)
         params = SamplingParams.from_proto(request.sampling)
         prompt_ids = await asyncio.to_thread(self.prompt_token_ids, request)
         check_prompt_token_ids(prompt_ids, limits.vocab_size, limits.max_model_len)
