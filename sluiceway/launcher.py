@@ -95,7 +95,7 @@ COMMANDS: dict[type[ChildConfig], str] = {
 @dataclass(slots=True)
 class Child:
     """One process of the stack: `sluiceway <command> <config.to_argv()>`, healthy when
-    `address` answers SERVING. `replica` and `instance` (its model instance within the
+    `probe` (a router's Unix socket), else `address`, answers SERVING. `replica` and `instance` (its model instance within the
     replica; -1 for a scheduler, both -1 for a router) say what a failure takes down.
     `start` sets `process`."""
 
@@ -200,8 +200,9 @@ def build_children(
     """The children of the stack, not started, in start order (`stack_layout`: the
     schedulers, their workers, the routers). Each child's config is serve's
     (`ServeConfig.router`, ...) with the child's own addresses and ports (Unix sockets in
-    `run_dir`; the routers on TCP) and the resolved model; the ranks of a tensor-parallel
-    instance share a rendezvous port picked here."""
+    `run_dir`; the routers on TCP, each probed on a Unix socket of its own there) and the
+    resolved model; the ranks of a tensor-parallel instance share a rendezvous port picked
+    here."""
     slots = stack_layout(config)
     metrics = {s.name: port for s, port in zip(metrics_order(slots), ports.metrics, strict=True)}
     schedulers = [f"unix:{run_dir}/{s.name}.sock" for s in slots if s.command == "scheduler"]
@@ -317,9 +318,11 @@ def _security_line(config: ServeConfig) -> str:
     tls = "plaintext (no TLS)"
     if router.tls:
         tls = "TLS" + (", client certificates required" if router.client_cert_required else "")
-    keys = "API key required" if api_keys(router) else "no API key"
+    keys = "API key required (health, /version and /metrics open)"
+    if not api_keys(router):
+        keys = "no API key"
     return (
-        f"public ports (gRPC, HTTP): {tls}, {keys} (health, /version and /metrics open); "
+        f"public ports (gRPC, HTTP): {tls}, {keys}; "
         "schedulers and workers: Unix sockets of this machine, no TLS"
     )
 
