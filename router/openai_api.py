@@ -10,7 +10,9 @@ rest) and the responses come back in OpenAI's shapes.
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (non-streamed, or streamed
 as server-sent events: ``data: {chunk}`` lines, ``data: [DONE]`` last,
 ``stream_options.include_usage`` for a final usage chunk), ``GET /v1/models``, ``GET /health``,
-``GET /version``, ``POST /tokenize``, ``POST /detokenize``.
+``GET /version``, ``POST /tokenize``, ``POST /detokenize``. With API keys
+(``--api-key``), every path but /health and /version needs ``Authorization: Bearer KEY``
+(401 otherwise); over TLS with ``--ssl-certfile`` (docs/security.md).
 
 Errors: OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``, with HTTP
 400 for what the gRPC API refuses as INVALID_ARGUMENT (``param`` names the field in this API's
@@ -35,7 +37,11 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from sluiceway.router.auth import UNAUTHORIZED, ApiKeys
+from sluiceway.router.config import RouterConfig
 from sluiceway.router.openai_errors import (
     ApiError,
     add_error_handlers,
@@ -150,10 +156,38 @@ class _CheckedJsonRoute(APIRoute):
         return checked
 
 
-def build_app(path: RequestPath) -> FastAPI:
-    """The FastAPI application over `path` (see the module docstring)."""
+# Paths open without an API key (vLLM keeps /health open too); /metrics is on its own port.
+OPEN_PATHS = frozenset({"/health", "/version"})
+
+
+class _RequireApiKey:
+    """ASGI middleware: a request to any path but `OPEN_PATHS` without ``Authorization:
+    Bearer KEY`` of a valid key gets 401 in OpenAI's error shape (the same answer for a
+    missing and a wrong key), with ``WWW-Authenticate: Bearer``; it never reaches the app."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["path"] not in OPEN_PATHS
+            and not self.keys.allows(Headers(scope=scope).get("authorization"))
+        ):
+            headers = {"WWW-Authenticate": "Bearer"}
+            await error_response(401, UNAUTHORIZED, None, headers)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def build_app(path: RequestPath, api_keys: ApiKeys | None = None) -> FastAPI:
+    """The FastAPI application over `path` (see the module docstring); with `api_keys`,
+    every path but `OPEN_PATHS` needs one (401 otherwise)."""
     app = FastAPI(title="sluiceway", docs_url=None, redoc_url=None, openapi_url=None)
     app.router.route_class = _CheckedJsonRoute
+    if api_keys is not None:
+        app.add_middleware(_RequireApiKey, keys=api_keys)
     add_error_handlers(app)
     served = _Served(path)
     _add_info_routes(app, path, served)
@@ -300,15 +334,30 @@ class HttpServer:
             await self._task
 
 
-async def start_http_server(path: RequestPath, host: str, port: int) -> HttpServer:
-    """Serve :func:`build_app` on ``host:port`` (0: a free port) on this loop.
+async def start_http_server(
+    path: RequestPath,
+    host: str,
+    port: int,
+    *,
+    api_keys: ApiKeys | None = None,
+    tls: RouterConfig | None = None,
+) -> HttpServer:
+    """Serve :func:`build_app` on ``host:port`` (0: a free port) on this loop; with
+    `api_keys` (see `build_app`); over TLS when `tls` (the router's config) has
+    ``ssl_certfile`` (uvicorn's ``ssl_*`` settings, as vLLM passes them; client certificates
+    as ``RouterConfig.client_cert_required`` says).
 
     Raises:
         OSError: the port is taken (or any other bind error).
     """
+    ssl: dict[str, Any] = {}
+    if tls is not None and tls.tls:
+        ssl = {"ssl_certfile": tls.ssl_certfile, "ssl_keyfile": tls.ssl_keyfile,
+               "ssl_ca_certs": tls.ssl_ca_certs,
+               "ssl_cert_reqs": 2 if tls.client_cert_required else 0}  # fmt: skip
     config = uvicorn.Config(
-        build_app(path), host=host, port=port, log_level="warning",
-        access_log=False, lifespan="off", timeout_graceful_shutdown=1,
+        build_app(path, api_keys), host=host, port=port, log_level="warning",
+        access_log=False, lifespan="off", timeout_graceful_shutdown=1, **ssl,
     )  # fmt: skip
     server = _Server(config)
     task = asyncio.create_task(server.serve())
@@ -319,4 +368,5 @@ async def start_http_server(path: RequestPath, host: str, port: int) -> HttpServ
             raise OSError(f"cannot listen on {host}:{port} (HTTP)")
         await asyncio.sleep(0.01)
     bound = server.servers[0].sockets[0].getsockname()[1]
-    return HttpServer(server, task, f"http://{host}:{bound}")
+    scheme = "https" if ssl else "http"
+    return HttpServer(server, task, f"{scheme}://{host}:{bound}")

@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from sluiceway.argtypes import bounded_float, bounded_int
 from sluiceway.sampling_params import FIELDS, Rule, python_type, wire_range
-from sluiceway.targets import DEFAULT_TARGET, TARGET_HELP, grpc_target
+from sluiceway.targets import (
+    DEFAULT_TARGET,
+    TARGET_HELP,
+    add_connection_args,
+    client_options,
+    grpc_target,
+)
 from sluiceway.v1 import inference_pb2
 
 if TYPE_CHECKING:
@@ -43,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     gen.add_argument("prompt", help="the prompt; - reads it from stdin (trailing newlines dropped)")
     gen.add_argument("--target", type=grpc_target, default=DEFAULT_TARGET, help=TARGET_HELP)
+    add_connection_args(gen)
     gen.add_argument(
         "--chat",
         action="store_true",
@@ -226,7 +233,7 @@ def generate_command(args: argparse.Namespace) -> int:
     """Runs `sluiceway generate`: the text to stdout (streamed when n is 1), the rest to stderr.
 
     Returns 0, 1 with "sluiceway generate: CODE: details" on a failed call, or 2 when an
-    @FILE cannot be read. Raises
+    @FILE or a TLS file cannot be read. Raises
     KeyboardInterrupt on Ctrl-C (the caller prints one line and exits 130).
     """
     import grpc
@@ -245,7 +252,12 @@ def generate_command(args: argparse.Namespace) -> int:
     last: list[Any] = [None] * n
     logprobs: list[list[Any]] = [[] for _ in range(n)]
     started = False
-    with Client(args.target) as client:
+    try:
+        client = Client(args.target, **client_options(args))
+    except (OSError, ValueError) as e:  # a certificate or key file, or only one of the pair
+        print(f"sluiceway generate: {e}", file=sys.stderr)
+        return 2
+    with client:
         try:
             for response in client.generate_stream(req):
                 started = True
