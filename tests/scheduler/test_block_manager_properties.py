@@ -93,7 +93,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.worker_tables: dict[int, list[int]] = {}  # seq_id -> the worker's block table
 
     @initialize(
-        policy=st.sampled_from(["continuous", "static"]),
+        policy=st.sampled_from(["fcfs", "priority", "static"]),
         chunked=st.booleans(),
         prefix_caching=st.booleans(),
         budget=st.integers(4, 40),
@@ -138,9 +138,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         suffix=st.lists(st.integers(20, 30), max_size=10),
         max_tokens=st.integers(1, 12),
         n=st.sampled_from([1, 1, 2, 3]),
+        priority=st.integers(-1, 2),
     )
-    def admit(self, prefix: list[int], suffix: list[int], max_tokens: int, n: int) -> None:
+    def admit(
+        self, prefix: list[int], suffix: list[int], max_tokens: int, n: int, priority: int
+    ) -> None:
         assert self.sched is not None
+        if self.sched.config.scheduling_policy != "priority":
+            priority = 0  # the engine refuses any other
         parent = f"parent-{self.next_id}" if n > 1 else None
         for _ in range(n):
             seq = Sequence(
@@ -149,6 +154,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 prompt_token_ids=prefix + suffix,
                 sampling=SamplingParams(max_tokens=max_tokens, stop_token_ids=(2,)),
                 parent_request_id=parent,
+                priority=priority,
             )
             self.next_id += 1
             self.sched.add(seq)
