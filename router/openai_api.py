@@ -59,7 +59,7 @@ from sluiceway.router.openai_models import (
 )
 from sluiceway.router.openai_responses import Run
 from sluiceway.router.request_path import RequestPath
-from sluiceway.sampling_params import check_wire_integers, sampling_proto
+from sluiceway.sampling_params import check_wire_integers, sampling_proto, wire_range
 from sluiceway.status import FieldError
 from sluiceway.v1 import inference_pb2
 
@@ -118,6 +118,19 @@ def _token_ids(ids: list[int], where: str) -> list[int]:
     except FieldError as e:
         raise ApiError(400, e.details, e.field) from None
     return ids
+
+
+def _priority(body: ChatCompletionRequest | CompletionRequest) -> int:
+    """`body.priority` if it fits GenerateRequest.priority (int32), else a 400 naming it
+    (the scheduler checks what its policy accepts)."""
+    wire = wire_range(inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["priority"])
+    assert wire is not None
+    kind, lo, hi = wire
+    if not lo <= body.priority <= hi:
+        raise ApiError(
+            400, f"priority: must be in [{lo}, {hi}] ({kind}); got {body.priority}", "priority"
+        )
+    return body.priority
 
 
 class _Served:
@@ -276,7 +289,7 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
         if max_tokens is None and path.limits is not None:  # no limit: as long as fits
             max_tokens = path.limits.max_model_len
         sampling = _sampling(body, max_tokens, logprobs, chat=True, names=names)
-        base = inference_pb2.GenerateRequest(sampling=sampling)
+        base = inference_pb2.GenerateRequest(sampling=sampling, priority=_priority(body))
         base.messages.messages.extend(_chat_messages(body.messages))
         run = Run(path, body, model, chat=True, logprobs=body.logprobs, names=names)
         return await run.respond([base], raw)
@@ -291,6 +304,7 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
             raise ApiError(400, "echo: not supported", "echo")
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         sampling = _sampling(body, max_tokens, body.logprobs, chat=False, names={})
+        priority = _priority(body)
         p = body.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
             items: list[Any] = [p]
@@ -300,7 +314,7 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
             raise ApiError(400, "prompt: must not be empty", "prompt")
         prompts: list[inference_pb2.GenerateRequest] = []
         for i, item in enumerate(items):
-            req = inference_pb2.GenerateRequest(sampling=sampling)
+            req = inference_pb2.GenerateRequest(sampling=sampling, priority=priority)
             if isinstance(item, str):
                 req.prompt = item
             else:

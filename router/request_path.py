@@ -189,6 +189,7 @@ class RequestPath:
                 # unique, unlike a client's request_id, which two live requests may share
                 parent_request_id=f"{request_id}/{uuid.uuid4().hex}" if params.n > 1 else None,
                 cuts=self.cuts,
+                priority=request.priority,
             )
             samples = [
                 Sample(

@@ -189,6 +189,7 @@ class Client:
         messages: list[tuple[str, str]] | None = None,
         prompt_token_ids: list[int] | None = None,
         request_id: str = "",
+        priority: int = 0,
         **sampling: Any,
     ) -> inference_pb2.GenerateRequest:
         """Builds a `GenerateRequest` from exactly one input and `SamplingParams` fields.
@@ -202,6 +203,8 @@ class Client:
             prompt_token_ids: token ids, sent as they are.
             request_id: echoed in every response and in the server's logs (at most 256
                 characters); empty: the router assigns one.
+            priority: lower is served first by a server run with `--scheduling-policy
+                priority` (any int32); a server under fcfs refuses anything but 0.
             **sampling: `SamplingParams` fields by name (temperature, top_p, top_k, min_p,
                 repetition_penalty, presence_penalty, frequency_penalty, max_tokens,
                 min_tokens, stop, stop_token_ids, include_stop_str_in_output, ignore_eos,
@@ -221,7 +224,9 @@ class Client:
         if isinstance(sampling.get("stop"), str):  # one stop string, as OpenAI's "stop"
             sampling["stop"] = [sampling["stop"]]
         req = inference_pb2.GenerateRequest(
-            request_id=request_id, sampling=inference_pb2.SamplingParams(**sampling)
+            request_id=request_id,
+            sampling=inference_pb2.SamplingParams(**sampling),
+            priority=priority,
         )
         if prompt is not None:
             req.prompt = prompt

@@ -61,6 +61,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=None,
         help="a system message before PROMPT; implies --chat (default: none)",
     )
+    gen.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="lower is served first by a server run with --scheduling-policy priority "
+        "(default 0; a server under fcfs refuses anything else)",
+    )
     for name in FIELDS:
         if python_type(name) is not None:  # a message: structured_outputs, below
             _add_sampling_flag(gen, name)
@@ -201,8 +208,8 @@ def build_request(args: argparse.Namespace, prompt: str) -> inference_pb2.Genera
         messages = [("user", prompt)]
         if args.system_prompt is not None:
             messages.insert(0, ("system", args.system_prompt))
-        return Client.request(messages=messages, **sampling)
-    return Client.request(prompt, **sampling)
+        return Client.request(messages=messages, priority=args.priority, **sampling)
+    return Client.request(prompt, priority=args.priority, **sampling)
 
 
 def _structured_outputs(args: argparse.Namespace) -> inference_pb2.StructuredOutputs | None:

@@ -147,7 +147,7 @@ def test_compare_configurations() -> None:
     assert configs[0].serve_args == [
         "--scheduling-policy", "static", "--static-batch-size", "32",
     ]  # fmt: skip
-    assert configs[2].serve_args == ["--scheduling-policy", "continuous", "--max-num-seqs", "256"]
+    assert configs[2].serve_args == ["--scheduling-policy", "fcfs", "--max-num-seqs", "256"]
     assert (configs[3].backend, configs[3].batch_size) == ("transformers", 32)
     with pytest.raises(ValueError, match="unknown backend 'vllm'"):
         configurations(["vllm"], ["static"], [256], 32)

@@ -192,7 +192,7 @@ def test_max_num_seqs_0_is_one_line_and_exit_2_from_the_command_line() -> None:
 
 def test_choices_and_nones_are_checked_by_the_config() -> None:
     with pytest.raises(
-        ValueError, match=r"^scheduling_policy must be one of continuous, static, got 'x'$"
+        ValueError, match=r"^scheduling_policy must be one of fcfs, priority, static, got 'x'$"
     ):
         SchedulerConfig(scheduling_policy="x")
     with pytest.raises(ValueError, match=r"^log_level must be one of DEBUG, .* got 'loud'$"):
