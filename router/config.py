@@ -27,6 +27,7 @@ from sluiceway.options import (
     metrics_port,
     option,
 )
+from sluiceway.router.tool_parsers import PARSERS
 
 # The environment variable of the API keys when neither --api-key nor --api-key-file is given
 # (vLLM reads VLLM_API_KEY; the clients read the same variable).
@@ -136,11 +137,25 @@ class RouterConfig(ProcessConfig):
         "another address, unix:PATH, where this router serves the same gRPC services without "
         "TLS (API keys still checked): `serve`'s readiness probe; default: none",
     )
+    enable_auto_tool_choice: bool = option(
+        False,
+        'tool_choice "auto" (the default when a chat request gives tools): the model decides '
+        "and its output is parsed for calls by --tool-call-parser; without it such a request "
+        "is refused (docs/tool-calling.md)",
+    )
+    tool_call_parser: str | None = option(
+        None,
+        "how tool calls are read from the output of an auto tool_choice (vLLM's names): "
+        "hermes (<tool_call> JSON, the generic tools prompt's format), llama3_json, mistral",
+        choices=tuple(PARSERS),
+    )
     log_format: str = LOG_FORMAT.field()
     log_level: str = LOG_LEVEL.field()
 
     def __post_init__(self) -> None:
         self.check_options()
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.ssl_certfile is not None and self.ssl_keyfile is None:
             raise ValueError("--ssl-certfile needs --ssl-keyfile (TLS takes both)")
         if self.ssl_keyfile is not None and self.ssl_certfile is None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
@@ -104,10 +105,58 @@ def _message_text(message: ChatMessage, index: int) -> str:
 
 
 def _chat_messages(messages: list[ChatMessage]) -> list[inference_pb2.ChatMessage]:
-    return [
-        inference_pb2.ChatMessage(role=m.role, content=_message_text(m, i))
-        for i, m in enumerate(messages)
-    ]
+    out = []
+    for i, m in enumerate(messages):
+        message = inference_pb2.ChatMessage(
+            role=m.role,
+            content=_message_text(m, i),
+            tool_call_id=m.tool_call_id or "",
+            name=m.name or "",
+        )
+        for j, call in enumerate(m.tool_calls or []):
+            if call.type != "function":
+                where = f"messages[{i}].tool_calls[{j}].type"
+                raise ApiError(400, f'{where}: must be "function"; got {call.type!r}', where)
+            message.tool_calls.add(
+                id=call.id, name=call.function.name, arguments=call.function.arguments
+            )
+        out.append(message)
+    return out
+
+
+_TOOL_CHOICE_MODES = {
+    "none": inference_pb2.TOOL_CHOICE_MODE_NONE,
+    "auto": inference_pb2.TOOL_CHOICE_MODE_AUTO,
+    "required": inference_pb2.TOOL_CHOICE_MODE_REQUIRED,
+}
+
+
+def _tools(body: ChatCompletionRequest, messages: inference_pb2.ChatMessages) -> None:
+    """Sets `body`'s tools, tool_choice and parallel_tool_calls on `messages` (the request
+    path checks them). Raises ApiError (400) for a tool or choice type other than
+    ``function``."""
+    for i, tool in enumerate(body.tools or []):
+        if tool.type != "function":
+            where = f"tools[{i}].type"
+            raise ApiError(400, f'{where}: only "function" tools are served; got {tool.type!r}',
+                           where)  # fmt: skip
+        f = tool.function
+        try:
+            parameters = json.dumps(f.parameters) if f.parameters is not None else ""
+        except (ValueError, RecursionError):
+            where = f"tools[{i}].function.parameters"
+            raise ApiError(400, f"{where}: not a JSON schema object", where) from None
+        messages.tools.add(name=f.name, description=f.description or "", parameters=parameters)
+    choice = body.tool_choice
+    if isinstance(choice, str):
+        messages.tool_choice.mode = _TOOL_CHOICE_MODES[choice]
+    elif choice is not None:
+        if choice.type != "function":
+            raise ApiError(400, f'tool_choice.type: must be "function"; got {choice.type!r}',
+                           "tool_choice.type")  # fmt: skip
+        messages.tool_choice.function_name = choice.function.name
+    if body.parallel_tool_calls is not None:
+        messages.parallel_tool_calls = body.parallel_tool_calls
 
 
 def _token_ids(ids: list[int], where: str) -> list[int]:
@@ -291,6 +340,7 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
         sampling = _sampling(body, max_tokens, logprobs, chat=True, names=names)
         base = inference_pb2.GenerateRequest(sampling=sampling, priority=_priority(body))
         base.messages.messages.extend(_chat_messages(body.messages))
+        _tools(body, base.messages)
         run = Run(path, body, model, chat=True, logprobs=body.logprobs, names=names)
         return await run.respond([base], raw)
 

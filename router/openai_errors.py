@@ -192,7 +192,16 @@ def body_param(field: str | None, *, chat: bool, names: dict[str, str]) -> str |
     if field == "input" and chat:
         return "messages"
     if field.startswith("messages.messages"):
-        return "messages" + field[len("messages.messages") :]
+        field = "messages" + field[len("messages.messages") :]
+        return re.sub(r"(tool_calls\[\d+\])\.(name|arguments)$", r"\1.function.\2", field)
+    if field.startswith("messages.tools"):  # messages.tools[2].name: tools[2].function.name
+        return re.sub(r"^(tools\[\d+\])\.", r"\1.function.", field[len("messages.") :])
+    if field.startswith("messages.tool_choice"):
+        return "tool_choice" + field[len("messages.tool_choice") :].replace(
+            ".function_name", ".function.name"
+        )
+    if field.startswith("messages."):
+        return field[len("messages.") :]
     if field.startswith("prompt_token_ids"):
         return "prompt"
     return _PARAM_NAMES.get(field, field.removeprefix("sampling."))

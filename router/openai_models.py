@@ -29,6 +29,7 @@ __all__ = [
     "CompletionRequest",
     "DetokenizeRequest",
     "TokenizeRequest",
+    "ToolDefinition",
     "sampling_values",
 ]
 
@@ -108,15 +109,73 @@ _Sampling: type[_FrontFields] = create_model(  # type: ignore[call-overload]
 )
 
 
+class FunctionCall(BaseModel):
+    """OpenAI's ``tool_calls[j].function`` of an assistant message."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str
+
+
+class ToolCallBody(BaseModel):
+    """One call of an assistant message's ``tool_calls``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = ""
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallBody] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns
+    name: str | None = None
+
+
+class FunctionDefinition(BaseModel):
+    """OpenAI's ``tools[i].function``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments always validate when enforced (required / named)
+
+
+class ToolDefinition(BaseModel):
+    """One of ``tools``: only ``type: "function"`` is served."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):  # type: ignore[valid-type,misc]
     messages: list[ChatMessage]
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

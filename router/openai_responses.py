@@ -32,7 +32,34 @@ __all__ = ["Run"]
 FINISH = {
     inference_pb2.FINISH_REASON_STOP: "stop",
     inference_pb2.FINISH_REASON_LENGTH: "length",
+    inference_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
+
+
+def _tool_call_deltas(response: inference_pb2.GenerateResponse) -> list[dict[str, Any]]:
+    """A response's tool-call pieces as OpenAI's streamed ``delta.tool_calls``: a call's
+    first piece with its ``id``, ``type`` and name, the next ones with more arguments."""
+    deltas = []
+    for call in response.tool_calls:
+        delta: dict[str, Any] = {"index": call.index}
+        function: dict[str, Any] = {"arguments": call.arguments}
+        if call.id:
+            delta.update(id=call.id, type="function")
+            function = {"name": call.name, **function}
+        delta["function"] = function
+        deltas.append(delta)
+    return deltas
+
+
+def _join_tool_calls(calls: list[inference_pb2.ToolCall]) -> list[dict[str, Any]]:
+    """A sample's tool-call pieces joined into OpenAI's ``message.tool_calls``."""
+    joined: dict[int, dict[str, Any]] = {}
+    for call in calls:
+        if call.index not in joined:
+            joined[call.index] = {"id": call.id, "type": "function",
+                                  "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+        joined[call.index]["function"]["arguments"] += call.arguments
+    return [joined[i] for i in sorted(joined)]
 
 
 class Run:
@@ -149,6 +176,7 @@ class Run:
 
     async def _whole(self, prompts: list[inference_pb2.GenerateRequest]) -> dict[str, Any]:
         texts: dict[int, list[str]] = {}
+        calls: dict[int, list[inference_pb2.ToolCall]] = {}
         lps: dict[int, list[dict[str, Any]]] = {}
         finish: dict[int, str] = {}
         prompt_tokens: dict[int, int] = {}
@@ -156,6 +184,7 @@ class Run:
         async with contextlib.aclosing(self._merged(prompts)) as merged:
             async for index, r in merged:
                 texts.setdefault(index, []).append(r.text)
+                calls.setdefault(index, []).extend(r.tool_calls)
                 if self.logprobs:
                     lps.setdefault(index, []).extend(self._logprobs(r))
                 if r.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
@@ -167,7 +196,10 @@ class Run:
             text = "".join(texts[index])
             choice: dict[str, Any] = {"index": index, "finish_reason": finish.get(index)}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if calls[index]:  # OpenAI's: content null when the answer is only calls
+                    message.update(content=text or None, tool_calls=_join_tool_calls(calls[index]))
+                choice["message"] = message
                 choice["logprobs"] = {"content": lps.get(index, [])} if self.logprobs else None
             else:
                 choice["text"] = text
@@ -207,6 +239,8 @@ class Run:
                 choice: dict[str, Any] = {"index": index}
                 if self.chat:
                     delta: dict[str, Any] = {"content": r.text}
+                    if r.tool_calls:
+                        delta = {"content": r.text or None, "tool_calls": _tool_call_deltas(r)}
                     if index not in started:
                         delta = {"role": "assistant", **delta}
                     choice["delta"] = delta

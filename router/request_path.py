@@ -22,7 +22,13 @@ from sluiceway.router.balancer import ModelLimits, SchedulerPool, merge_schedule
 from sluiceway.router.metrics import Protocol, RequestRecorder
 from sluiceway.router.samples import DetokenizeTotals, Sample, SampleContext, StreamCuts
 from sluiceway.router.streams import merge_streams
-from sluiceway.router.tokenizer import encode_chat, encode_prompt
+from sluiceway.router.tokenizer import encode_chat, encode_prompt, template_takes_tools
+from sluiceway.router.tool_calls import (
+    ToolPlan,
+    chat_conversation,
+    plan_tools,
+    tool_call_responses,
+)
 from sluiceway.sampling_params import SamplingParams, check_prompt_token_ids, check_request_id
 from sluiceway.status import FieldError, RequestError, error_from_rpc
 from sluiceway.unknown_fields import check_unknown_fields
@@ -66,11 +72,17 @@ class RequestPath:
         tokenizer: Any,
         model_dir: Path,
         scheduler_addresses: str | Sequence[str],
+        *,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
         **pool_options: Any,
     ) -> None:
         """`scheduler_addresses`: one address, a comma-separated string or a list;
-        `pool_options`: `SchedulerPool`'s routing thresholds."""
+        `tool_call_parser`, `enable_auto_tool_choice`: the router's flags of those names
+        (router/tool_calls.py); `pool_options`: `SchedulerPool`'s routing thresholds."""
         self.tokenizer = tokenizer
+        self.tool_call_parser = tool_call_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
         self.eos_token_ids = eos_token_ids(tokenizer, model_dir)
         self.pool = SchedulerPool(scheduler_addresses, **pool_options)
         self.detokenize = DetokenizeTotals()
@@ -117,13 +129,21 @@ class RequestPath:
         if which == "prompt":
             return encode_prompt(self.tokenizer, request.prompt)
         if which == "messages":
-            return encode_chat(
-                self.tokenizer, [(m.role, m.content) for m in request.messages.messages]
-            )
+            return self._encode_messages(request.messages)
         if which == "prompt_token_ids":
             return list(request.prompt_token_ids.ids)  # type: ignore[union-attr]
         names = ", ".join(f.name for f in request.DESCRIPTOR.oneofs_by_name["input"].fields)
         raise FieldError("input", f"set one of {names}")
+
+    def _encode_messages(self, messages: inference_pb2.ChatMessages) -> list[int]:
+        """A conversation's token ids; with tools or tool turns, rendered as
+        router/tool_calls.py says (`chat_conversation`)."""
+        if not messages.tools and not any(
+            m.tool_calls or m.tool_call_id for m in messages.messages
+        ):
+            return encode_chat(self.tokenizer, [(m.role, m.content) for m in messages.messages])
+        turns, tools = chat_conversation(messages, template_takes_tools(self.tokenizer))
+        return encode_chat(self.tokenizer, turns, tools)
 
     async def generate(
         self,
@@ -169,7 +189,7 @@ class RequestPath:
         self._idle.clear()
         try:
             try:
-                prompt_ids, params = await self._admit(request, limits)
+                prompt_ids, params, plan = await self._admit(request, limits)
             except FieldError as e:
                 raise fail(e) from None
             except asyncio.CancelledError:
@@ -200,6 +220,8 @@ class RequestPath:
                 ).responses(replica)
                 for i in range(params.n)
             ]
+            if plan is not None and plan.mode != "none":  # each sample's calls split out
+                samples = [tool_call_responses(s, plan) for s in samples]
             merged = samples[0] if params.n == 1 else merge_streams(samples)
             async with contextlib.aclosing(merged) as responses:
                 async for response in responses:
@@ -215,13 +237,25 @@ class RequestPath:
 
     async def _admit(
         self, request: inference_pb2.GenerateRequest, limits: ModelLimits
-    ) -> tuple[list[int], SamplingParams]:
+    ) -> tuple[list[int], SamplingParams, ToolPlan | None]:
         """The gate every request passes: its id, no field this server does not know, its
         prompt's token ids (tokenized in a thread: a megabyte prompt takes seconds, other
-        streams go on) and its sampling parameters, checked and resolved. Raises FieldError."""
+        streams go on), its tools' plan (router/tool_calls.py: a required or named tool_choice
+        adds its grammar to the sampling parameters) and its sampling parameters, checked and
+        resolved. Raises FieldError."""
         check_request_id(request.request_id)
         check_unknown_fields(request)
-        params = SamplingParams.from_proto(request.sampling)
+        plan = None
+        sampling = request.sampling
+        if request.WhichOneof("input") == "messages":
+            plan = plan_tools(
+                request.messages,
+                parser=self.tool_call_parser,
+                auto_enabled=self.enable_auto_tool_choice,
+            )
+            if plan is not None:
+                sampling = plan.sampling(sampling)
+        params = SamplingParams.from_proto(sampling)
         prompt_ids = await asyncio.to_thread(self.prompt_token_ids, request)
         check_prompt_token_ids(prompt_ids, limits.vocab_size, limits.max_model_len)
         resolved = params.resolve(
@@ -230,7 +264,7 @@ class RequestPath:
             vocab_size=limits.vocab_size,
             eos_token_ids=self.eos_token_ids,
         )
-        return prompt_ids, resolved
+        return prompt_ids, resolved, plan
 
     async def model_info(self) -> inference_pb2.ModelInfo:
         """Model facts from the first ready scheduler (in `--scheduler` order); KV pool sizes

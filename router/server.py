@@ -72,6 +72,8 @@ async def serve(config: RouterConfig, model_dir: Path) -> None:
         tokenizer,
         model_dir,
         config.scheduler,
+        tool_call_parser=config.tool_call_parser,
+        enable_auto_tool_choice=config.enable_auto_tool_choice,
         cache_threshold=config.cache_threshold,
         balance_abs_threshold=config.balance_abs_threshold,
     )

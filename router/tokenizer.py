@@ -14,7 +14,14 @@ from typing import Any
 
 from sluiceway.status import FieldError
 
-__all__ = ["CHAT_ROLES", "encode_chat", "encode_prompt", "load_tokenizer", "token_text"]
+__all__ = [
+    "CHAT_ROLES",
+    "encode_chat",
+    "encode_prompt",
+    "load_tokenizer",
+    "template_takes_tools",
+    "token_text",
+]
 
 #: Roles a chat message may carry (the public proto's `ChatMessage.role`).
 CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
@@ -66,8 +73,21 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return str(tokenizer.decode([token_id]))
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[tuple[str, str]]) -> list[int]:
-    """Token ids of chat `messages` ((role, content) pairs) after the model's chat template.
+def template_takes_tools(tokenizer: Any) -> bool:
+    """Whether the model's chat template renders `tools` (else router/tool_calls.py writes a
+    generic tools section into the system prompt)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def encode_chat(
+    tokenizer: Any,
+    messages: Sequence[tuple[str, str]] | Sequence[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of chat `messages` after the model's chat template: (role, content) pairs,
+    or the turns as dicts (``role``, ``content`` and, for templates that take them,
+    ``tool_calls``, ``tool_call_id``, ``name``), with `tools` for a template that takes them.
 
     The template is rendered with `add_generation_prompt=True` (the prompt ends
     with the header of the assistant turn to generate) and the text is
@@ -85,7 +105,11 @@ def encode_chat(tokenizer: Any, messages: Sequence[tuple[str, str]]) -> list[int
     """
     if not messages:
         raise FieldError("messages", "must hold at least one message")
-    for i, (role, _content) in enumerate(messages):
+    conversation = [
+        dict(m) if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages
+    ]
+    for i, turn in enumerate(conversation):
+        role = turn["role"]
         if role not in CHAT_ROLES:
             raise FieldError(
                 f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {role!r}"
@@ -94,10 +118,13 @@ def encode_chat(tokenizer: Any, messages: Sequence[tuple[str, str]]) -> list[int
         raise FieldError("messages", "this model has no chat template; send a plain prompt instead")
     from jinja2 import TemplateError  # a dependency of transformers' chat templates
 
-    conversation = [{"role": role, "content": content} for role, content in messages]
     try:
         ids = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+            conversation,
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
         )
     except TemplateError as e:  # raise_exception(...) in the template, or a render error
         raise FieldError("messages", f"the chat template refused them: {e}") from e

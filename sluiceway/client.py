@@ -186,10 +186,12 @@ class Client:
     def request(
         prompt: str | None = None,
         *,
-        messages: list[tuple[str, str]] | None = None,
+        messages: list[tuple[str, str] | inference_pb2.ChatMessage] | None = None,
         prompt_token_ids: list[int] | None = None,
         request_id: str = "",
         priority: int = 0,
+        tools: list[inference_pb2.Tool] | None = None,
+        tool_choice: str | None = None,
         **sampling: Any,
     ) -> inference_pb2.GenerateRequest:
         """Builds a `GenerateRequest` from exactly one input and `SamplingParams` fields.
@@ -199,12 +201,16 @@ class Client:
         Args:
             prompt: plain text, tokenized as the model's tokenizer does by default.
             messages: chat turns as (role, content) pairs, role "system", "user",
-                "assistant" or "tool"; the model's chat template is applied.
+                "assistant" or "tool", or as `ChatMessage`s (with tool_calls or a
+                tool_call_id); the model's chat template is applied.
             prompt_token_ids: token ids, sent as they are.
             request_id: echoed in every response and in the server's logs (at most 256
                 characters); empty: the router assigns one.
             priority: lower is served first by a server run with `--scheduling-policy
                 priority` (any int32); a server under fcfs refuses anything but 0.
+            tools: functions the model may call (with `messages`; docs/tool-calling.md).
+            tool_choice: "none", "auto" or "required", or the name of one of `tools` to
+                call; None: the server's default (auto with tools).
             **sampling: `SamplingParams` fields by name (temperature, top_p, top_k, min_p,
                 repetition_penalty, presence_penalty, frequency_penalty, max_tokens,
                 min_tokens, stop, stop_token_ids, include_stop_str_in_output, ignore_eos,
@@ -232,8 +238,18 @@ class Client:
             req.prompt = prompt
         elif messages is not None:
             req.messages.messages.extend(
-                inference_pb2.ChatMessage(role=r, content=c) for r, c in messages
-            )
+                m if isinstance(m, inference_pb2.ChatMessage)
+                else inference_pb2.ChatMessage(role=m[0], content=m[1])
+                for m in messages
+            )  # fmt: skip
+            req.messages.tools.extend(tools or [])
+            modes = {"none": inference_pb2.TOOL_CHOICE_MODE_NONE,
+                     "auto": inference_pb2.TOOL_CHOICE_MODE_AUTO,
+                     "required": inference_pb2.TOOL_CHOICE_MODE_REQUIRED}  # fmt: skip
+            if tool_choice in modes:
+                req.messages.tool_choice.mode = modes[tool_choice]
+            elif tool_choice is not None:
+                req.messages.tool_choice.function_name = tool_choice
         elif prompt_token_ids is not None:
             req.prompt_token_ids.ids.extend(prompt_token_ids)
         return req

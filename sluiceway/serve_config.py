@@ -33,7 +33,8 @@ FLAGS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
         "router",
         ("http_host", "drain_timeout", "cache_threshold", "balance_abs_threshold",
          "max_message_size", "api_key", "api_key_file", "ssl_keyfile", "ssl_certfile",
-         "ssl_ca_certs", "ssl_cert_reqs", "model"),
+         "ssl_ca_certs", "ssl_cert_reqs", "enable_auto_tool_choice", "tool_call_parser",
+         "model"),
     ),
     (
         "worker",
