@@ -64,7 +64,8 @@ ROUND_TRIP: list[ProcessConfig] = [
         http_host="::1", drain_timeout=0.5, cache_threshold=1.0, balance_abs_threshold=0,
         max_message_size=4096, api_key="k", api_key_file="/etc/keys", ssl_keyfile="/k.pem",
         ssl_certfile="/c.pem", ssl_ca_certs="/ca.pem", ssl_cert_reqs=2,
-        internal_listen="unix:/tmp/r.sock", log_format="console", log_level="debug",
+        internal_listen="unix:/tmp/r.sock", enable_auto_tool_choice=True,
+        tool_call_parser="mistral", log_format="console", log_level="debug",
     ),
     SchedulerConfig(
         listen="unix:/tmp/s.sock", max_num_seqs=4, max_num_batched_tokens=64,
@@ -84,7 +85,7 @@ ROUND_TRIP: list[ProcessConfig] = [
         metrics_port=9999, metrics_host="0.0.0.0", log_format="console", log_level="CRITICAL",
     ),
     serve_config(host="0.0.0.0", port=0, metrics_port=-1, http_port=9000, num_replicas=2,
-                 num_routers=3),
+                 num_routers=3, enable_auto_tool_choice=True, tool_call_parser="hermes"),
     serve_config(enable_chunked_prefill=False, long_prefill_token_threshold=0,
                  max_num_partial_prefills=1, max_long_partial_prefills=1, num_prefill_workers=0,
                  num_decode_workers=0, scheduling_policy="static", static_batch_size=3),
