@@ -7,7 +7,6 @@ transformers' apply_chat_template takes."""
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
@@ -236,8 +235,10 @@ TOOLS_TEMPLATE = (
 )
 
 
-def test_a_template_with_tools_gets_them_as_transformers_takes_them(tokenizer: Any) -> None:
-    tok = copy.copy(tokenizer)
+def test_a_template_with_tools_gets_them_as_transformers_takes_them(
+    fresh_tokenizer: Any,
+) -> None:
+    tok = fresh_tokenizer
     tok.chat_template = TOOLS_TEMPLATE
     assert template_takes_tools(tok)
     turns, tools = chat_conversation(CONVERSATION, template_takes_tools=True)
