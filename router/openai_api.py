@@ -56,6 +56,7 @@ from sluiceway.router.openai_models import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    ToolDefinition,
     sampling_values,
 )
 from sluiceway.router.openai_responses import Run
@@ -131,11 +132,12 @@ _TOOL_CHOICE_MODES = {
 }
 
 
-def _tools(body: ChatCompletionRequest, messages: inference_pb2.ChatMessages) -> None:
-    """Sets `body`'s tools, tool_choice and parallel_tool_calls on `messages` (the request
-    path checks them). Raises ApiError (400) for a tool or choice type other than
-    ``function``."""
-    for i, tool in enumerate(body.tools or []):
+def _tool_definitions(
+    tools: list[ToolDefinition] | None, messages: inference_pb2.ChatMessages
+) -> None:
+    """Adds `tools` to `messages` (the request path checks them). Raises ApiError (400) for a
+    tool type other than ``function``."""
+    for i, tool in enumerate(tools or []):
         if tool.type != "function":
             where = f"tools[{i}].type"
             raise ApiError(400, f'{where}: only "function" tools are served; got {tool.type!r}',
@@ -147,6 +149,13 @@ def _tools(body: ChatCompletionRequest, messages: inference_pb2.ChatMessages) ->
             where = f"tools[{i}].function.parameters"
             raise ApiError(400, f"{where}: not a JSON schema object", where) from None
         messages.tools.add(name=f.name, description=f.description or "", parameters=parameters)
+
+
+def _tools(body: ChatCompletionRequest, messages: inference_pb2.ChatMessages) -> None:
+    """Sets `body`'s tools, tool_choice and parallel_tool_calls on `messages` (the request
+    path checks them). Raises ApiError (400) for a tool or choice type other than
+    ``function``."""
+    _tool_definitions(body.tools, messages)
     choice = body.tool_choice
     if isinstance(choice, str):
         messages.tool_choice.mode = _TOOL_CHOICE_MODES[choice]
@@ -292,6 +301,7 @@ def _add_info_routes(app: FastAPI, path: RequestPath, served: _Served) -> None:
         request = inference_pb2.TokenizeRequest()
         if body.messages is not None:
             request.messages.messages.extend(_chat_messages(body.messages))
+            _tool_definitions(body.tools, request.messages)
         elif body.prompt is not None:
             request.prompt = body.prompt
         else:

@@ -195,6 +195,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None  # rendered with the messages, as chat does
 
 
 class DetokenizeRequest(BaseModel):

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+import httpx
 import openai
 
 from sluiceway.grpc_server import bind, new_server
@@ -60,6 +61,17 @@ def run_with_router(
     output: str,
     scenario: Callable[[openai.AsyncOpenAI, ScriptedScheduler], Awaitable[None]],
 ) -> None:
+    """Runs `scenario` with an SDK client of a router (hermes, auto enabled) over a scheduler
+    that streams `output`'s tokens."""
+    run_with_router_url(tokenizer, model_dir, output, lambda c, s, _: scenario(c, s))
+
+
+def run_with_router_url(
+    tokenizer: Any,
+    model_dir: pathlib.Path,
+    output: str,
+    scenario: Callable[[openai.AsyncOpenAI, ScriptedScheduler, str], Awaitable[None]],
+) -> None:
     async def main() -> None:
         scheduler = ScriptedScheduler(tokenizer.encode(output))
         server, _ = new_server()
@@ -72,7 +84,7 @@ def run_with_router(
         http = await start_http_server(path, "127.0.0.1", 0)
         try:
             async with openai.AsyncOpenAI(base_url=http.url + "/v1", api_key="x") as client:
-                await scenario(client, scheduler)
+                await scenario(client, scheduler, http.url)
         finally:
             await http.stop()
             await path.close()
@@ -124,3 +136,18 @@ def test_auto_returns_a_malformed_call_as_text(tokenizer: Any, tokenizer_dir: pa
         assert choice.message.content == MALFORMED and not choice.message.tool_calls
 
     run_with_router(tokenizer, tokenizer_dir, MALFORMED, scenario)
+
+
+def test_tokenize_renders_the_tools_as_chat_does(
+    tokenizer: Any, tokenizer_dir: pathlib.Path
+) -> None:
+    async def scenario(client: openai.AsyncOpenAI, scheduler: ScriptedScheduler, url: str) -> None:
+        await client.chat.completions.create(model="fake", messages=QUESTION, tools=TOOLS,
+                                             tool_choice="none")  # fmt: skip
+        async with httpx.AsyncClient(base_url=url) as http:
+            r = await http.post("/tokenize", json={"messages": QUESTION, "tools": TOOLS})
+        prompt = list(scheduler.sampling[0].prompt_token_ids)
+        assert r.json()["tokens"] == prompt
+        assert "<tools>" in tokenizer.decode(prompt)
+
+    run_with_router_url(tokenizer, tokenizer_dir, "Sunny.", scenario)
