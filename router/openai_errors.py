@@ -138,8 +138,11 @@ def _where(error: dict[str, Any], body: Any) -> str:
     return f"{what}: line {line} column {column} (char {pos})"
 
 
-# pydantic's names for the member of a union that failed ("str", "list[int]"), not fields
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
+# pydantic's names for the member of a union that failed ("str", "list[int]",
+# "literal['none','auto']", a model's class name), not fields (body fields are snake_case)
+_TYPE_TAG = re.compile(
+    r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|function-.*|[A-Z]\w*)$"
+)
 
 
 def _body_param(loc: Any) -> str | None:

@@ -89,3 +89,20 @@ def test_an_unexpected_exception_is_500_in_the_same_shape(client: TestClient) ->
         500,
         error(500, "InternalServerError", "internal error (the server's log has the cause)"),
     )
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"tool_choice": "any"}, "tool_choice", "Input should be 'none', 'auto' or 'required'"),
+        ({"tools": [{"function": {"name": "f"}}]}, "tools[0].type", "Field required"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
+         "messages[0].tool_calls[0].function.arguments", "Field required"),
+    ],
+)  # fmt: skip
+def test_a_tool_field_that_does_not_validate_is_400_naming_it(
+    client: TestClient, body: dict[str, Any], param: str, message: str
+) -> None:
+    r = client.post("/v1/chat/completions", json={"messages": [], **body})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, param)
+    assert r.json()["error"]["message"] == f"{param}: {message}"
