@@ -196,6 +196,7 @@ def body_param(field: str | None, *, chat: bool, names: dict[str, str]) -> str |
         return "messages"
     if field.startswith("messages.messages"):
         field = "messages" + field[len("messages.messages") :]
+    if field.startswith("messages["):  # a call's name and arguments are its function's
         return re.sub(r"(tool_calls\[\d+\])\.(name|arguments)$", r"\1.function.\2", field)
     if field.startswith("messages.tools"):  # messages.tools[2].name: tools[2].function.name
         return re.sub(r"^(tools\[\d+\])\.", r"\1.function.", field[len("messages.") :])

@@ -262,15 +262,14 @@ def chat_conversation(
     text, and a tool turn a user turn of ``<tool_response>`` blocks (consecutive ones
     merged), as Hermes and Qwen render them.
 
-    Raises FieldError: what `parse_tools` refuses; ("messages.messages[i].tool_calls"): calls
-    in a turn that is not an assistant's; ("messages.messages[i].tool_calls[j].arguments"):
-    not JSON.
+    Raises FieldError: what `parse_tools` refuses; ("messages[i].tool_calls"): calls in a
+    turn that is not an assistant's; ("messages[i].tool_calls[j].arguments"): not JSON.
     """
     tools = parse_tools(messages)
     spec = [{"type": "function", "function": t} for t in tools]
     turns: list[dict[str, Any]] = []
     for i, m in enumerate(messages.messages):
-        where = f"messages.messages[{i}]"
+        where = f"messages[{i}]"  # as the chat template's errors name a turn
         if m.tool_calls and m.role != "assistant":
             raise FieldError(f"{where}.tool_calls", "only an assistant turn has tool calls")
         calls = [(c, _arguments(c, f"{where}.tool_calls[{j}]")) for j, c in enumerate(m.tool_calls)]

@@ -174,8 +174,8 @@ def test_a_forced_choice_and_the_requests_own_constraint_are_refused() -> None:
         ("messages.tools[0].parameters", "tools[0].function.parameters"),
         ("messages.parallel_tool_calls", "parallel_tool_calls"),
         ("messages.messages[2].tool_calls", "messages[2].tool_calls"),
-        ("messages.messages[2].tool_calls[1].arguments",
-         "messages[2].tool_calls[1].function.arguments"),
+        ("messages[2].tool_calls[1].arguments", "messages[2].tool_calls[1].function.arguments"),
+        ("messages.messages[2].tool_calls[1].name", "messages[2].tool_calls[1].function.name"),
     ],
 )  # fmt: skip
 def test_http_names_of_the_fields(field: str, param: str) -> None:
@@ -265,13 +265,13 @@ def test_tool_calls_only_in_assistant_turns_and_arguments_json() -> None:
     ])  # fmt: skip
     with pytest.raises(FieldError) as info:
         chat_conversation(bad_role, template_takes_tools=False)
-    assert info.value.field == "messages.messages[0].tool_calls"
+    assert info.value.field == "messages[0].tool_calls"
     bad_args = pb.ChatMessages(messages=[
         pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(name="f", arguments="{x")])
     ])  # fmt: skip
     with pytest.raises(FieldError) as info:
         chat_conversation(bad_args, template_takes_tools=False)
-    assert info.value.field == "messages.messages[0].tool_calls[0].arguments"
+    assert info.value.field == "messages[0].tool_calls[0].arguments"
 
 
 def test_router_flags() -> None:
