@@ -146,7 +146,8 @@ class RouterConfig(ProcessConfig):
     tool_call_parser: str | None = option(
         None,
         "how tool calls are read from the output of an auto tool_choice (vLLM's names): "
-        "hermes (<tool_call> JSON, the generic tools prompt's format), llama3_json, mistral",
+        "hermes (<tool_call> JSON, the generic tools prompt's format), llama3_json, mistral "
+        "(default: none)",
         choices=tuple(PARSERS),
     )
     log_format: str = LOG_FORMAT.field()

@@ -23,7 +23,7 @@ from sluiceway.v1 import inference_pb2
 if TYPE_CHECKING:
     import grpc
 
-_FINISH = {1: "stop", 2: "length", 3: "abort"}
+_FINISH = {1: "stop", 2: "length", 3: "abort", 4: "tool_calls"}
 
 # How `generate` presents some sampling flags (metavar, a word on its output, a short name);
 # every flag's name, type, bounds, default and help come from the sampling contract.
@@ -72,6 +72,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         if python_type(name) is not None:  # a message: structured_outputs, below
             _add_sampling_flag(gen, name)
     _add_constraint_flags(gen)
+    tools = gen.add_argument_group("tool calling (imply --chat; docs/tool-calling.md)")
+    tools.add_argument(
+        "--tool",
+        action="append",
+        default=None,
+        metavar="JSON",
+        help='a function the model may call: {"name", "description", "parameters": SCHEMA}, '
+        "or OpenAI's tools entry, as JSON text or @FILE; repeat it for each (default: none)",
+    )
+    tools.add_argument(
+        "--tool-choice",
+        default=None,
+        metavar="none|auto|required|NAME",
+        help="whether and which tool to call; the calls are printed after the text as "
+        "'tool call NAME ARGUMENTS' lines (default: the server's, auto with tools)",
+    )
     gen.add_argument(
         "--show-usage",
         action="store_true",
@@ -204,12 +220,41 @@ def build_request(args: argparse.Namespace, prompt: str) -> inference_pb2.Genera
     structured = _structured_outputs(args)
     if structured is not None:
         sampling["structured_outputs"] = structured
-    if args.chat or args.system_prompt is not None:
-        messages = [("user", prompt)]
+    tools = [_tool(t) for t in args.tool or []]
+    if args.chat or args.system_prompt is not None or tools or args.tool_choice is not None:
+        messages: list[Any] = [("user", prompt)]
         if args.system_prompt is not None:
             messages.insert(0, ("system", args.system_prompt))
-        return Client.request(messages=messages, priority=args.priority, **sampling)
+        return Client.request(
+            messages=messages,
+            priority=args.priority,
+            tools=tools,
+            tool_choice=args.tool_choice,
+            **sampling,
+        )
     return Client.request(prompt, priority=args.priority, **sampling)
+
+
+def _tool(value: str) -> inference_pb2.Tool:
+    """The `Tool` of a ``--tool`` value: JSON text or @FILE of a function, or of OpenAI's
+    ``{"type": "function", "function": {...}}``.
+
+    Raises:
+        OSError: an @FILE that cannot be read.
+        ValueError: not JSON of an object with a string ``name``.
+    """
+    text = pathlib.Path(value[1:]).read_text() if value.startswith("@") else value
+    spec = json.loads(text)
+    if isinstance(spec, dict) and isinstance(spec.get("function"), dict):
+        spec = spec["function"]
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ValueError(f"--tool: not a function with a name: {value}")
+    parameters = spec.get("parameters")
+    return inference_pb2.Tool(
+        name=spec["name"],
+        description=str(spec.get("description") or ""),
+        parameters=json.dumps(parameters) if parameters is not None else "",
+    )
 
 
 def _structured_outputs(args: argparse.Namespace) -> inference_pb2.StructuredOutputs | None:
@@ -250,14 +295,18 @@ def generate_command(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read().rstrip("\n") if args.prompt == "-" else args.prompt
     try:
         req = build_request(args, prompt)
-    except OSError as e:  # an @FILE of --json-schema or --grammar
+    except OSError as e:  # an @FILE of --json-schema, --grammar or --tool
         print(f"sluiceway generate: {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # a --tool that is not a function's JSON
+        print(f"sluiceway generate: {e}", file=sys.stderr)
         return 2
     n = args.n or 1
     texts = [""] * n
     ids: list[list[int]] = [[] for _ in range(n)]
     last: list[Any] = [None] * n
     logprobs: list[list[Any]] = [[] for _ in range(n)]
+    calls: list[dict[int, list[str]]] = [{} for _ in range(n)]  # index -> [name, arguments]
     started = False
     try:
         client = Client(args.target, **client_options(args))
@@ -272,6 +321,8 @@ def generate_command(args: argparse.Namespace) -> int:
                 texts[i] += response.text
                 ids[i].extend(response.token_ids)
                 logprobs[i].extend(response.logprobs)
+                for call in response.tool_calls:
+                    calls[i].setdefault(call.index, [call.name, ""])[1] += call.arguments
                 last[i] = response
                 if n == 1:
                     sys.stdout.write(response.text)
@@ -291,9 +342,11 @@ def generate_command(args: argparse.Namespace) -> int:
             sys.stdout.write(texts[i])
         if texts[i] or n > 1:
             sys.stdout.write("\n")
-            sys.stdout.flush()
+        for name, arguments in calls[i].values():
+            sys.stdout.write(f"tool call {name} {arguments}\n")
+        sys.stdout.flush()
         reason = _FINISH.get(last[i].finish_reason, "unknown") if last[i] else "none"
-        if not texts[i]:
+        if not texts[i] and not calls[i]:
             print(f"sluiceway generate: {label}{_empty_hint(reason, ids[i], eos_ids)}",
                   file=sys.stderr)  # fmt: skip
         if args.logprobs is not None:

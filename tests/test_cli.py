@@ -134,6 +134,30 @@ def test_generate_structured_outputs_flags(flags: list[str], expected: object) -
     assert req.sampling.structured_outputs == expected
 
 
+def test_generate_tool_flags_make_a_chat_request_with_tools(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    openai_tool = tmp_path / "t.json"
+    openai_tool.write_text(json.dumps({"type": "function", "function": {
+        "name": "get_weather", "description": "Weather", "parameters": schema}}))  # fmt: skip
+    args = build_parser().parse_args(
+        ["generate", "Hi", "--tool", f"@{openai_tool}", "--tool", '{"name": "get_time"}',
+         "--tool-choice", "get_weather"]
+    )  # fmt: skip
+    messages = build_request(args, "Hi").messages
+    assert [(m.role, m.content) for m in messages.messages] == [("user", "Hi")]
+    assert list(messages.tools) == [
+        inference_pb2.Tool(name="get_weather", description="Weather",
+                           parameters=json.dumps(schema)),
+        inference_pb2.Tool(name="get_time"),
+    ]  # fmt: skip
+    assert messages.tool_choice.function_name == "get_weather"
+    args = build_parser().parse_args(["generate", "Hi", "--tool-choice", "required"])
+    choice = build_request(args, "Hi").messages.tool_choice
+    assert choice.mode == inference_pb2.TOOL_CHOICE_MODE_REQUIRED
+    with pytest.raises(ValueError, match="--tool: not a function with a name"):
+        build_request(build_parser().parse_args(["generate", "Hi", "--tool", "[1]"]), "Hi")
+
+
 def test_generate_reads_a_schema_from_a_file_and_takes_one_constraint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "integer"}')

@@ -9,6 +9,8 @@ is refused. The auto parsers: tests/router/test_tool_parsers.py."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -178,6 +180,21 @@ def test_grpc_named_tool_choice(stack: Stack) -> None:
     jsonschema.validate(json.loads("".join(p.arguments for p in pieces)), WEATHER)
     assert responses[-1].finish_reason == inference_pb2.FINISH_REASON_TOOL_CALLS
     assert "".join(r.text for r in responses) == ""
+
+
+def test_sluiceway_generate_prints_the_calls(stack: Stack) -> None:
+    tool = json.dumps({"name": "get_weather", "parameters": WEATHER})
+    result = subprocess.run(
+        [sys.executable, "-m", "sluiceway.cli", "generate", "--target", stack.target,
+         QUESTION[0]["content"], "--tool", tool, "--tool-choice", "get_weather",
+         "--temperature", "0", "--max-tokens", str(MAX_TOKENS), "--show-usage"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("tool call get_weather {"), result.stdout
+    arguments = result.stdout.removeprefix("tool call get_weather ")
+    jsonschema.validate(json.loads(arguments), WEATHER)
+    assert "finish reason tool_calls" in result.stderr
 
 
 def refusal(client: openai.OpenAI, **body: Any) -> openai.BadRequestError:
