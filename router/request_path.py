@@ -255,7 +255,10 @@ class RequestPath:
             )
             if plan is not None:
                 sampling = plan.sampling(sampling)
-        params = SamplingParams.from_proto(sampling)
+        try:
+            params = SamplingParams.from_proto(sampling)
+        except FieldError as e:
+            raise e if plan is None else plan.own_error(e) from None
         prompt_ids = await asyncio.to_thread(self.prompt_token_ids, request)
         check_prompt_token_ids(prompt_ids, limits.vocab_size, limits.max_model_len)
         resolved = params.resolve(

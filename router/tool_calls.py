@@ -24,6 +24,7 @@ from sluiceway.router.tool_parsers import (
     new_call_id,
     parser_format,
 )
+from sluiceway.sampling_params import MAX_JSON_SCHEMA_DEPTH
 from sluiceway.status import FieldError, RequestError
 from sluiceway.v1 import inference_pb2
 
@@ -39,8 +40,9 @@ __all__ = [
 
 #: Tools a request may give at most (OpenAI's limit).
 MAX_TOOLS = 128
-#: Nesting a tool's parameters schema may have at most (deeper ones are refused).
-MAX_SCHEMA_DEPTH = 64
+#: Nesting a tool's parameters schema may have at most: a required choice's schema wraps it in
+#: 5 levels (array, items, anyOf, the call, its properties), within the constraint's limit.
+MAX_SCHEMA_DEPTH = MAX_JSON_SCHEMA_DEPTH - 5
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _MODES = {
     inference_pb2.TOOL_CHOICE_MODE_NONE: "none",
@@ -68,15 +70,14 @@ To call a function, answer with a JSON object holding its name and its arguments
 
 
 def _depth(value: Any) -> int:
-    """Nesting depth of a parsed JSON value (iterative: no recursion limit to hit)."""
+    """Levels of arrays and objects in a parsed JSON value, as sluiceway/json_nesting.py counts
+    them (iterative: no recursion limit to hit)."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, d = stack.pop()
-        deepest = max(deepest, d)
-        children = (
-            item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        )
-        stack.extend((c, d + 1) for c in children)
+        if isinstance(item, dict | list):
+            deepest = max(deepest, d)
+            stack.extend((c, d + 1) for c in (item.values() if isinstance(item, dict) else item))
     return deepest
 
 
@@ -185,6 +186,14 @@ class ToolPlan:
         if self.mode == "auto" and not sampling.HasField("skip_special_tokens"):
             out.skip_special_tokens = False
         return out
+
+    def own_error(self, error: RequestError) -> RequestError:
+        """`error` named after "messages.tools" when the plan's constraint caused it (a
+        constraint refused or not compiled: its schemas came from the tools), else `error`."""
+        forced = self.mode in ("named", "required")
+        if not forced or not (error.field or "").startswith("sampling.structured_outputs"):
+            return error
+        return FieldError("messages.tools", f"the tools' call grammar: {error.message}")
 
     def stream(self) -> CallStream | NamedStream | None:
         """A new splitter of one sample's output into content and calls; None for none."""
@@ -342,9 +351,4 @@ async def tool_call_responses(
                     out.finish_reason = inference_pb2.FINISH_REASON_TOOL_CALLS
                 yield out
         except RequestError as e:
-            forced = plan.mode in ("named", "required")
-            if not forced or not (e.field or "").startswith("sampling.structured_outputs"):
-                raise
-            raise RequestError(
-                e.code, f"the tools' parameters do not compile: {e.message}", "messages.tools"
-            ) from None
+            raise plan.own_error(e) from None

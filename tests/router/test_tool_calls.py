@@ -17,6 +17,7 @@ from sluiceway.router.config import RouterConfig
 from sluiceway.router.openai_errors import body_param
 from sluiceway.router.tokenizer import encode_chat, template_takes_tools
 from sluiceway.router.tool_calls import (
+    MAX_SCHEMA_DEPTH,
     MAX_TOOLS,
     ToolPlan,
     chat_conversation,
@@ -25,6 +26,7 @@ from sluiceway.router.tool_calls import (
     plan_tools,
     required_schema,
 )
+from sluiceway.sampling_params import SamplingParams
 from sluiceway.status import FieldError
 from sluiceway.v1 import inference_pb2 as pb
 
@@ -281,3 +283,33 @@ def test_router_flags() -> None:
         RouterConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
         RouterConfig(tool_call_parser="pythonic")
+
+
+def nested(depth: int) -> str:
+    """A parameters schema `depth` levels deep (the outer object is level 1)."""
+    return '{"type": "array", "items": ' * (depth - 1) + "{}" + "}" * (depth - 1)
+
+
+def test_the_deepest_parameters_fit_the_constraints_limit() -> None:
+    deepest = with_tools([pb.Tool(name="f", parameters=nested(MAX_SCHEMA_DEPTH))],
+                         mode=pb.TOOL_CHOICE_MODE_REQUIRED)  # fmt: skip
+    plan = plan_tools(deepest, parser=None, auto_enabled=False)
+    assert plan is not None
+    SamplingParams.from_proto(plan.sampling(pb.SamplingParams()))  # within its depth limit
+    deeper = with_tools([pb.Tool(name="f", parameters=nested(MAX_SCHEMA_DEPTH + 1))],
+                        mode=pb.TOOL_CHOICE_MODE_REQUIRED)  # fmt: skip
+    with pytest.raises(FieldError) as info:
+        plan_tools(deeper, parser=None, auto_enabled=False)
+    assert info.value.field == "messages.tools[0].parameters"
+
+
+def test_a_constraint_refusal_of_a_forced_choice_names_the_tools() -> None:
+    big = json.dumps({"type": "object", "description": "x" * 70_000})
+    plan = plan_tools(with_tools([pb.Tool(name="f", parameters=big)], function="f"),
+                      parser=None, auto_enabled=False)  # fmt: skip
+    assert plan is not None
+    with pytest.raises(FieldError) as info:
+        SamplingParams.from_proto(plan.sampling(pb.SamplingParams()))
+    assert plan.own_error(info.value).field == "messages.tools"
+    auto = plan_tools(tools_msg(), parser="hermes", auto_enabled=True)
+    assert auto is not None and auto.own_error(info.value) is info.value  # not the tools'
