@@ -20,11 +20,14 @@ from sluiceway.v1 import inference_pb2
 Protocol = Literal["grpc", "http"]  # the API a request came in by
 PROTOCOLS: tuple[Protocol, ...] = get_args(Protocol)
 # finish reason -> the `finished_reason` label and log field (vLLM's words: stop, length,
-# abort), for every FinishReason but UNSPECIFIED (still running)
+# abort), for every FinishReason but UNSPECIFIED (still running) and TOOL_CALLS
 FINISHED_REASONS: dict[int, str] = {
     value: name.removeprefix("FINISH_REASON_").lower()
     for name, value in inference_pb2.FinishReason.items()
-    if value != inference_pb2.FINISH_REASON_UNSPECIFIED
+    # TOOL_CALLS is a STOP after tool calls, as the router presents it (router/tool_calls.py):
+    # counted as stop, as vLLM counts it
+    if value
+    not in (inference_pb2.FINISH_REASON_UNSPECIFIED, inference_pb2.FINISH_REASON_TOOL_CALLS)
 }
 # the `code` label: a failure's gRPC status, any but OK (the router relays the scheduler's)
 FAILURE_CODES = tuple(c.name for c in grpc.StatusCode if c is not grpc.StatusCode.OK)
