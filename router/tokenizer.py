@@ -14,7 +14,7 @@ from typing import Any
 
 from sluiceway.status import FieldError
 
-__all__ = ["CHAT_ROLES", "encode_chat", "encode_prompt", "load_tokenizer", "token_text"]
+__all__ = ["CHAT_ROLES", "encode_chat", "encode_prompt", "load_tokenizer"]
 
 #: Roles a chat message may carry (the public proto's `ChatMessage.role`).
 CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
@@ -58,12 +58,6 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     rejects an empty prompt (`check_prompt_token_ids`).
     """
     return [int(i) for i in tokenizer.encode(text)]
-
-
-def token_text(tokenizer: Any, token_id: int) -> str:
-    """The text of one token alone (`TokenLogprobs.token`): special tokens written out, a
-    token that holds part of a UTF-8 character decoded as U+FFFD, as vLLM's logprobs."""
-    return str(tokenizer.decode([token_id]))
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[tuple[str, str]]) -> list[int]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csluiceway/v1/inference.proto\x12\x0csluiceway.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.sluiceway.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbf\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x11\n\x04seed\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x0c\x88\x01\x01\x12;\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1f.sluiceway.v1.StructuredOutputs\x12?\n\nlogit_bias\x18\x13 \x03(\x0b\x32+.sluiceway.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x04\n\x02_n\"\x95\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.sluiceway.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.sluiceway.v1.ChatMessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x16.sluiceway.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.sluiceway.v1.SamplingParamsB\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xdc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.sluiceway.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.sluiceway.v1.Usage\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.sluiceway.v1.TokenLogprobs\x12\r\n\x05index\x18\x07 \x01(\r\"q\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.sluiceway.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"\\\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12.\n\x08messages\x18\x02 \x01(\x0b\x32\x1a.sluiceway.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\xa3\x03\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x07 \x01(\r\x12\x1c\n\x14kv_cache_utilization\x18\x08 \x01(\x02\x12$\n\x1ckv_cache_tokens_stored_total\x18\t \x01(\x04\x12&\n\x1ekv_cache_slots_allocated_total\x18\n \x01(\x04\x12\"\n\x1aprefix_cache_queries_total\x18\x0b \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x0c \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\r \x01(\x04\x12+\n\nstep_times\x18\x0e \x01(\x0b\x32\x17.sluiceway.v1.StepTimes\"\xf0\x02\n\tStepTimes\x12\x17\n\x0fnum_steps_total\x18\x01 \x01(\x04\x12\x1e\n\x16schedule_seconds_total\x18\x02 \x01(\x01\x12\x1d\n\x15\x65xecute_seconds_total\x18\x03 \x01(\x01\x12!\n\x19worker_step_seconds_total\x18\x04 \x01(\x01\x12$\n\x1cworker_prepare_seconds_total\x18\x05 \x01(\x01\x12$\n\x1cworker_forward_seconds_total\x18\x06 \x01(\x01\x12#\n\x1bworker_sample_seconds_total\x18\x07 \x01(\x01\x12\x1b\n\x13\x61pply_seconds_total\x18\x08 \x01(\x01\x12 \n\x18\x64\x65tokenize_seconds_total\x18\t \x01(\x01\x12 \n\x18\x64\x65tokenized_tokens_total\x18\n \x01(\x04\x12\x16\n\x0enum_step_loops\x18\x0b \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xef\x01\n\tInference\x12K\n\x08Generate\x12\x1d.sluiceway.v1.GenerateRequest\x1a\x1e.sluiceway.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.sluiceway.v1.TokenizeRequest\x1a\x1e.sluiceway.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.sluiceway.v1.GetModelInfoRequest\x1a\x17.sluiceway.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csluiceway/v1/inference.proto\x12\x0csluiceway.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.sluiceway.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf1\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x11\n\x04seed\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x0c\x88\x01\x01\x12;\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1f.sluiceway.v1.StructuredOutputs\x12?\n\nlogit_bias\x18\x13 \x03(\x0b\x32+.sluiceway.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\r\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\x12\n\x10_prompt_logprobs\"\x95\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.sluiceway.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12.\n\x08messages\x18\x03 \x01(\x0b\x32\x1a.sluiceway.v1.ChatMessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x16.sluiceway.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.sluiceway.v1.SamplingParamsB\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x92\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.sluiceway.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.sluiceway.v1.Usage\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.sluiceway.v1.TokenLogprobs\x12\r\n\x05index\x18\x07 \x01(\r\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.sluiceway.v1.TokenLogprobs\"\x9c\x01\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.sluiceway.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x0c\x12\x11\n\x04rank\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"M\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x0c\"\\\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12.\n\x08messages\x18\x02 \x01(\x0b\x32\x1a.sluiceway.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\xa3\x03\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x07 \x01(\r\x12\x1c\n\x14kv_cache_utilization\x18\x08 \x01(\x02\x12$\n\x1ckv_cache_tokens_stored_total\x18\t \x01(\x04\x12&\n\x1ekv_cache_slots_allocated_total\x18\n \x01(\x04\x12\"\n\x1aprefix_cache_queries_total\x18\x0b \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x0c \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\r \x01(\x04\x12+\n\nstep_times\x18\x0e \x01(\x0b\x32\x17.sluiceway.v1.StepTimes\"\xf0\x02\n\tStepTimes\x12\x17\n\x0fnum_steps_total\x18\x01 \x01(\x04\x12\x1e\n\x16schedule_seconds_total\x18\x02 \x01(\x01\x12\x1d\n\x15\x65xecute_seconds_total\x18\x03 \x01(\x01\x12!\n\x19worker_step_seconds_total\x18\x04 \x01(\x01\x12$\n\x1cworker_prepare_seconds_total\x18\x05 \x01(\x01\x12$\n\x1cworker_forward_seconds_total\x18\x06 \x01(\x01\x12#\n\x1bworker_sample_seconds_total\x18\x07 \x01(\x01\x12\x1b\n\x13\x61pply_seconds_total\x18\x08 \x01(\x01\x12 \n\x18\x64\x65tokenize_seconds_total\x18\t \x01(\x01\x12 \n\x18\x64\x65tokenized_tokens_total\x18\n \x01(\x04\x12\x16\n\x0enum_step_loops\x18\x0b \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xef\x01\n\tInference\x12K\n\x08Generate\x12\x1d.sluiceway.v1.GenerateRequest\x1a\x1e.sluiceway.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.sluiceway.v1.TokenizeRequest\x1a\x1e.sluiceway.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.sluiceway.v1.GetModelInfoRequest\x1a\x17.sluiceway.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2817
-  _globals['_FINISHREASON']._serialized_end=2937
+  _globals['_FINISHREASON']._serialized_start=2980
+  _globals['_FINISHREASON']._serialized_end=3100
   _globals['_CHATMESSAGE']._serialized_start=46
   _globals['_CHATMESSAGE']._serialized_end=90
   _globals['_CHATMESSAGES']._serialized_start=92
@@ -42,33 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=153
   _globals['_TOKENIDS']._serialized_end=176
   _globals['_SAMPLINGPARAMS']._serialized_start=179
-  _globals['_SAMPLINGPARAMS']._serialized_end=1010
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=768
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=816
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1013
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1162
-  _globals['_CHOICES']._serialized_start=1164
-  _globals['_CHOICES']._serialized_end=1190
-  _globals['_GENERATEREQUEST']._serialized_start=1193
-  _globals['_GENERATEREQUEST']._serialized_end=1405
-  _globals['_USAGE']._serialized_start=1407
-  _globals['_USAGE']._serialized_end=1464
-  _globals['_GENERATERESPONSE']._serialized_start=1467
-  _globals['_GENERATERESPONSE']._serialized_end=1687
-  _globals['_TOKENLOGPROBS']._serialized_start=1689
-  _globals['_TOKENLOGPROBS']._serialized_end=1802
-  _globals['_TOPLOGPROB']._serialized_start=1804
-  _globals['_TOPLOGPROB']._serialized_end=1866
-  _globals['_TOKENIZEREQUEST']._serialized_start=1868
-  _globals['_TOKENIZEREQUEST']._serialized_end=1960
-  _globals['_TOKENIZERESPONSE']._serialized_start=1962
-  _globals['_TOKENIZERESPONSE']._serialized_end=1999
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2001
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2022
-  _globals['_MODELINFO']._serialized_start=2025
-  _globals['_MODELINFO']._serialized_end=2444
-  _globals['_STEPTIMES']._serialized_start=2447
-  _globals['_STEPTIMES']._serialized_end=2815
-  _globals['_INFERENCE']._serialized_start=2940
-  _globals['_INFERENCE']._serialized_end=3179
+  _globals['_SAMPLINGPARAMS']._serialized_end=1060
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=798
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=846
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1063
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1212
+  _globals['_CHOICES']._serialized_start=1214
+  _globals['_CHOICES']._serialized_end=1240
+  _globals['_GENERATEREQUEST']._serialized_start=1243
+  _globals['_GENERATEREQUEST']._serialized_end=1455
+  _globals['_USAGE']._serialized_start=1457
+  _globals['_USAGE']._serialized_end=1514
+  _globals['_GENERATERESPONSE']._serialized_start=1517
+  _globals['_GENERATERESPONSE']._serialized_end=1791
+  _globals['_TOKENLOGPROBS']._serialized_start=1794
+  _globals['_TOKENLOGPROBS']._serialized_end=1950
+  _globals['_TOPLOGPROB']._serialized_start=1952
+  _globals['_TOPLOGPROB']._serialized_end=2029
+  _globals['_TOKENIZEREQUEST']._serialized_start=2031
+  _globals['_TOKENIZEREQUEST']._serialized_end=2123
+  _globals['_TOKENIZERESPONSE']._serialized_start=2125
+  _globals['_TOKENIZERESPONSE']._serialized_end=2162
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2164
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2185
+  _globals['_MODELINFO']._serialized_start=2188
+  _globals['_MODELINFO']._serialized_end=2607
+  _globals['_STEPTIMES']._serialized_start=2610
+  _globals['_STEPTIMES']._serialized_end=2978
+  _globals['_INFERENCE']._serialized_start=3103
+  _globals['_INFERENCE']._serialized_end=3342
 # @@protoc_insertion_point(module_scope)
