@@ -7,8 +7,8 @@ the tokenizer's decoder instead (its ``tokenizer.json`` section):
 
 - byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen: decoder ``ByteLevel``): each character of
   the token's string stands for one byte through GPT-2's ``bytes_to_unicode`` table;
-- SentencePiece-style (Llama 2, Mistral, Gemma: ``ByteFallback`` and ``Replace`` /
-  ``Metaspace`` decoders): a ``<0xF0>`` token is that byte, others are their string with
+- SentencePiece-style (Llama 2, Mistral, Gemma: a ``ByteFallback`` decoder or a model with
+  ``byte_fallback``, and ``Replace`` / ``Metaspace`` decoders): a ``<0xF0>`` token is that byte, others are their string with
   the word-boundary mark (``▁``) as a space, in UTF-8;
 - anything else: the token decoded alone, in UTF-8.
 
@@ -71,11 +71,12 @@ class TokenBytes:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        spec = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder")
-        steps = _decoders(spec)
+        spec = json.loads(tokenizer.backend_tokenizer.to_str())
+        steps = _decoders(spec.get("decoder"))
         kinds = {d.get("type") for d in steps}
         self._byte_level = "ByteLevel" in kinds
-        self._byte_fallback = "ByteFallback" in kinds
+        model = spec.get("model") or {}
+        self._byte_fallback = "ByteFallback" in kinds or bool(model.get("byte_fallback"))
         self._replacements: list[tuple[str, str]] = []
         for d in steps:
             if d.get("type") == "Replace" and isinstance(d.get("pattern", {}).get("String"), str):
