@@ -114,6 +114,11 @@ def test_echo_with_output_and_vllm_prompt_logprobs_field(
     assert out.logprobs.text_offset is not None and base.logprobs.text_offset is not None
     assert out.logprobs.text_offset[len(ids):] == [o + len(PROMPT)
                                                    for o in base.logprobs.text_offset]  # fmt: skip
+    chunks = list(api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
+                                         temperature=0, logprobs=0, echo=True, stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == out.text
+    streamed_tokens = [t for c in chunks for t in (c.choices[0].logprobs.tokens or [])]  # type: ignore[union-attr]
+    assert streamed_tokens == out.logprobs.tokens
     base_url = http_base_url(stack)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
             "prompt_logprobs": 1}  # fmt: skip
