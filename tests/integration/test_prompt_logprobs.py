@@ -48,11 +48,14 @@ def _check(entries: list[tuple[int, float | None]], ref: tuple[list[int], torch.
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
-def _grpc_prompt_logprobs(stack: Stack, n: int) -> list[tuple[int, float | None]]:
-    request = Client.request(PROMPT, temperature=0, max_tokens=1, prompt_logprobs=n)
+def _grpc_prompt_logprobs(stack: Stack, n: int, samples: int = 1) -> list[tuple[int, float | None]]:
+    """The prompt logprobs of PROMPT over gRPC, the same on each sample's first message."""
+    request = Client.request(PROMPT, temperature=0, max_tokens=1, prompt_logprobs=n, n=samples)
     with stack.client() as client:
-        first, *_ = list(client.generate_stream(request, timeout=120))
-    entries = list(first.prompt_logprobs)
+        responses = list(client.generate_stream(request, timeout=120))
+    firsts = [next(r for r in responses if r.index == i) for i in range(samples)]
+    entries = list(firsts[0].prompt_logprobs)
+    assert all(list(f.prompt_logprobs) == entries for f in firsts)
     assert not entries[0].HasField("rank") and not entries[0].top_logprobs
     for e in entries[1:]:
         assert len(e.top_logprobs) == n and e.HasField("rank")
@@ -66,7 +69,8 @@ def test_prompt_logprobs_equal_transformers_alone_after_a_cache_hit_and_amid_tra
     _check(_grpc_prompt_logprobs(stack, 2), reference)  # alone
     with stack.client() as client:  # the prompt's blocks are in the prefix cache now, twice
         client.generate(Client.request(PROMPT, temperature=0, max_tokens=1), timeout=120)
-    _check(_grpc_prompt_logprobs(stack, 2), reference)  # after a hit was there to take
+    # after a hit was there to take; each of 2 samples (parallel sampling) has them
+    _check(_grpc_prompt_logprobs(stack, 2, samples=2), reference)
     stop = threading.Event()
 
     def traffic(i: int) -> None:
