@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sluiceway.argtypes import (
+    api_keys_text,
     byte_size,
+    cert_reqs,
     fraction,
     metrics_port_number,
     non_negative_float,
@@ -25,6 +27,10 @@ from sluiceway.options import (
     metrics_port,
     option,
 )
+
+# The environment variable of the API keys when neither --api-key nor --api-key-file is given
+# (vLLM reads VLLM_API_KEY; the clients read the same variable).
+API_KEY_ENV = "SLUICEWAY_API_KEY"
 
 # A cached prefix routes the request when it covers more than this share of the prompt's
 # full blocks (`--cache-threshold`).
@@ -92,8 +98,71 @@ class RouterConfig(ProcessConfig):
         "ones get RESOURCE_EXHAUSTED (default 4MiB)",
         type=byte_size("every message would be refused"),
     )
+    # Authentication and TLS of the public ports, vLLM's flags (docs/security.md).
+    api_key: str | None = option(
+        None,
+        "require `Authorization: Bearer KEY` (HTTP) / `authorization: Bearer KEY` metadata "
+        "(gRPC) with one of these keys, comma-separated, on every call but health, /version "
+        f"and metrics; default: ${API_KEY_ENV} if set, else no key (note: a command line is "
+        "visible to other users of the machine: prefer --api-key-file or the variable)",
+        type=api_keys_text,
+    )
+    api_key_file: str | None = option(
+        None,
+        "a file of API keys, one per line (blank lines and # comments skipped), taken "
+        "besides --api-key; default: none",
+    )
+    ssl_keyfile: str | None = option(
+        None, "the private key (PEM) of --ssl-certfile; default: none (no TLS)"
+    )
+    ssl_certfile: str | None = option(
+        None,
+        "serve the gRPC and HTTP ports over TLS with this certificate chain (PEM; with "
+        "--ssl-keyfile); default: none (plaintext)",
+    )
+    ssl_ca_certs: str | None = option(
+        None,
+        "CA certificates (PEM) that client certificates must chain to: clients must present "
+        "one (mutual TLS, unless --ssl-cert-reqs 0); default: none",
+    )
+    ssl_cert_reqs: int | None = option(
+        None,
+        "client certificates: 0 (not asked for) or 2 (required; Python's ssl.CERT_REQUIRED); "
+        "default: 2 with --ssl-ca-certs, else 0",
+        type=cert_reqs,
+    )
+    internal_listen: str | None = option(
+        None,
+        "another address, unix:PATH, where this router serves the same gRPC services without "
+        "TLS (API keys still checked): `serve`'s readiness probe; default: none",
+    )
     log_format: str = LOG_FORMAT.field()
     log_level: str = LOG_LEVEL.field()
 
     def __post_init__(self) -> None:
         self.check_options()
+        if self.ssl_certfile is not None and self.ssl_keyfile is None:
+            raise ValueError("--ssl-certfile needs --ssl-keyfile (TLS takes both)")
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile (TLS takes both)")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile (TLS)")
+        if self.ssl_cert_reqs == 2 and self.ssl_ca_certs is None:
+            raise ValueError(
+                "--ssl-cert-reqs 2 needs --ssl-ca-certs (the CA client certificates chain to)"
+            )
+        if self.internal_listen is not None and not self.internal_listen.startswith("unix:"):
+            raise ValueError(f"--internal-listen must be unix:PATH, got {self.internal_listen!r}")
+
+    @property
+    def tls(self) -> bool:
+        """Whether the public ports speak TLS."""
+        return self.ssl_certfile is not None
+
+    @property
+    def client_cert_required(self) -> bool:
+        """Whether a client must present a certificate signed by `ssl_ca_certs` (the default
+        once `ssl_ca_certs` is given; `ssl_cert_reqs` 0 turns it off)."""
+        if self.ssl_cert_reqs is None:
+            return self.ssl_ca_certs is not None
+        return self.ssl_cert_reqs == 2

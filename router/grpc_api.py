@@ -16,6 +16,7 @@ from grpc_health.v1 import health
 
 from sluiceway.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, bind, new_server, set_health
 from sluiceway.reflection import enable_server_reflection
+from sluiceway.router.auth import ApiKeyInterceptor, ApiKeys
 from sluiceway.router.handlers import MalformedRequest, add_inference_servicer
 from sluiceway.router.metrics import REQUEST_FAILURE
 from sluiceway.router.request_path import RequestPath
@@ -145,17 +146,29 @@ async def start_router(
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     poll_s: float = 0.5,
+    api_keys: ApiKeys | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    internal_address: str | None = None,
 ) -> Router:
     """Serves `path` (with health and reflection) on `address`; health NOT_SERVING until
-    the watcher (polling every `poll_s` seconds) sees a scheduler ready."""
-    server, health_servicer = new_server(max_message_bytes)
+    the watcher (polling every `poll_s` seconds) sees a scheduler ready.
+
+    `api_keys`: every call but health and reflection needs one (UNAUTHENTICATED otherwise;
+    router/auth.py). `credentials`: TLS on `address`. `internal_address` (unix:PATH): the same
+    services there too, without TLS (keys still checked): `serve`'s readiness probe.
+
+    Raises BindError when an address cannot be bound."""
+    interceptors = [ApiKeyInterceptor(api_keys)] if api_keys is not None else []
+    server, health_servicer = new_server(max_message_bytes, interceptors)
     servicer = InferenceServicer(path)
     # not inference_pb2_grpc.add_InferenceServicer_to_server: undecodable bytes must get
     # INVALID_ARGUMENT, not UNKNOWN
     add_inference_servicer(servicer, server, on_malformed=servicer.on_malformed_request)
     service_name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     enable_server_reflection([service_name, "grpc.health.v1.Health"], server)
-    bound = bind(server, address)
+    bound = bind(server, address, credentials)
+    if internal_address is not None:
+        bind(server, internal_address)
     names = ["", service_name]
     await set_health(health_servicer, names, serving=False)
     await server.start()

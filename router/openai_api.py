@@ -10,7 +10,9 @@ rest) and the responses come back in OpenAI's shapes.
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (non-streamed, or streamed
 as server-sent events: ``data: {chunk}`` lines, ``data: [DONE]`` last,
 ``stream_options.include_usage`` for a final usage chunk), ``GET /v1/models``, ``GET /health``,
-``GET /version``, ``POST /tokenize``, ``POST /detokenize``.
+``GET /version``, ``POST /tokenize``, ``POST /detokenize``. With API keys
+(``--api-key``), every path but /health and /version needs ``Authorization: Bearer KEY``
+(401 otherwise); over TLS with ``--ssl-certfile`` (docs/security.md).
 
 Errors: OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``, with HTTP
 400 for what the gRPC API refuses as INVALID_ARGUMENT (``param`` names the field in this API's
@@ -28,19 +30,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from sluiceway.router.auth import UNAUTHORIZED, ApiKeys
+from sluiceway.router.config import RouterConfig
 from sluiceway.router.openai_errors import (
     ApiError,
     add_error_handlers,
     api_error,
     error_response,
 )
+from sluiceway.router.openai_fields import check_body_fields, check_json_nesting
 from sluiceway.router.openai_models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -51,7 +59,7 @@ from sluiceway.router.openai_models import (
 )
 from sluiceway.router.openai_responses import Run
 from sluiceway.router.request_path import RequestPath
-from sluiceway.sampling_params import check_wire_integers, sampling_proto
+from sluiceway.sampling_params import check_wire_integers, sampling_proto, wire_range
 from sluiceway.status import FieldError
 from sluiceway.v1 import inference_pb2
 
@@ -118,6 +126,19 @@ def _token_ids(ids: list[int], where: str) -> list[int]:
     return ids
 
 
+def _priority(body: ChatCompletionRequest | CompletionRequest) -> int:
+    """`body.priority` if it fits GenerateRequest.priority (int32), else a 400 naming it
+    (the scheduler checks what its policy accepts)."""
+    wire = wire_range(inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["priority"])
+    assert wire is not None
+    kind, lo, hi = wire
+    if not lo <= body.priority <= hi:
+        raise ApiError(
+            400, f"priority: must be in [{lo}, {hi}] ({kind}); got {body.priority}", "priority"
+        )
+    return body.priority
+
+
 class _Served:
     """The served model's name, as the schedulers report it (`--served-model-name`)."""
 
@@ -139,9 +160,53 @@ class _Served:
         return served
 
 
-def build_app(path: RequestPath) -> FastAPI:
-    """The FastAPI application over `path` (see the module docstring)."""
+class _CheckedJsonRoute(APIRoute):
+    """A route whose JSON body's nesting is checked before FastAPI parses it
+    (`check_json_nesting`: a 400 naming where, not a RecursionError)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            if request.method == "POST":
+                check_json_nesting(await request.body())  # cached for FastAPI's own read
+            return await handler(request)
+
+        return checked
+
+
+# Paths open without an API key (vLLM keeps /health open too); /metrics is on its own port.
+OPEN_PATHS = frozenset({"/health", "/version"})
+
+
+class _RequireApiKey:
+    """ASGI middleware: a request to any path but `OPEN_PATHS` without ``Authorization:
+    Bearer KEY`` of a valid key gets 401 in OpenAI's error shape (the same answer for a
+    missing and a wrong key), with ``WWW-Authenticate: Bearer``; it never reaches the app."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["path"] not in OPEN_PATHS
+            and not self.keys.allows(Headers(scope=scope).get("authorization"))
+        ):
+            headers = {"WWW-Authenticate": "Bearer"}
+            await error_response(401, UNAUTHORIZED, None, headers)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def build_app(path: RequestPath, api_keys: ApiKeys | None = None) -> FastAPI:
+    """The FastAPI application over `path` (see the module docstring); with `api_keys`,
+    every path but `OPEN_PATHS` needs one (401 otherwise)."""
     app = FastAPI(title="sluiceway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.route_class = _CheckedJsonRoute
+    if api_keys is not None:
+        app.add_middleware(_RequireApiKey, keys=api_keys)
     add_error_handlers(app)
     served = _Served(path)
     _add_info_routes(app, path, served)
@@ -179,6 +244,7 @@ def _add_info_routes(app: FastAPI, path: RequestPath, served: _Served) -> None:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_body_fields(body)
         served.check(body.model)
         request = inference_pb2.TokenizeRequest()
         if body.messages is not None:
@@ -197,6 +263,7 @@ def _add_info_routes(app: FastAPI, path: RequestPath, served: _Served) -> None:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        check_body_fields(body)
         served.check(body.model)
         ids = _token_ids(body.tokens, "tokens")
         limits = path.limits
@@ -214,6 +281,7 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
     async def chat_completions(
         body: ChatCompletionRequest, raw: Request
     ) -> JSONResponse | StreamingResponse:
+        check_body_fields(body)
         model = served.check(body.model)
         _check_prompt_logprobs(body)
         if body.top_logprobs is not None and not body.logprobs:
@@ -228,7 +296,7 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
         if max_tokens is None and path.limits is not None:  # no limit: as long as fits
             max_tokens = path.limits.max_model_len
         sampling = _sampling(body, max_tokens, logprobs, chat=True, names=names)
-        base = inference_pb2.GenerateRequest(sampling=sampling)
+        base = inference_pb2.GenerateRequest(sampling=sampling, priority=_priority(body))
         base.messages.messages.extend(_chat_messages(body.messages))
         run = Run(path, body, model, chat=True, logprobs=body.logprobs, names=names)
         return await run.respond([base], raw)
@@ -237,6 +305,7 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
     async def completions(
         body: CompletionRequest, raw: Request
     ) -> JSONResponse | StreamingResponse:
+        check_body_fields(body)
         model = served.check(body.model)
         _check_prompt_logprobs(body)
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -248,6 +317,7 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
         )
         if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
             sampling.prompt_logprobs = body.logprobs
+        priority = _priority(body)
         p = body.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
             items: list[Any] = [p]
@@ -257,7 +327,7 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
             raise ApiError(400, "prompt: must not be empty", "prompt")
         prompts: list[inference_pb2.GenerateRequest] = []
         for i, item in enumerate(items):
-            req = inference_pb2.GenerateRequest(sampling=sampling)
+            req = inference_pb2.GenerateRequest(sampling=sampling, priority=priority)
             if isinstance(item, str):
                 req.prompt = item
             else:
@@ -296,15 +366,30 @@ class HttpServer:
             await self._task
 
 
-async def start_http_server(path: RequestPath, host: str, port: int) -> HttpServer:
-    """Serve :func:`build_app` on ``host:port`` (0: a free port) on this loop.
+async def start_http_server(
+    path: RequestPath,
+    host: str,
+    port: int,
+    *,
+    api_keys: ApiKeys | None = None,
+    tls: RouterConfig | None = None,
+) -> HttpServer:
+    """Serve :func:`build_app` on ``host:port`` (0: a free port) on this loop; with
+    `api_keys` (see `build_app`); over TLS when `tls` (the router's config) has
+    ``ssl_certfile`` (uvicorn's ``ssl_*`` settings, as vLLM passes them; client certificates
+    as ``RouterConfig.client_cert_required`` says).
 
     Raises:
         OSError: the port is taken (or any other bind error).
     """
+    ssl: dict[str, Any] = {}
+    if tls is not None and tls.tls:
+        ssl = {"ssl_certfile": tls.ssl_certfile, "ssl_keyfile": tls.ssl_keyfile,
+               "ssl_ca_certs": tls.ssl_ca_certs,
+               "ssl_cert_reqs": 2 if tls.client_cert_required else 0}  # fmt: skip
     config = uvicorn.Config(
-        build_app(path), host=host, port=port, log_level="warning",
-        access_log=False, lifespan="off", timeout_graceful_shutdown=1,
+        build_app(path, api_keys), host=host, port=port, log_level="warning",
+        access_log=False, lifespan="off", timeout_graceful_shutdown=1, **ssl,
     )  # fmt: skip
     server = _Server(config)
     task = asyncio.create_task(server.serve())
@@ -315,4 +400,5 @@ async def start_http_server(path: RequestPath, host: str, port: int) -> HttpServ
             raise OSError(f"cannot listen on {host}:{port} (HTTP)")
         await asyncio.sleep(0.01)
     bound = server.servers[0].sockets[0].getsockname()[1]
-    return HttpServer(server, task, f"http://{host}:{bound}")
+    scheme = "https" if ssl else "http"
+    return HttpServer(server, task, f"{scheme}://{host}:{bound}")

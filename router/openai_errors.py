@@ -60,6 +60,7 @@ class ApiError(Exception):
 
 # an error's `type`: the name of the exception the openai SDK raises for its status
 ERROR_TYPES = {status: kind for status, kind in HTTP_STATUS.values()} | {
+    401: "AuthenticationError",
     405: "MethodNotAllowedError",
     415: "UnsupportedMediaTypeError",
 }

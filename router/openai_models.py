@@ -7,6 +7,9 @@ one sampling contract (sluiceway/sampling_params.py: its name and type); the fie
 names or shapes its own way (max_tokens / max_completion_tokens, logprobs / top_logprobs,
 stop as a string or a list, response_format and structured_outputs) are declared here and
 mapped in `sampling_values`. Ranges are checked by the request path's gate, not here.
+
+Every model takes undeclared fields (``extra="allow"``) for router/openai_fields.py to accept
+as ignored or refuse by name: none is dropped silently.
 """
 
 from __future__ import annotations
@@ -36,13 +39,15 @@ SHARED_FIELDS = tuple(name for name in FIELDS if name not in FRONT_FIELDS)
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     include_usage: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
     """OpenAI's ``response_format.json_schema``."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     name: str | None = None
     description: str | None = None
@@ -54,7 +59,7 @@ class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or
     ``json_schema``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -63,7 +68,7 @@ class ResponseFormat(BaseModel):
 class StructuredOutputsBody(BaseModel):
     """vLLM's extra-body ``structured_outputs``: exactly one of its fields."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
     regex: str | None = None
@@ -75,10 +80,9 @@ class StructuredOutputsBody(BaseModel):
 class _FrontFields(BaseModel):
     """What both generation endpoints take besides the shared sampling fields."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     request_id: str | None = None
@@ -90,6 +94,9 @@ class _FrontFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's extra-body `priority`: sluiceway.v1.GenerateRequest.priority (lower first under
+    # --scheduling-policy priority; anything but 0 is refused under fcfs)
+    priority: int = 0
 
 
 # Both endpoints' parameters: the shared sampling fields, unset (None) unless the body sets
@@ -102,7 +109,7 @@ _Sampling: type[_FrontFields] = create_model(  # type: ignore[call-overload]
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -124,7 +131,7 @@ class CompletionRequest(_Sampling):  # type: ignore[valid-type,misc]
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: str | None = None
@@ -132,7 +139,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     tokens: list[int]

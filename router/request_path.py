@@ -27,6 +27,7 @@ from sluiceway.router.token_bytes import TokenBytes
 from sluiceway.router.tokenizer import encode_chat, encode_prompt
 from sluiceway.sampling_params import SamplingParams, check_prompt_token_ids, check_request_id
 from sluiceway.status import FieldError, RequestError, error_from_rpc
+from sluiceway.unknown_fields import check_unknown_fields
 from sluiceway.v1 import inference_pb2
 
 __all__ = ["RequestPath", "eos_token_ids"]
@@ -196,6 +197,7 @@ class RequestPath:
                 # unique, unlike a client's request_id, which two live requests may share
                 parent_request_id=f"{request_id}/{uuid.uuid4().hex}" if params.n > 1 else None,
                 cuts=self.cuts,
+                priority=request.priority,
             )
             samples = [
                 Sample(
@@ -222,10 +224,11 @@ class RequestPath:
     async def _admit(
         self, request: inference_pb2.GenerateRequest, limits: ModelLimits
     ) -> tuple[list[int], SamplingParams]:
-        """The gate every request passes: its id, its prompt's token ids (tokenized in a
-        thread: a megabyte prompt takes seconds, other streams go on) and its sampling
-        parameters, checked and resolved. Raises FieldError."""
+        """The gate every request passes: its id, no field this server does not know, its
+        prompt's token ids (tokenized in a thread: a megabyte prompt takes seconds, other
+        streams go on) and its sampling parameters, checked and resolved. Raises FieldError."""
         check_request_id(request.request_id)
+        check_unknown_fields(request)
         params = SamplingParams.from_proto(request.sampling)
         prompt_ids = await asyncio.to_thread(self.prompt_token_ids, request)
         check_prompt_token_ids(prompt_ids, limits.vocab_size, limits.max_model_len)

@@ -82,6 +82,7 @@ class SampleContext:
     cancel_code: Callable[[], grpc.StatusCode]
     parent_request_id: str | None  # set when n > 1
     cuts: StreamCuts
+    priority: int = 0  # GenerateRequest.priority: every sample's, and a resumed stream's
 
 
 class Sample:
@@ -115,6 +116,7 @@ class Sample:
             prompt_token_ids=ctx.prompt_ids,
             sampling=params.to_proto(),
             parent_request_id=ctx.parent_request_id or "",
+            priority=ctx.priority,
         )
 
     def _fail(self, error: RequestError) -> RequestError:

@@ -17,10 +17,12 @@ import structlog
 
 from sluiceway.grpc_server import ShutdownSignals, set_health
 from sluiceway.options import port_or_none
+from sluiceway.router.auth import ApiKeys, server_credentials
 from sluiceway.router.config import RouterConfig
 from sluiceway.router.grpc_api import Router, start_router
 from sluiceway.router.request_path import RequestPath
 from sluiceway.router.tokenizer import load_tokenizer
+from sluiceway.security import api_keys
 
 log = structlog.get_logger("router")
 
@@ -46,6 +48,10 @@ async def serve(config: RouterConfig, model_dir: Path) -> None:
 
     A request or response over `config.max_message_size` bytes gets RESOURCE_EXHAUSTED.
 
+    Both ports take TLS and API keys from the config's `ssl_*` and `api_key*` fields (and
+    $SLUICEWAY_API_KEY: `sluiceway.security.api_keys`; docs/security.md). ValueError for a
+    key file that cannot be read; OSError for a certificate file.
+
     Health is NOT_SERVING until a scheduler reports ready, and again whenever
     none does. On a signal the router drains: health NOT_SERVING, new
     `Generate` streams get UNAVAILABLE, the streams in flight run to their end
@@ -69,18 +75,28 @@ async def serve(config: RouterConfig, model_dir: Path) -> None:
         cache_threshold=config.cache_threshold,
         balance_abs_threshold=config.balance_abs_threshold,
     )
-    router = await start_router(path, address, max_message_bytes=config.max_message_size)
+    keys = api_keys(config)
+    auth = ApiKeys(keys) if keys else None
+    router = await start_router(
+        path, address, max_message_bytes=config.max_message_size, api_keys=auth,
+        credentials=server_credentials(config), internal_address=config.internal_listen,
+    )  # fmt: skip
     http = None
     if http_port is not None:
         from sluiceway.router.openai_api import start_http_server
 
-        http = await start_http_server(path, config.http_host or config.host, http_port)
+        http = await start_http_server(
+            path, config.http_host or config.host, http_port, api_keys=auth, tls=config
+        )
     signals = ShutdownSignals()  # before saying so: a signal from then on drains
     log.info(
         "router_listening",
         address=router.address,
         http=http.url if http is not None else None,
         schedulers=path.pool.addresses,
+        tls=config.tls,
+        client_certificates=config.client_cert_required,
+        api_keys=len(keys),
     )
     await signals.first.wait()
     cut = await drain(router, signals.second, drain_timeout_s)

@@ -47,9 +47,14 @@ class SchedulerConfig(ProcessConfig):
     max_long_partial_prefills: of those, long prefills at most (at most
         `max_num_partial_prefills`); below it a shorter prompt may pass a long one that waits
         (vLLM's `max_long_partial_prefills`).
-    scheduling_policy: "continuous" (iteration-level batching, Orca) or
-        "static" (batches of `static_batch_size` that enter together and run
-        until their longest member finishes; the baseline).
+    scheduling_policy: vLLM's `--scheduling-policy` with its values and iteration-level
+        batching (Orca) under both: "fcfs" (the waiting queue in arrival order; when a
+        running sequence needs a block and none is free, the latest admitted is preempted)
+        or "priority" (the waiting queue by each request's `priority`, lower first, then
+        arrival; the preempted one is the running sequence with the highest priority value,
+        the latest-arrived among equals); or "static" (batches of `static_batch_size` that
+        enter together and run until their longest member finishes; the baseline). A
+        request with a priority other than 0 is refused unless the policy is "priority".
     static_batch_size: requests per static batch.
     max_waiting_requests: requests that may wait for their first step at
         once; more are rejected at once with RESOURCE_EXHAUSTED (backpressure
@@ -96,9 +101,11 @@ class SchedulerConfig(ProcessConfig):
         type=positive_int,
     )
     scheduling_policy: str = option(
-        "continuous",
-        "static: fixed batches of --static-batch-size that enter and leave together (the baseline)",
-        choices=("continuous", "static"),
+        "fcfs",
+        "fcfs: first come, first served; priority: by each request's priority (lower "
+        "first, then arrival; the highest value is preempted first; vLLM's); static: fixed "
+        "batches of --static-batch-size that enter and leave together (the baseline)",
+        choices=("fcfs", "priority", "static"),
     )
     static_batch_size: int = option(8, "requests per batch of the static policy", type=positive_int)
     max_waiting_requests: int = option(

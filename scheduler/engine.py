@@ -247,13 +247,15 @@ class Engine:
         continues after them, as a preempted sequence does.
 
         Raises:
-            FieldError: a sampling field out of its range (`SamplingParams.from_proto`), a
+            FieldError: a priority other than 0 under a policy other than priority, a
+                sampling field out of its range (`SamplingParams.from_proto`), a
                 token id >= vocab_size, a prompt (with its outputs) empty or not shorter than
                 max_model_len, max_tokens not above the outputs, a constraint that does not
                 compile.
             RequestError: UNAVAILABLE (a worker missing or failing), RESOURCE_EXHAUSTED
                 (`max_waiting_requests` requests waiting, the samples of one counted once).
         """
+        self._check_priority(req.priority)  # whatever the workers' state: retrying won't help
         self._check_ready()
         params = SamplingParams.from_proto(req.sampling)
         params.check_token_ids(self.vocab_size)
@@ -292,6 +294,7 @@ class Engine:
             sampling=params,
             parent_request_id=req.parent_request_id or None,
             output_token_ids=list(req.output_token_ids),
+            priority=req.priority,
         )
         group = min(entry, key=lambda g: g.load)
         assert group.scheduler is not None
@@ -299,6 +302,18 @@ class Engine:
         self.requests.add(seq, group)
         group.wakeup.set()
         return seq
+
+    def _check_priority(self, priority: int) -> None:
+        """Raises FieldError("priority") for a priority other than 0 unless the policy is
+        priority: under fcfs (or static) it would be ignored, and vLLM refuses it too."""
+        policy = self.config.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise FieldError(
+                "priority",
+                f"priority scheduling is not enabled (this server runs --scheduling-policy "
+                f"{policy}; start it with --scheduling-policy priority); got {priority}, only "
+                "0 is accepted",
+            )
 
     async def prepare_structured_outputs(
         self, constraint: inference_pb2.StructuredOutputs

@@ -28,6 +28,15 @@ admitted running sequence is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue with its generated tokens
 kept as part of its prompt (vLLM's RECOMPUTE preemption).
 
+The `priority` policy is vLLM v1's: the waiting queue is kept in (priority,
+arrival) order, lower first (a sorted insertion; the fcfs queue stays a plain
+append), a preempted sequence goes back to its place in that order, and the
+victim of a preemption is the running sequence with the largest (priority,
+arrival), itself included; a victim already given a share of this step has
+that share taken back. As in vLLM, a waiting request never preempts a running
+one: a high-priority request that finds no free block waits for one like any
+other (it is first in line), and preempts lower ones once it runs.
+
 Parallel sampling: the n samples of one request are n sequences with one
 `parent_request_id`, sharing the prompt's full blocks through the prefix
 cache, as vLLM v1 does. The first one scheduled computes the prompt; the
@@ -47,6 +56,7 @@ padding gives way before a member is preempted, so a batch never deadlocks).
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -143,6 +153,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.kv_usage = KvUsage()
         self._static = config.scheduling_policy == "static"
+        self._priority = config.scheduling_policy == "priority"
         self._batch: set[int] = set()  # static: unfinished members of the current batch
         self._batch_parents: set[str] = set()  # static: parallel-sampling requests in it
         self._holding: list[Sequence] = []  # static: finished members keeping their blocks
@@ -157,7 +168,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queues a new sequence, shorter than `max_model_len` (the engine's gate checks it)."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self._priority:
+            self._queue_by_priority(seq)
+        else:
+            self.waiting.append(seq)
         self._join_parent(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -229,34 +243,12 @@ class Scheduler:
         """Picks the sequences and token counts of the next step and allocates their blocks."""
         out = SchedulerOutput()
         bm = self.block_manager
-        budget = self.config.max_num_batched_tokens
-        preempted = False
-
+        preempted = self._schedule_running(out)
+        budget = self.config.max_num_batched_tokens - out.num_batched_tokens
         cfg = self.config
-        num_partial = num_long = 0  # partial prefills scheduled so far, and the long ones
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            num_new = self._chunk(remaining, budget)
-            while (new_blocks := bm.allocate_slots(seq, num_new)) is None:
-                if self._holding:  # static: padding gives way before a live member does
-                    self._release_holding()
-                    continue
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
-                out.scheduled.append(self._schedule(seq, num_new, new_blocks))
-                budget -= num_new
-                if num_new < remaining:
-                    num_partial += 1
-                    num_long += self._is_long(remaining)
-                i += 1
-                continue
-            break  # seq preempted itself: it was the last running sequence
+        # partial prefills scheduled so far, and the long ones
+        num_partial = sum(not s.samples for s in out.scheduled)
+        num_long = sum(not s.samples and self._is_long(self._remaining(s)) for s in out.scheduled)
 
         if self._static and not self._batch and self.waiting:
             members = list(self.waiting)[: self.config.static_batch_size]
@@ -339,6 +331,61 @@ class Scheduler:
 
     # -- helpers ----------------------------------------------------------------
 
+    def _schedule_running(self, out: SchedulerOutput) -> bool:
+        """Gives each running sequence, in admission order, its next token or prompt chunk
+        within the step's token budget, preempting (`_victim`) while one needs a block and
+        none is free. Appends their shares to `out`; returns whether any was preempted."""
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            while (new_blocks := bm.allocate_slots(seq, num_new)) is None:
+                if self._holding:  # static: padding gives way before a live member does
+                    self._release_holding()
+                    continue
+                victim = self._victim()
+                if self._priority and self.running.index(victim) < i:  # has its share
+                    budget += self._unschedule(out, victim)
+                    i -= 1
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(self._schedule(seq, num_new, new_blocks))
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq preempted itself: no other running sequence was a victim before it
+        return preempted
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt: the most recently admitted, or under the priority
+        policy the one with the largest (priority, arrival) (vLLM v1's choice)."""
+        if not self._priority:
+            return self.running[-1]
+        return max(self.running, key=_priority_key)
+
+    def _unschedule(self, out: SchedulerOutput, seq: Sequence) -> int:
+        """Takes `seq`'s share of this step out of `out` (it is to be preempted): the worker
+        keeps the record it had before the step. Returns the share's tokens."""
+        index = next(j for j, s in enumerate(out.scheduled) if s.seq is seq)
+        share = out.scheduled.pop(index)
+        seq.num_tokens_on_worker = seq.num_tokens - len(share.appended_token_ids)
+        return share.num_new_tokens
+
+    def _queue_by_priority(self, seq: Sequence) -> None:
+        """Inserts waiting `seq` at its place in (priority, arrival) order, after its equals."""
+        bisect.insort_right(self.waiting, seq, key=_priority_key)
+
+    @staticmethod
+    def _remaining(s: ScheduledSequence) -> int:
+        """Tokens `s.seq` had left to compute before this step."""
+        return s.seq.num_tokens - s.num_computed_tokens
+
     def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens to compute this step for a sequence with `remaining` uncomputed tokens:
         at most `budget`, and at most the threshold for a long prefill."""
@@ -410,7 +457,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self._priority:
+            self._queue_by_priority(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def _release_holding(self) -> None:
         for held in self._holding:
@@ -449,3 +499,9 @@ class Scheduler:
         usage.utilization = stored / slots if slots else 0.0
         usage.tokens_stored_total += stored
         usage.slots_allocated_total += slots
+
+
+def _priority_key(seq: Sequence) -> tuple[int, float, int]:
+    """The priority policy's order: lower priority value first, then earlier arrival (then
+    the lower seq_id, for two arrivals at one clock reading)."""
+    return (seq.priority, seq.arrival_time, seq.seq_id)

@@ -47,6 +47,8 @@ class Sequence:
     num_preemptions: int = 0
     # the request whose n samples this sequence is one of (parallel sampling), else None
     parent_request_id: str | None = None
+    # lower is served first under the priority policy (AddRequestRequest.priority); 0 else
+    priority: int = 0
 
     # prompt logprobs the workers computed so far (prompt tokens 1.. in order), sent with the
     # first token (TokenEvent.prompt_logprobs)

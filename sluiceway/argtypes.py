@@ -168,3 +168,25 @@ def byte_size(zero_reason: str) -> Callable[[str], int]:
 
     parse.__name__ = "size"
     return parse
+
+
+def api_keys_text(text: str) -> str:
+    """``--api-key``: one key or several, comma-separated (``k1,k2``), none empty; returned as
+    given. Raises argparse.ArgumentTypeError otherwise (an empty key would let anyone in).
+    The error never repeats the text: it is a secret."""
+    if not text or any(not key.strip() for key in text.split(",")):
+        raise argparse.ArgumentTypeError("must be one or more non-empty keys, comma-separated")
+    return text
+
+
+def cert_reqs(text: str) -> int:
+    """``--ssl-cert-reqs``: Python's `ssl.VerifyMode` number, 0 (CERT_NONE: no client
+    certificate asked for) or 2 (CERT_REQUIRED); 1 (CERT_OPTIONAL) is refused, because the
+    gRPC port cannot ask for an optional one. Raises argparse.ArgumentTypeError otherwise."""
+    value = _integer(text)
+    if value not in (0, 2):
+        raise argparse.ArgumentTypeError(
+            f"must be 0 (no client certificate) or 2 (one required), got {value}"
+            + (" (1, optional, is not supported by the gRPC port)" if value == 1 else "")
+        )
+    return value

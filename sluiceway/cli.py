@@ -169,8 +169,14 @@ def _run_router(args: argparse.Namespace) -> int:
     from sluiceway.model_files import resolve_model
     from sluiceway.router.balancer import parse_scheduler_addresses
     from sluiceway.router.server import serve
+    from sluiceway.security import check_files
 
-    config = RouterConfig.from_namespace(args)
+    try:  # a TLS flag without its pair, an unreadable key or certificate file
+        config = RouterConfig.from_namespace(args)
+        check_files(config)
+    except ValueError as e:
+        print(f"sluiceway router: {e}", file=sys.stderr)
+        return 2
     try:
         parse_scheduler_addresses(config.scheduler)
     except ValueError as e:

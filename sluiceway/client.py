@@ -6,6 +6,9 @@ reference of the messages it sends and receives.
 
 from __future__ import annotations
 
+import collections
+import os
+import pathlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluiceway.grpc_server import channel_options
+from sluiceway.router.config import API_KEY_ENV
 from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 
 
@@ -46,10 +50,96 @@ def wait_until_serving(target: str, timeout_s: float, service: str = "") -> None
             time.sleep(0.1)
 
 
+def channel_credentials(
+    ssl_ca_certs: str | None = None,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+) -> grpc.ChannelCredentials:
+    """TLS of a channel to a router serving with --ssl-certfile: the server's certificate
+    verified against `ssl_ca_certs` (PEM; None: the system's roots, as gRPC finds them), and a
+    client certificate `ssl_certfile` with its key `ssl_keyfile` for a router that requires
+    one (--ssl-ca-certs on its side).
+
+    Raises:
+        OSError: a file cannot be read.
+        ValueError: one of `ssl_certfile` and `ssl_keyfile` without the other.
+    """
+    if (ssl_certfile is None) != (ssl_keyfile is None):
+        raise ValueError("ssl_certfile and ssl_keyfile go together (a client certificate)")
+
+    def read(path: str | None) -> bytes | None:
+        return None if path is None else pathlib.Path(path).read_bytes()
+
+    return grpc.ssl_channel_credentials(read(ssl_ca_certs), read(ssl_keyfile), read(ssl_certfile))
+
+
+def api_key_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries `api_key` (``authorization: Bearer KEY``, what the
+    HTTP API takes as a header); empty for None."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+def connection(
+    api_key: str | None = None,
+    *,
+    tls: bool = False,
+    ssl_ca_certs: str | None = None,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+) -> tuple[tuple[tuple[str, str], ...], grpc.ChannelCredentials | None]:
+    """How to reach a router (see `Client`): the metadata of every call (`api_key`, or
+    $SLUICEWAY_API_KEY when None) and the channel's TLS credentials (None: plaintext; TLS when
+    `tls` or any ssl_* file is given).
+
+    Raises:
+        OSError, ValueError: as `channel_credentials`.
+    """
+    metadata = api_key_metadata(api_key or os.environ.get(API_KEY_ENV) or None)
+    if not (tls or ssl_ca_certs or ssl_certfile or ssl_keyfile):
+        return metadata, None
+    return metadata, channel_credentials(ssl_ca_certs, ssl_certfile, ssl_keyfile)
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    """A call's details with other metadata (grpc.ClientCallDetails has no constructor)."""
+
+
+class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `metadata` to every call of a channel, the stub's own calls included."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.metadata = metadata
+
+    def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        d: Any = details
+        metadata = (*(d.metadata or ()), *self.metadata)
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready,
+                            d.compression)  # fmt: skip
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(client_call_details), request)
+
+
 class Client:
     """Blocking client of `sluiceway.v1.Inference` on `target` (host:port or unix:PATH).
 
-    The insecure channel connects on the first call (constructing never fails for an
+    `api_key`: sent with every call as ``authorization: Bearer KEY`` metadata, for a router
+    started with --api-key (None: $SLUICEWAY_API_KEY when set, else no key); a missing or
+    wrong key fails each call with UNAUTHENTICATED. TLS, for a router started with
+    --ssl-certfile: `tls=True`, or any of `ssl_ca_certs` (the CA that signed the server's
+    certificate, e.g. a self-signed one; default: the system's roots), `ssl_certfile` and
+    `ssl_keyfile` (a client certificate, for a router that requires one) (`channel_credentials`).
+
+    The channel connects on the first call (constructing never fails for an
     unreachable target: calls then raise UNAVAILABLE) and reconnects by itself. Messages
     are bounded to 4 MiB each way, as the server's default --max-message-size: a larger
     request fails with RESOURCE_EXHAUSTED before it is sent. One client may be shared by
@@ -60,9 +150,26 @@ class Client:
         stub: the generated `InferenceStub`, for calls with no helper here (`Tokenize`).
     """
 
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.insecure_channel(target, options=channel_options())
-        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+    def __init__(
+        self,
+        target: str,
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        ssl_ca_certs: str | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+    ) -> None:
+        metadata, credentials = connection(
+            api_key, tls=tls, ssl_ca_certs=ssl_ca_certs, ssl_certfile=ssl_certfile,
+            ssl_keyfile=ssl_keyfile,
+        )  # fmt: skip
+        if credentials is not None:
+            self.channel = grpc.secure_channel(target, credentials, options=channel_options())
+        else:
+            self.channel = grpc.insecure_channel(target, options=channel_options())
+        calls = grpc.intercept_channel(self.channel, _AddMetadata(metadata)) if metadata else None
+        self.stub = inference_pb2_grpc.InferenceStub(calls or self.channel)
 
     def close(self) -> None:
         """Closes the channel; calls still in flight on it end with CANCELLED (the server
@@ -82,6 +189,7 @@ class Client:
         messages: list[tuple[str, str]] | None = None,
         prompt_token_ids: list[int] | None = None,
         request_id: str = "",
+        priority: int = 0,
         **sampling: Any,
     ) -> inference_pb2.GenerateRequest:
         """Builds a `GenerateRequest` from exactly one input and `SamplingParams` fields.
@@ -95,6 +203,8 @@ class Client:
             prompt_token_ids: token ids, sent as they are.
             request_id: echoed in every response and in the server's logs (at most 256
                 characters); empty: the router assigns one.
+            priority: lower is served first by a server run with `--scheduling-policy
+                priority` (any int32); a server under fcfs refuses anything but 0.
             **sampling: `SamplingParams` fields by name (temperature, top_p, top_k, min_p,
                 repetition_penalty, presence_penalty, frequency_penalty, max_tokens,
                 min_tokens, stop, stop_token_ids, include_stop_str_in_output, ignore_eos,
@@ -114,7 +224,9 @@ class Client:
         if isinstance(sampling.get("stop"), str):  # one stop string, as OpenAI's "stop"
             sampling["stop"] = [sampling["stop"]]
         req = inference_pb2.GenerateRequest(
-            request_id=request_id, sampling=inference_pb2.SamplingParams(**sampling)
+            request_id=request_id,
+            sampling=inference_pb2.SamplingParams(**sampling),
+            priority=priority,
         )
         if prompt is not None:
             req.prompt = prompt
@@ -142,7 +254,7 @@ class Client:
                 what is allowed"), RESOURCE_EXHAUSTED (the waiting queue is full, or a
                 message over 4 MiB), UNAVAILABLE (no model replica ready, the router
                 draining, or unreachable), DEADLINE_EXCEEDED (`timeout` passed) or
-                CANCELLED (cancelled by this client).
+                CANCELLED (cancelled by this client); UNAUTHENTICATED (no valid API key).
         """
         return self.stub.Generate(request, timeout=timeout)  # type: ignore[no-any-return]
 

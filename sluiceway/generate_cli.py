@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from sluiceway.argtypes import bounded_float, bounded_int
 from sluiceway.sampling_params import FIELDS, Rule, python_type, wire_range
-from sluiceway.targets import DEFAULT_TARGET, TARGET_HELP, grpc_target
+from sluiceway.targets import (
+    DEFAULT_TARGET,
+    TARGET_HELP,
+    add_connection_args,
+    client_options,
+    grpc_target,
+)
 from sluiceway.v1 import inference_pb2
 
 if TYPE_CHECKING:
@@ -44,6 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     gen.add_argument("prompt", help="the prompt; - reads it from stdin (trailing newlines dropped)")
     gen.add_argument("--target", type=grpc_target, default=DEFAULT_TARGET, help=TARGET_HELP)
+    add_connection_args(gen)
     gen.add_argument(
         "--chat",
         action="store_true",
@@ -54,6 +61,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--system",
         default=None,
         help="a system message before PROMPT; implies --chat (default: none)",
+    )
+    gen.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="lower is served first by a server run with --scheduling-policy priority "
+        "(default 0; a server under fcfs refuses anything else)",
     )
     for name in FIELDS:
         if python_type(name) is not None:  # a message: structured_outputs, below
@@ -195,8 +209,8 @@ def build_request(args: argparse.Namespace, prompt: str) -> inference_pb2.Genera
         messages = [("user", prompt)]
         if args.system_prompt is not None:
             messages.insert(0, ("system", args.system_prompt))
-        return Client.request(messages=messages, **sampling)
-    return Client.request(prompt, **sampling)
+        return Client.request(messages=messages, priority=args.priority, **sampling)
+    return Client.request(prompt, priority=args.priority, **sampling)
 
 
 def _structured_outputs(args: argparse.Namespace) -> inference_pb2.StructuredOutputs | None:
@@ -227,7 +241,7 @@ def generate_command(args: argparse.Namespace) -> int:
     """Runs `sluiceway generate`: the text to stdout (streamed when n is 1), the rest to stderr.
 
     Returns 0, 1 with "sluiceway generate: CODE: details" on a failed call, or 2 when an
-    @FILE cannot be read. Raises
+    @FILE or a TLS file cannot be read. Raises
     KeyboardInterrupt on Ctrl-C (the caller prints one line and exits 130).
     """
     import grpc
@@ -247,7 +261,12 @@ def generate_command(args: argparse.Namespace) -> int:
     logprobs: list[list[Any]] = [[] for _ in range(n)]
     prompt_logprobs: list[list[Any]] = [[] for _ in range(n)]
     started = False
-    with Client(args.target) as client:
+    try:
+        client = Client(args.target, **client_options(args))
+    except (OSError, ValueError) as e:  # a certificate or key file, or only one of the pair
+        print(f"sluiceway generate: {e}", file=sys.stderr)
+        return 2
+    with client:
         try:
             for response in client.generate_stream(req):
                 started = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -65,9 +65,11 @@ REQUEST_ID_METADATA = "x-request-id-bin"
 
 def new_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """An asyncio gRPC server with the standard `grpc.health.v1` service added (NOT_SERVING),
-    messages bounded to `max_message_bytes` bytes, and the keepalive policy above."""
+    messages bounded to `max_message_bytes` bytes, the keepalive policy above, and
+    `interceptors` (the router's API keys: router/auth.py)."""
     # No SO_REUSEPORT (gRPC's default on Linux): a second server on a taken port must fail,
     # not share the port and split the clients between two unrelated servers.
     server = grpc.aio.server(
@@ -75,7 +77,8 @@ def new_server(
             *channel_options(max_message_bytes),
             *keepalive_policy_options(),
             ("grpc.so_reuseport", 0),
-        ]
+        ],
+        interceptors=list(interceptors) or None,
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -94,13 +97,19 @@ class BindError(RuntimeError):
     """A gRPC server cannot listen on its address (taken, or not ours)."""
 
 
-def bind(server: grpc.aio.Server, address: str) -> str:
-    """Binds `address` (host:port, port 0 = any free port, or unix:PATH); returns the bound address.
+def bind(
+    server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None
+) -> str:
+    """Binds `address` (host:port, port 0 = any free port, or unix:PATH), over TLS when
+    `credentials` are given; returns the bound address.
 
     Raises BindError when the address cannot be bound.
     """
     try:
-        port = server.add_insecure_port(address)
+        if credentials is not None:
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError as e:
         raise BindError(f"cannot listen on {address}: {e}") from e
     if port == 0 and not address.startswith("unix:"):

@@ -50,6 +50,7 @@ from sluiceway.pids import dead_owner_paths, process_age_s
 from sluiceway.ports import Ports, free_port, free_ports, plan_ports
 from sluiceway.router.config import RouterConfig
 from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.security import api_keys, check_files
 from sluiceway.serve_config import ServeConfig
 from sluiceway.serve_stop import STOP_TIMEOUT_S, StopSignals, stop_stack
 from sluiceway.worker.config import WorkerConfig
@@ -94,7 +95,7 @@ COMMANDS: dict[type[ChildConfig], str] = {
 @dataclass(slots=True)
 class Child:
     """One process of the stack: `sluiceway <command> <config.to_argv()>`, healthy when
-    `address` answers SERVING. `replica` and `instance` (its model instance within the
+    `probe` (a router's Unix socket), else `address`, answers SERVING. `replica` and `instance` (its model instance within the
     replica; -1 for a scheduler, both -1 for a router) say what a failure takes down.
     `start` sets `process`."""
 
@@ -103,6 +104,7 @@ class Child:
     config: ChildConfig
     replica: int = -1
     instance: int = -1
+    probe: str | None = None  # where its health is asked, when not `address` (a router's)
     restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
     left_down: bool = False  # exited on purpose, or given up on; not restarted
     exited_at: float | None = None  # time.monotonic() when its exit was seen
@@ -168,6 +170,7 @@ def serve_command(args: argparse.Namespace) -> int:
     try:  # what the children would refuse, after importing torch and loading the model
         config = ServeConfig.from_namespace(args)
         ports = plan_ports(config)  # first: a taken port is found at once, not after a conversion
+        check_files(config.router)  # the key file and the TLS files the routers will read
         model_dir, model_id = _resolve_model(config)
     except ValueError as e:
         print(f"sluiceway: {e}", file=sys.stderr)
@@ -197,8 +200,9 @@ def build_children(
     """The children of the stack, not started, in start order (`stack_layout`: the
     schedulers, their workers, the routers). Each child's config is serve's
     (`ServeConfig.router`, ...) with the child's own addresses and ports (Unix sockets in
-    `run_dir`; the routers on TCP) and the resolved model; the ranks of a tensor-parallel
-    instance share a rendezvous port picked here."""
+    `run_dir`; the routers on TCP, each probed on a Unix socket of its own there) and the
+    resolved model; the ranks of a tensor-parallel instance share a rendezvous port picked
+    here."""
     slots = stack_layout(config)
     metrics = {s.name: port for s, port in zip(metrics_order(slots), ports.metrics, strict=True)}
     schedulers = [f"unix:{run_dir}/{s.name}.sock" for s in slots if s.command == "scheduler"]
@@ -215,11 +219,16 @@ def build_children(
             )
         elif slot.command == "router":
             port, http_port = next(router_ports)
-            address = f"{config.host}:{port}"
+            # probed on a Unix socket of its own, without TLS: the public port may ask for a
+            # client certificate, or have one serve cannot verify
+            probe, address = address, f"{config.host}:{port}"
             child_config = replace(
                 config.router, host=config.host, port=port, scheduler=",".join(schedulers),
                 model=str(model_dir), http_port=http_port, metrics_port=mport, metrics_host=mhost,
+                internal_listen=probe,
             )  # fmt: skip
+            children.append(Child(slot.name, address, child_config, probe=probe))
+            continue
         else:
             init_method = None
             if config.scheduler.tensor_parallel_size > 1:  # not a port of another child
@@ -291,14 +300,31 @@ def _print_ready(
     )
     if ports.http:
         http_host = config.router.http_host or config.host
-        urls = ", ".join(f"http://{http_host}:{port}/v1" for port in ports.http)
+        scheme = "https" if config.router.tls else "http"
+        urls = ", ".join(f"{scheme}://{http_host}:{port}/v1" for port in ports.http)
         print(f"sluiceway: OpenAI-compatible API: {urls}", flush=True)
+    print(f"sluiceway: {_security_line(config)}", flush=True)
     if config.metrics_port >= 0:
         urls = ", ".join(
             f"{c.name} http://{config.host}:{port}/metrics"
             for c, port in zip(metrics_order(children), ports.metrics, strict=True)
         )
         print(f"sluiceway: metrics: {urls}", flush=True)
+
+
+def _security_line(config: ServeConfig) -> str:
+    """What protects the public ports, and where the internal ones are (docs/security.md)."""
+    router = config.router
+    tls = "plaintext (no TLS)"
+    if router.tls:
+        tls = "TLS" + (", client certificates required" if router.client_cert_required else "")
+    keys = "API key required (health, /version and /metrics open)"
+    if not api_keys(router):
+        keys = "no API key"
+    return (
+        f"public ports (gRPC, HTTP): {tls}, {keys}; "
+        "schedulers and workers: Unix sockets of this machine, no TLS"
+    )
 
 
 def _supervise(children: list[Child], stop: StopSignals) -> int:
@@ -438,7 +464,7 @@ def _wait_healthy(child: Child, children: list[Child], stopping) -> None:  # typ
         if stopping():
             raise StartupInterrupted("interrupted during start-up")
         try:
-            wait_until_serving(child.address, timeout_s=1.0)
+            wait_until_serving(child.probe or child.address, timeout_s=1.0)
             return
         except TimeoutError:
             if time.monotonic() > deadline:

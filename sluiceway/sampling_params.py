@@ -32,6 +32,7 @@ from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
 
+from sluiceway.json_nesting import too_deep
 from sluiceway.status import FieldError
 from sluiceway.v1 import inference_pb2
 
@@ -57,6 +58,9 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_CONSTRAINT_BYTES = 64 * 1024
 #: Alternatives of a `choice` constraint at most.
 MAX_CHOICES = 256
+#: Levels of arrays and objects a structured-outputs JSON schema may nest (the deepest
+#: real-world schemas nest about a dozen; Python's JSON parser fails near 1,000).
+MAX_JSON_SCHEMA_DEPTH = 64
 
 _PROTO = inference_pb2.SamplingParams.DESCRIPTOR
 # The value range of each protobuf integer type (its constructor refuses the rest).
@@ -485,6 +489,12 @@ def check_structured_outputs(c: inference_pb2.StructuredOutputs) -> None:
 
 
 def _check_json_schema(where: str, text: str) -> None:
+    deep = too_deep(text, MAX_JSON_SCHEMA_DEPTH)
+    if deep is not None:
+        shown = "".join(deep[:8]) + ("..." if len(deep) > 8 else "")
+        raise FieldError(
+            where, f"the schema nests deeper than {MAX_JSON_SCHEMA_DEPTH} levels (at {shown})"
+        )
     try:
         schema = json.loads(text)
     except ValueError as e:

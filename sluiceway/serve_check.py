@@ -1,5 +1,6 @@
-"""`make serve`'s first step, before the install: serve's flags parsed by serve's own parser
-and every port of the stack checked (`sluiceway.ports.plan_ports`), with the standard library
+"""`make serve`'s first step, before the install: serve's flags parsed by serve's own parser,
+every port of the stack checked (`sluiceway.ports.plan_ports`) and the API key and TLS files
+read (`sluiceway.security.check_files`), with the standard library
 alone (``python3 -S -m sluiceway.serve_check [serve flags]`` from the repository's root), so
 that a bad flag or a taken port is one line and exit 2 before a four-minute install, not
 after it. `sluiceway serve` makes the same checks again, then those that need the installed
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 
 from sluiceway.argtypes import ArgumentParser
 from sluiceway.ports import plan_ports
+from sluiceway.security import check_files
 from sluiceway.serve_config import ServeConfig
 
 
@@ -26,7 +28,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ServeConfig.add_arguments(parser)
     args = parser.parse_args(argv)  # a usage error exits 2 here, as serve's would
     try:
-        plan_ports(ServeConfig.from_namespace(args))
+        config = ServeConfig.from_namespace(args)
+        plan_ports(config)
+        check_files(config.router)
     except ValueError as e:
         print(f"sluiceway: {e}", file=sys.stderr)
         return 2

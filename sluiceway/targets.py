@@ -8,8 +8,10 @@ answers a gRPC call with an opaque protocol error)."""
 from __future__ import annotations
 
 import argparse
+import os
+from typing import Any
 
-from sluiceway.router.config import RouterConfig
+from sluiceway.router.config import API_KEY_ENV, RouterConfig
 
 _ROUTER = RouterConfig.options()
 DEFAULT_PORT: int = _ROUTER["port"].default
@@ -55,3 +57,51 @@ def _with_port(address: str) -> str:
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"port must be a number in [1, 65535], got {port!r}")
     return f"{host}:{port}"
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of a client command that say how to reach a router started with --api-key or
+    --ssl-certfile (docs/security.md): --api-key, --tls, --ssl-ca-certs, --ssl-certfile,
+    --ssl-keyfile; `client_options` turns them into `sluiceway.client.Client`'s arguments."""
+    group = parser.add_argument_group("authentication and TLS (docs/security.md)")
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help=f"sent as `authorization: Bearer KEY` (default: ${API_KEY_ENV} if set, else none)",
+    )
+    group.add_argument(
+        "--tls",
+        action="store_true",
+        help="connect over TLS, the server's certificate checked against the system's roots",
+    )
+    group.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        metavar="PATH",
+        help="connect over TLS, the server's certificate checked against these CA "
+        "certificates (PEM; a self-signed server's own certificate) (default: none)",
+    )
+    group.add_argument(
+        "--ssl-certfile",
+        default=None,
+        metavar="PATH",
+        help="a client certificate (PEM), for a server that requires one; implies TLS "
+        "(default: none)",
+    )
+    group.add_argument(
+        "--ssl-keyfile",
+        default=None,
+        metavar="PATH",
+        help="the private key of --ssl-certfile (default: none)",
+    )
+
+
+def client_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`Client`'s keyword arguments from the flags of `add_connection_args`."""
+    return {
+        "api_key": args.api_key or os.environ.get(API_KEY_ENV) or None,
+        "tls": args.tls,
+        "ssl_ca_certs": args.ssl_ca_certs,
+        "ssl_certfile": args.ssl_certfile,
+        "ssl_keyfile": args.ssl_keyfile,
+    }

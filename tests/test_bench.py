@@ -147,7 +147,7 @@ def test_compare_configurations() -> None:
     assert configs[0].serve_args == [
         "--scheduling-policy", "static", "--static-batch-size", "32",
     ]  # fmt: skip
-    assert configs[2].serve_args == ["--scheduling-policy", "continuous", "--max-num-seqs", "256"]
+    assert configs[2].serve_args == ["--scheduling-policy", "fcfs", "--max-num-seqs", "256"]
     assert (configs[3].backend, configs[3].batch_size) == ("transformers", 32)
     with pytest.raises(ValueError, match="unknown backend 'vllm'"):
         configurations(["vllm"], ["static"], [256], 32)
@@ -211,11 +211,13 @@ def test_bench_serve_saves_per_request_figures_and_plots_for_either_backend(
         RequestResult(ok=False, prompt_len=5, error="UNAVAILABLE: gone"),
     ]
 
-    async def grpc_workload(target, reqs, intervals, max_concurrency, ignore_eos):  # type: ignore[no-untyped-def]
+    async def grpc_workload(target, reqs, intervals, max_concurrency, ignore_eos, connection):  # type: ignore[no-untyped-def]
         assert (target, reqs) == ("127.0.0.1:50051", requests)
         return serve.BenchRun(results, summarize(results, 2.0), ["UNAVAILABLE: gone"])
 
-    async def http_workload(base_url, model, reqs, intervals, max_concurrency, ignore_eos):  # type: ignore[no-untyped-def]
+    async def http_workload(
+        base_url, model, reqs, intervals, max_concurrency, ignore_eos, connection
+    ):  # type: ignore[no-untyped-def]
         assert (base_url, reqs) == ("http://127.0.0.1:8000", requests)
         return results, summarize(results, 2.0)
 

@@ -36,7 +36,8 @@ def parse(config: ProcessConfig) -> ProcessConfig:
 # Forwarded flags of the serve configs below, every one off its default.
 SERVE_FORWARDED = dict(
     http_host="0.0.0.0", drain_timeout=2.5, cache_threshold=0.25, balance_abs_threshold=3,
-    max_message_size=1 << 20, model="/models/x", served_model_name="x", device="cpu",
+    max_message_size=1 << 20, api_key="k1,k2", api_key_file="/keys", ssl_keyfile="/k.pem",
+    ssl_certfile="/c.pem", ssl_ca_certs="/ca.pem", ssl_cert_reqs=0, model="/models/x", served_model_name="x", device="cpu",
     dtype="float32", block_size=32, kv_cache_memory=1 << 30, gpu_memory_utilization=0.5,
     num_threads=2, attention_backend="torch", enforce_eager=True, max_num_seqs=4,
     max_num_batched_tokens=64, enable_prefix_caching=False, long_prefill_token_threshold=16,
@@ -61,7 +62,9 @@ ROUND_TRIP: list[ProcessConfig] = [
         host="0.0.0.0", port=6000, scheduler="a:1,unix:/tmp/b.sock", model="/models/x",
         served_model_name="x", metrics_port=-1, metrics_host="::", http_port=0,
         http_host="::1", drain_timeout=0.5, cache_threshold=1.0, balance_abs_threshold=0,
-        max_message_size=4096, log_format="console", log_level="debug",
+        max_message_size=4096, api_key="k", api_key_file="/etc/keys", ssl_keyfile="/k.pem",
+        ssl_certfile="/c.pem", ssl_ca_certs="/ca.pem", ssl_cert_reqs=2,
+        internal_listen="unix:/tmp/r.sock", log_format="console", log_level="debug",
     ),
     SchedulerConfig(
         listen="unix:/tmp/s.sock", max_num_seqs=4, max_num_batched_tokens=64,
@@ -189,7 +192,7 @@ def test_max_num_seqs_0_is_one_line_and_exit_2_from_the_command_line() -> None:
 
 def test_choices_and_nones_are_checked_by_the_config() -> None:
     with pytest.raises(
-        ValueError, match=r"^scheduling_policy must be one of continuous, static, got 'x'$"
+        ValueError, match=r"^scheduling_policy must be one of fcfs, priority, static, got 'x'$"
     ):
         SchedulerConfig(scheduling_policy="x")
     with pytest.raises(ValueError, match=r"^log_level must be one of DEBUG, .* got 'loud'$"):

@@ -807,3 +807,34 @@ def test_nginx_conf_listens_and_balances_like_envoy() -> None:
         for listener in _envoy()["static_resources"]["listeners"]
     )
     assert listen == sorted([ROUTER.port, ROUTER.http_port])
+
+
+def test_healthcheck_asks_a_tls_router_over_tls(tmp_path: Path) -> None:
+    """A router serving TLS (--ssl-certfile; a client certificate required with
+    --ssl-ca-certs) is asked with --ssl-ca-certs (and the client certificate); plaintext fails."""
+    from tests.tls_certs import make_certs
+
+    certs = make_certs(tmp_path)
+    credentials = grpc.ssl_server_credentials(
+        [(certs.server_key.read_bytes(), certs.server_cert.read_bytes())],
+        root_certificates=certs.ca.read_bytes(),
+        require_client_auth=True,
+    )
+
+    async def main() -> list[int]:
+        server = grpc.aio.server()
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        address = f"127.0.0.1:{server.add_secure_port('127.0.0.1:0', credentials)}"
+        await server.start()
+        tls = ["--ssl-ca-certs", str(certs.ca)]
+        client = ["--ssl-certfile", str(certs.client_cert), "--ssl-keyfile", str(certs.client_key)]
+        try:
+            return [
+                await asyncio.to_thread(_run_healthcheck, address, *args, "--timeout", "2")
+                for args in ([*tls, *client], tls, [])
+            ]
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(main()) == [0, 1, 1]

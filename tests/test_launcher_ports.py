@@ -48,7 +48,8 @@ def test_block_size_below_1_is_a_usage_error() -> None:
 # Child config fields serve sets per child (addresses, ports, ranks, the resolved model); every
 # other field is one serve forwards (sluiceway/serve_config.py FLAGS) or left at its default.
 SET_PER_CHILD = {
-    "router": {"host", "port", "scheduler", "model", "metrics_port", "metrics_host", "http_port"},
+    "router": {"host", "port", "scheduler", "model", "metrics_port", "metrics_host", "http_port",
+               "internal_listen"},
     "scheduler": {"listen", "metrics_port", "metrics_host"},
     "worker": {"listen", "scheduler", "worker_group", "rank", "distributed_init_method",
                "share_kv_pool", "model", "served_model_name", "metrics_port", "metrics_host"},
@@ -105,6 +106,10 @@ def test_the_children_get_serves_flags_and_their_own_addresses() -> None:
     assert (by_name["scheduler-1"].metrics_port, by_name["router-1"].metrics_port) == (9403, 9401)
     assert by_name["router-1"].scheduler == "unix:/run/scheduler-0.sock,unix:/run/scheduler-1.sock"
     assert (by_name["router-1"].port, by_name["router-1"].http_port) == (7001, 8001)
+    # probed on its own Unix socket (no TLS there), its public address printed
+    router = children[-1]
+    assert (router.address, router.probe) == ("0.0.0.0:7001", "unix:/run/router-1.sock")
+    assert by_name["router-1"].internal_listen == "unix:/run/router-1.sock"
     assert by_name["router-1"].drain_timeout == 3.0
     worker = by_name["worker-r1-decode0-rank1"]
     assert (worker.scheduler, worker.worker_group, worker.rank) == (

@@ -9,7 +9,7 @@ from sluiceway.argtypes import positive_int
 from sluiceway.bench.grammar import add_grammar_args
 from sluiceway.bench.step import add_step_args
 from sluiceway.bench.workload import add_workload_args
-from sluiceway.targets import DEFAULT_TARGET, TARGET_HELP, grpc_target
+from sluiceway.targets import DEFAULT_TARGET, TARGET_HELP, add_connection_args, grpc_target
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -37,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=None,
         help="the request's model (--backend openai; default: the server's first)",
     )
+    add_connection_args(serve)  # both backends: --api-key, --tls, --ssl-ca-certs, ...
     add_workload_args(serve)
 
     compare = bench_sub.add_parser(

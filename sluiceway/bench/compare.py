@@ -90,7 +90,7 @@ def configurations(
                         Configuration(
                             label,
                             "sluiceway",
-                            ["--scheduling-policy", "continuous", "--max-num-seqs", str(m)],
+                            ["--scheduling-policy", "fcfs", "--max-num-seqs", str(m)],
                         )
                     )
             else:

@@ -12,12 +12,16 @@ the output token count.
 from __future__ import annotations
 
 import json
+import os
+import ssl
 import time
+from typing import Any
 
 import httpx
 
 from sluiceway.bench.metrics import RequestResult, summarize
 from sluiceway.bench.workload import send_workload
+from sluiceway.router.config import API_KEY_ENV
 from sluiceway.sharegpt import SampledRequest
 
 __all__ = ["run_openai_workload", "served_model"]
@@ -89,6 +93,20 @@ async def _one(
     return result
 
 
+def _http_connection(connection: dict[str, Any]) -> dict[str, Any]:
+    """httpx.AsyncClient's arguments for `connection` (see `run_openai_workload`)."""
+    out: dict[str, Any] = {}
+    key = connection.get("api_key") or os.environ.get(API_KEY_ENV)
+    if key:
+        out["headers"] = {"Authorization": f"Bearer {key}"}
+    if connection.get("ssl_ca_certs") or connection.get("ssl_certfile"):
+        context = ssl.create_default_context(cafile=connection.get("ssl_ca_certs"))
+        if connection.get("ssl_certfile"):  # a client certificate
+            context.load_cert_chain(connection["ssl_certfile"], connection.get("ssl_keyfile"))
+        out["verify"] = context
+    return out
+
+
 async def run_openai_workload(
     base_url: str,
     model: str | None,
@@ -97,17 +115,24 @@ async def run_openai_workload(
     max_concurrency: int | None,
     ignore_eos: bool,
     desc: str = "requests",
+    *,
+    connection: dict[str, Any] | None = None,
 ) -> tuple[list[RequestResult], dict[str, float]]:
     """Like :func:`sluiceway.bench.serve.run_workload` through the HTTP API at ``base_url``
     (``http://host:port``, no ``/v1``), with ``model`` (None: the server's first). The
     server-side figures (KV utilization, step times) are the gRPC API's: not here.
+
+    `connection`: `sluiceway.client.connection`'s keyword arguments (an API key, sent as
+    ``Authorization: Bearer``; TLS files for an https:// `base_url`).
 
     Raises:
         RuntimeError: no model listed, or the warm-up request failed.
     """
     base_url = base_url.rstrip("/").removesuffix("/v1")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(None), limits=limits, **_http_connection(connection or {})
+    ) as client:
         model = model or await served_model(client, base_url)
         if requests:  # vLLM's initial test run
             warmup = await _one(client, base_url, model, requests[0], ignore_eos)

@@ -16,6 +16,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -27,8 +28,10 @@ from sluiceway.bench.metrics import (
     summarize,
 )
 from sluiceway.bench.workload import load_requests, request_intervals, send_workload
+from sluiceway.client import connection as client_connection
 from sluiceway.grpc_server import channel_options
 from sluiceway.sharegpt import SampledRequest
+from sluiceway.targets import client_options
 from sluiceway.v1 import inference_pb2, inference_pb2_grpc
 
 # After the run, how long to wait for every KV block to be free before reporting the count.
@@ -45,7 +48,10 @@ class BenchRun:
 
 
 async def _one(
-    stub: inference_pb2_grpc.InferenceStub, request: SampledRequest, ignore_eos: bool
+    stub: inference_pb2_grpc.InferenceStub,
+    request: SampledRequest,
+    ignore_eos: bool,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> RequestResult:
     req = inference_pb2.GenerateRequest(
         sampling=inference_pb2.SamplingParams(
@@ -59,7 +65,7 @@ async def _one(
     result = RequestResult(ok=False, prompt_len=request.prompt_len)
     t0 = last = time.perf_counter()
     try:
-        async for response in stub.Generate(req):
+        async for response in stub.Generate(req, metadata=metadata):
             now = time.perf_counter()
             if not response.token_ids:
                 continue
@@ -83,6 +89,8 @@ async def run_workload(
     max_concurrency: int | None,
     ignore_eos: bool,
     desc: str = "requests",
+    *,
+    connection: dict[str, Any] | None = None,
 ) -> BenchRun:
     """Sends `requests` to the server at `target`, request i after waiting `intervals[i]`
     seconds, at most `max_concurrency` in flight (None: no limit), greedy.
@@ -92,24 +100,35 @@ async def run_workload(
     (`num_free_kv_blocks_after`, waiting up to FREE_BLOCKS_WAIT_S for them to
     come back: a leak shows as fewer than `num_kv_blocks`). Raises RuntimeError if that warm-up fails and
     grpc.aio.AioRpcError if `GetModelInfo` does; a failed `Generate` during
-    the run is counted, not raised.
+    the run is counted, not raised. `connection`: `sluiceway.client.connection`'s keyword
+    arguments (the API key, TLS), from `sluiceway.targets.client_options`.
     """
-    async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
+    metadata, credentials = client_connection(**(connection or {}))
+    if credentials is not None:
+        channel = grpc.aio.secure_channel(target, credentials, options=channel_options())
+    else:
+        channel = grpc.aio.insecure_channel(target, options=channel_options())
+    info = inference_pb2.GetModelInfoRequest()
+    async with channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         if requests:  # as vLLM's initial test run: first-call costs stay out of the figures
-            warmup = await _one(stub, requests[0], ignore_eos)
+            warmup = await _one(stub, requests[0], ignore_eos, metadata)
             if not warmup.ok:
                 raise RuntimeError(f"warm-up request failed: {warmup.error}")
-        before = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+        before = await stub.GetModelInfo(info, metadata=metadata)
         results, duration = await send_workload(
-            lambda r: _one(stub, r, ignore_eos), requests, intervals, max_concurrency, desc
+            lambda r: _one(stub, r, ignore_eos, metadata),
+            requests,
+            intervals,
+            max_concurrency,
+            desc,
         )
-        after = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+        after = await stub.GetModelInfo(info, metadata=metadata)
         settled = after
         deadline = time.monotonic() + FREE_BLOCKS_WAIT_S
         while settled.num_free_kv_blocks < settled.num_kv_blocks and time.monotonic() < deadline:
             await asyncio.sleep(0.1)  # aborted requests free their blocks at the next step
-            settled = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+            settled = await stub.GetModelInfo(info, metadata=metadata)
     figures = summarize(results, duration)
     figures.update(server_figures(before, after))
     figures["num_kv_blocks"] = settled.num_kv_blocks
@@ -205,10 +224,10 @@ def _serve_openai(
         results, figures = asyncio.run(
             run_openai_workload(
                 args.base_url, args.served_model_name, requests, intervals,
-                args.max_concurrency, args.ignore_eos,
+                args.max_concurrency, args.ignore_eos, connection=client_options(args),
             )
         )  # fmt: skip
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:
         print(f"sluiceway bench serve: {args.base_url}: {e}", file=sys.stderr)
         return 1
     errors = sorted({r.error for r in results if not r.ok})
@@ -232,9 +251,12 @@ def serve_command(args: argparse.Namespace) -> int:
         return _serve_openai(args, requests, intervals)
     try:
         run = asyncio.run(
-            run_workload(args.target, requests, intervals, args.max_concurrency, args.ignore_eos)
-        )
-    except (RuntimeError, grpc.aio.AioRpcError) as e:
+            run_workload(
+                args.target, requests, intervals, args.max_concurrency, args.ignore_eos,
+                connection=client_options(args),
+            )
+        )  # fmt: skip
+    except (RuntimeError, grpc.aio.AioRpcError, OSError, ValueError) as e:
         detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else e
         print(f"sluiceway bench serve: {args.target}: {detail}", file=sys.stderr)
         return 1

@@ -292,3 +292,24 @@ def test_malformed_json_and_unknown_token_ids(base: str) -> None:
     assert r.json()["error"]["message"].startswith("body: invalid JSON")
     r = httpx.post(f"{base}/detokenize", json={"tokens": [999999]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[0]"
+
+
+def test_logit_bias_forces_and_bans_tokens_under_greedy(
+    api: openai.OpenAI, base: str, stack: Stack
+) -> None:
+    """OpenAI's logit_bias through the SDK (its keys are strings on the wire): +100 on a token
+    makes greedy emit it at every step; -100 on the greedy first token changes the first (to
+    what the gRPC API gives with the same bias)."""
+    prompt = "The sky is"
+    with stack.client() as client:
+        _, greedy, _ = client.generate(Client.request(prompt=prompt, temperature=0, max_tokens=3))
+        banned_text, banned, _ = client.generate(Client.request(
+            prompt=prompt, temperature=0, max_tokens=3, logit_bias={greedy[0]: -100.0}))  # fmt: skip
+    assert banned[0] != greedy[0]
+    forced = api.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=3,
+                                    logit_bias={"28": 100})  # fmt: skip
+    three = httpx.post(f"{base}/detokenize", json={"tokens": [28, 28, 28]}).json()["prompt"]
+    assert forced.choices[0].text == three
+    other = api.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=3,
+                                   logit_bias={str(greedy[0]): -100})  # fmt: skip
+    assert other.choices[0].text == banned_text

@@ -57,6 +57,7 @@ CASES = [
             choice=inference_pb2.Choices(choices=["hello"]))), "sampling.allowed_token_ids"),
     ("1025 stop token ids", lambda: _request(stop_token_ids=list(range(1025))),
      "sampling.stop_token_ids"),
+    ("priority under fcfs", lambda: _request(priority=-1), "priority"),
 ]  # fmt: skip
 
 

@@ -5,7 +5,9 @@ random sampled tokens, aborts) over a small pool, with prompts drawn from a
 few shared prefixes so sequences share cached blocks and preemption is
 frequent, under any long-prefill threshold and partial-prefill caps (no chunk
 over the threshold), and parallel-sampling requests (n samples of one prompt,
-sharing its full blocks through the prefix cache). It also plays the worker: a
+sharing its full blocks through the prefix cache), under every policy (and the priority
+policy alone, with random priorities: a victim that already had its share of the step gives
+it back). It also plays the worker: a
 model of the KV pool records which token each slot holds, applying the step's
 writes through the worker's own copy of each block table, and every computed
 position must hold its sequence's token (a block written while shared shows
@@ -93,7 +95,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.worker_tables: dict[int, list[int]] = {}  # seq_id -> the worker's block table
 
     @initialize(
-        policy=st.sampled_from(["continuous", "static"]),
+        policy=st.sampled_from(["fcfs", "priority", "static"]),
         chunked=st.booleans(),
         prefix_caching=st.booleans(),
         budget=st.integers(4, 40),
@@ -138,9 +140,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         suffix=st.lists(st.integers(20, 30), max_size=10),
         max_tokens=st.integers(1, 12),
         n=st.sampled_from([1, 1, 2, 3]),
+        priority=st.integers(-1, 2),
     )
-    def admit(self, prefix: list[int], suffix: list[int], max_tokens: int, n: int) -> None:
+    def admit(
+        self, prefix: list[int], suffix: list[int], max_tokens: int, n: int, priority: int
+    ) -> None:
         assert self.sched is not None
+        if self.sched.config.scheduling_policy != "priority":
+            priority = 0  # the engine refuses any other
         parent = f"parent-{self.next_id}" if n > 1 else None
         for _ in range(n):
             seq = Sequence(
@@ -149,6 +156,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 prompt_token_ids=prefix + suffix,
                 sampling=SamplingParams(max_tokens=max_tokens, stop_token_ids=(2,)),
                 parent_request_id=parent,
+                priority=priority,
             )
             self.next_id += 1
             self.sched.add(seq)
@@ -292,6 +300,32 @@ class SchedulerMachine(RuleBasedStateMachine):
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(
     max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class PriorityMachine(SchedulerMachine):
+    """The same properties under the priority policy alone, with four priorities, so that a
+    running sequence earlier in the step than the one that needs a block is often the victim
+    (its share of the step taken back)."""
+
+    @initialize(
+        chunked=st.booleans(),
+        prefix_caching=st.booleans(),
+        budget=st.integers(4, 40),
+        threshold=st.integers(0, 12),
+    )
+    def setup(  # type: ignore[override]
+        self, chunked: bool, prefix_caching: bool, budget: int, threshold: int
+    ) -> None:
+        super().setup("priority", chunked, prefix_caching, budget, threshold, 2, 1)
+
+
+TestPriorityMachine = PriorityMachine.TestCase
+TestPriorityMachine.settings = settings(
+    max_examples=100,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
