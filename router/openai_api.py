@@ -91,6 +91,12 @@ def _sampling(
         raise api_error(e, chat=chat, names=names) from None
 
 
+def _check_prompt_logprobs(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """vLLM's rule: prompt_logprobs come in the whole response only (400 with stream)."""
+    if body.prompt_logprobs is not None and body.stream:
+        raise ApiError(400, "prompt_logprobs: not available with stream: true", "prompt_logprobs")
+
+
 def _message_text(message: ChatMessage, index: int) -> str:
     if message.content is None:
         return ""
@@ -336,6 +342,7 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
     ) -> JSONResponse | StreamingResponse:
         check_body_fields(body)
         model = served.check(body.model)
+        _check_prompt_logprobs(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         # logprobs: true alone = each token's logprob, no alternatives (OpenAI's; proto 0)
@@ -360,10 +367,16 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
     ) -> JSONResponse | StreamingResponse:
         check_body_fields(body)
         model = served.check(body.model)
-        if body.echo:
-            raise ApiError(400, "echo: not supported", "echo")
+        _check_prompt_logprobs(body)
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        sampling = _sampling(body, max_tokens, body.logprobs, chat=False, names={})
+        # vLLM's: echo with max_tokens 0 returns the prompt alone (one token is generated and
+        # left out); echo with logprobs asks for the prompt's logprobs too
+        echo_only = body.echo and max_tokens == 0
+        sampling = _sampling(
+            body, 1 if echo_only else max_tokens, body.logprobs, chat=False, names={}
+        )
+        if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
+            sampling.prompt_logprobs = body.logprobs
         priority = _priority(body)
         p = body.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
@@ -382,7 +395,12 @@ def _add_generation_routes(app: FastAPI, path: RequestPath, served: _Served) -> 
                     _token_ids(item, "prompt" if len(items) == 1 else f"prompt[{i}]")
                 )
             prompts.append(req)
-        run = Run(path, body, model, chat=False, logprobs=body.logprobs is not None)
+        echo = None
+        if body.echo:  # each prompt's text: as sent, or its token ids decoded
+            echo = [item if isinstance(item, str) else path.tokenizer.decode(item)
+                    for item in items]  # fmt: skip
+        run = Run(path, body, model, chat=False, logprobs=body.logprobs is not None,
+                  echo=echo, echo_only=echo_only)  # fmt: skip
         return await run.respond(prompts, raw)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -20,6 +21,13 @@ from sluiceway.router.openai_errors import (
     api_error,
     error_body,
     error_response,
+)
+from sluiceway.router.openai_logprobs import (
+    TextOffsets,
+    chat_entries,
+    completion_logprobs,
+    merge_completion_logprobs,
+    vllm_prompt_logprobs,
 )
 from sluiceway.router.openai_models import ChatCompletionRequest, CompletionRequest
 from sluiceway.router.request_path import RequestPath
@@ -75,14 +83,23 @@ class Run:
         chat: bool,
         logprobs: bool,
         names: dict[str, str] | None = None,
+        echo: list[str] | None = None,
+        echo_only: bool = False,
     ) -> None:
-        """`names`: request fields this request's body named otherwise (for error params)."""
+        """`names`: request fields this request's body named otherwise (for error params).
+        `echo`: completions' ``echo``, each prompt's text, put before its choices' text (and
+        its tokens before their logprobs); `echo_only`: ``max_tokens: 0`` with echo, the
+        prompt alone (the one token generated is left out, as vLLM does)."""
         self.path = path
         self.body = body
         self.model = model
         self.chat = chat
         self.logprobs = logprobs
         self.names = names or {}
+        self.echo = echo
+        self.echo_only = echo_only
+        # vLLM's prompt_logprobs field in the response: only when the body asked for it
+        self.prompt_logprobs = body.prompt_logprobs is not None
         # the client's request_id travels as it is (its length checked as the gRPC API's);
         # OpenAI's prefix is the response's id only
         self.request_id = body.request_id or uuid.uuid4().hex
@@ -111,28 +128,23 @@ class Run:
             return self._stream(0, prompts[0])
         return merge_streams([self._stream(p, r) for p, r in enumerate(prompts)])
 
-    def _logprobs(self, response: inference_pb2.GenerateResponse) -> list[dict[str, Any]]:
-        def entry(text: str, logprob: float) -> dict[str, Any]:
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return [
-            {**entry(lp.token, lp.logprob),
-             "top_logprobs": [entry(x.token, x.logprob) for x in lp.top_logprobs]}
-            for lp in response.logprobs
-        ]  # fmt: skip
-
-    def _completion_logprobs(self, entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
-        offsets, pos = [], offset
-        for e in entries:
-            offsets.append(pos)
-            pos += len(e["token"])
-        return {
-            "tokens": [e["token"] for e in entries],
-            "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]}
-                             for e in entries],
-            "text_offset": offsets,
-        }  # fmt: skip
+    def _completion_choice(
+        self, index: int, r: inference_pb2.GenerateResponse, offsets: TextOffsets, first: bool
+    ) -> tuple[str, dict[str, Any] | None]:
+        """A completion choice's text and logprobs from one response (``first``: the
+        choice's first): the echoed prompt before the output on the first, the output
+        left out with `echo_only`."""
+        n = self.body.n or 1
+        text = "" if self.echo_only else r.text
+        prompt_part = None
+        if self.echo is not None and first:
+            text = self.echo[index // n] + text
+            if self.logprobs:
+                prompt_part = completion_logprobs(r.prompt_logprobs, offsets, prompt=True)
+        if not self.logprobs:
+            return text, None
+        out = completion_logprobs([] if self.echo_only else r.logprobs, offsets)
+        return text, out if prompt_part is None else merge_completion_logprobs(prompt_part, out)
 
     def _usage(self, prompt_tokens: dict[int, int], completion: dict[int, int]) -> dict[str, int]:
         n = self.body.n or 1
@@ -178,15 +190,27 @@ class Run:
         texts: dict[int, list[str]] = {}
         calls: dict[int, list[inference_pb2.ToolCall]] = {}
         lps: dict[int, list[dict[str, Any]]] = {}
+        offsets: dict[int, TextOffsets] = {}
+        prompt_lps: dict[int, list[inference_pb2.TokenLogprobs]] = {}
         finish: dict[int, str] = {}
         prompt_tokens: dict[int, int] = {}
         completion: dict[int, int] = {}
         async with contextlib.aclosing(self._merged(prompts)) as merged:
             async for index, r in merged:
-                texts.setdefault(index, []).append(r.text)
+                first = index not in texts
                 calls.setdefault(index, []).extend(r.tool_calls)
-                if self.logprobs:
-                    lps.setdefault(index, []).extend(self._logprobs(r))
+                if r.prompt_logprobs:
+                    prompt_lps[index] = list(r.prompt_logprobs)
+                if self.chat:
+                    texts.setdefault(index, []).append(r.text)
+                    if self.logprobs:
+                        lps.setdefault(index, []).extend(chat_entries(r.logprobs))
+                else:
+                    at = offsets.setdefault(index, TextOffsets())
+                    text, part = self._completion_choice(index, r, at, first)
+                    texts.setdefault(index, []).append(text)
+                    if part is not None:
+                        lps.setdefault(index, []).append(part)
                 if r.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
                     finish[index] = FINISH.get(r.finish_reason, "stop")
                     prompt_tokens[index] = r.usage.prompt_tokens
@@ -203,11 +227,14 @@ class Run:
                 choice["logprobs"] = {"content": lps.get(index, [])} if self.logprobs else None
             else:
                 choice["text"] = text
+                parts = lps.get(index, [])
                 choice["logprobs"] = (
-                    self._completion_logprobs(lps.get(index, []), 0) if self.logprobs else None
+                    functools.reduce(merge_completion_logprobs, parts) if parts else None
                 )
+                if self.prompt_logprobs:
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps.get(index, []))
             choices.append(choice)
-        return {
+        body: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -215,6 +242,9 @@ class Run:
             "choices": choices,
             "usage": self._usage(prompt_tokens, completion),
         }
+        if self.chat and self.prompt_logprobs:  # vLLM's: the request's, once
+            body["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps.get(0, []))
+        return body
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         body: dict[str, Any] = {
@@ -231,7 +261,7 @@ class Run:
     async def _sse(self, prompts: list[inference_pb2.GenerateRequest]) -> AsyncIterator[str]:
         prompt_tokens: dict[int, int] = {}
         completion: dict[int, int] = {}
-        offsets: dict[int, int] = {}
+        offsets: dict[int, TextOffsets] = {}
         started: set[int] = set()
         async with contextlib.aclosing(self._merged(prompts)) as merged:
             async for index, r in merged:
@@ -245,17 +275,15 @@ class Run:
                         delta = {"role": "assistant", **delta}
                     choice["delta"] = delta
                     choice["logprobs"] = (
-                        {"content": self._logprobs(r)} if self.logprobs and r.logprobs else None
-                    )
-                else:
-                    choice["text"] = r.text
-                    entries = self._logprobs(r) if self.logprobs else []
-                    choice["logprobs"] = (
-                        self._completion_logprobs(entries, offsets.get(index, 0))
-                        if self.logprobs
+                        {"content": chat_entries(r.logprobs)}
+                        if self.logprobs and r.logprobs
                         else None
                     )
-                    offsets[index] = offsets.get(index, 0) + len(r.text)
+                else:
+                    at = offsets.setdefault(index, TextOffsets())
+                    text, part = self._completion_choice(index, r, at, index not in started)
+                    choice["text"] = text
+                    choice["logprobs"] = part
                 started.add(index)
                 choice["finish_reason"] = FINISH.get(r.finish_reason, "stop") if finished else None
                 if finished:

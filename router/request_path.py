@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from sluiceway.router.balancer import ModelLimits, SchedulerPool, merge_schedule
 from sluiceway.router.metrics import Protocol, RequestRecorder
 from sluiceway.router.samples import DetokenizeTotals, Sample, SampleContext, StreamCuts
 from sluiceway.router.streams import merge_streams
+from sluiceway.router.token_bytes import TokenBytes
 from sluiceway.router.tokenizer import encode_chat, encode_prompt, template_takes_tools
 from sluiceway.router.tool_calls import (
     ToolPlan,
@@ -91,6 +93,11 @@ class RequestPath:
         self.cuts = StreamCuts()
         self._idle = asyncio.Event()  # set while num_in_flight is 0
         self._idle.set()
+
+    @functools.cached_property
+    def token_bytes(self) -> TokenBytes:
+        """Each token's own bytes and OpenAI text (logprob entries), built on first use."""
+        return TokenBytes(self.tokenizer)
 
     @property
     def limits(self) -> ModelLimits | None:
@@ -201,6 +208,7 @@ class RequestPath:
             ctx = SampleContext(
                 pool=self.pool,
                 tokenizer=self.tokenizer,
+                token_bytes=self.token_bytes,
                 totals=self.detokenize,
                 request_id=request_id,
                 prompt_ids=prompt_ids,

@@ -23,7 +23,7 @@ from sluiceway.internal.v1 import scheduler_pb2
 from sluiceway.router.balancer import SchedulerPool, SchedulerReplica
 from sluiceway.router.detokenizer import IncrementalDetokenizer
 from sluiceway.router.metrics import FINISHED_REASONS, RequestRecorder
-from sluiceway.router.tokenizer import token_text
+from sluiceway.router.token_bytes import TokenBytes, fill_logprob_text
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.status import RequestError, error_from_rpc, written_by_sluiceway
 from sluiceway.v1 import inference_pb2
@@ -74,6 +74,7 @@ class SampleContext:
 
     pool: SchedulerPool
     tokenizer: object
+    token_bytes: TokenBytes  # each token's own bytes and text, for logprob entries
     totals: DetokenizeTotals
     request_id: str
     prompt_ids: list[int]
@@ -99,6 +100,8 @@ class Sample:
         self.rlog = rlog
         self.recorder = recorder
         self.finished = False
+        # GenerateResponse.prompt_logprobs still to send (on this sample's first message)
+        self.prompt_logprobs_due = ctx.params.prompt_logprobs is not None
 
     def add_request(self) -> scheduler_pb2.AddRequestRequest:
         """The scheduler request of this sample (its own seed and ids when n > 1)."""
@@ -247,10 +250,14 @@ class Sample:
         finish = inference_pb2.FINISH_REASON_STOP if detok.stopped else event.finish_reason
         if finish != UNSPECIFIED and not detok.stopped:
             text += detok.flush()
-        for lp in event.logprobs:  # each token's own text, for every client (logprobs.token)
-            lp.token = token_text(ctx.tokenizer, lp.token_id)
-            for top in lp.top_logprobs:
-                top.token = token_text(ctx.tokenizer, top.token_id)
+        skip = ctx.params.skip_special_tokens
+        for lp in event.logprobs:  # each token's own text and bytes, for every client
+            fill_logprob_text(ctx.token_bytes, lp, skip)
+        if self.prompt_logprobs_due:  # the first event: the first prompt token has no logprob
+            self.prompt_logprobs_due = False
+            event.prompt_logprobs.insert(0, inference_pb2.TokenLogprobs(token_id=ctx.prompt_ids[0]))
+        for lp in event.prompt_logprobs:  # the prompt's text keeps its special tokens
+            fill_logprob_text(ctx.token_bytes, lp, False)
         ctx.totals.seconds += time.perf_counter() - t0
         ctx.totals.tokens += len(event.token_ids)
         response = inference_pb2.GenerateResponse(
@@ -260,6 +267,7 @@ class Sample:
             finish_reason=finish,
             logprobs=event.logprobs,
             index=self.index,
+            prompt_logprobs=event.prompt_logprobs,
         )
         if finish != UNSPECIFIED:
             response.usage.prompt_tokens = len(ctx.prompt_ids)

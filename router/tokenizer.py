@@ -20,7 +20,6 @@ __all__ = [
     "encode_prompt",
     "load_tokenizer",
     "template_takes_tools",
-    "token_text",
 ]
 
 #: Roles a chat message may carry (the public proto's `ChatMessage.role`).
@@ -65,12 +64,6 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     rejects an empty prompt (`check_prompt_token_ids`).
     """
     return [int(i) for i in tokenizer.encode(text)]
-
-
-def token_text(tokenizer: Any, token_id: int) -> str:
-    """The text of one token alone (`TokenLogprobs.token`): special tokens written out, a
-    token that holds part of a UTF-8 character decoded as U+FFFD, as vLLM's logprobs."""
-    return str(tokenizer.decode([token_id]))
 
 
 def template_takes_tools(tokenizer: Any) -> bool:

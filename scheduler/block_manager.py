@@ -101,6 +101,8 @@ class BlockManager:
         token is left to compute (its logits give the next token). Valid until
         the pool changes: pass it to `allocate_slots` in the same step.
         """
+        if seq.wants_prompt_logprobs:  # its prompt's logits are wanted: computed, not read
+            return CachedPrefix((), 0)
         max_tokens = self.max_cached_prefix_tokens(seq.num_tokens)
         blocks = self._cached_blocks(seq, max_tokens // self.block_size)
         return CachedPrefix(tuple(blocks), len(blocks) * self.block_size)

@@ -418,8 +418,8 @@ class Scheduler:
         prompt's tokens a prefix-cache hit can give, which the cache then gives `seq`. Never
         with prefix caching off, nor for a prompt without a full block to share."""
         parent = seq.parent_request_id
-        if parent is None or seq.output_token_ids:
-            return False
+        if parent is None or seq.output_token_ids or seq.wants_prompt_logprobs:
+            return False  # (a sample owing prompt logprobs computes its prompt anyway)
         num_shared = self.block_manager.max_cached_prefix_tokens(len(seq.prompt_token_ids))
         if num_shared == 0:
             return False
@@ -470,6 +470,8 @@ class Scheduler:
     def _forget(self, seq: Sequence) -> None:
         """Resets `seq`'s progress and has the workers drop their record of it."""
         seq.num_computed_tokens = 0
+        if seq.wants_prompt_logprobs:
+            seq.prompt_logprobs.clear()  # computed again with the prompt
         if seq.num_tokens_on_worker:
             self._forgotten_seq_ids.append(seq.seq_id)
             seq.num_tokens_on_worker = 0

@@ -50,6 +50,10 @@ class Sequence:
     # lower is served first under the priority policy (AddRequestRequest.priority); 0 else
     priority: int = 0
 
+    # prompt logprobs the workers computed so far (prompt tokens 1.. in order), sent with the
+    # first token (TokenEvent.prompt_logprobs)
+    prompt_logprobs: list[inference_pb2.TokenLogprobs] = field(default_factory=list)
+
     # sampling.stop_token_ids as a set: looked up for every sampled token
     stop_token_ids: frozenset[int] = field(init=False)
 
@@ -60,6 +64,12 @@ class Sequence:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the request asked for prompt logprobs and has not had them yet (they go
+        out with the first token): its prompt is computed, never taken from the cache."""
+        return self.sampling.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def token_ids(self) -> list[int]:

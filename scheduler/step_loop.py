@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -103,16 +103,32 @@ def token_logprobs(sampled: worker_pb2.SampledToken) -> inference_pb2.TokenLogpr
     )
 
 
+def add_prompt_logprobs(out: SchedulerOutput, chunks: Iterable[worker_pb2.PromptLogprobs]) -> None:
+    """Appends each chunk's prompt logprobs to its sequence (chunks of one prompt come in
+    prompt order, one step after another); a chunk that does not continue what the sequence
+    holds (it was preempted while the step ran, say) is dropped."""
+    seqs = {s.seq.seq_id: s.seq for s in out.scheduled}
+    for chunk in chunks:
+        seq = seqs.get(chunk.seq_id)
+        if seq is None or not seq.wants_prompt_logprobs:
+            continue
+        if chunk.first_token_index == len(seq.prompt_logprobs) + 1:
+            seq.prompt_logprobs.extend(chunk.logprobs)
+
+
 def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepRequest:
     """Translates a `SchedulerOutput` into the wire message of one step."""
     req = worker_pb2.StepRequest(step_id=step_id, finished_seq_ids=out.finished_seq_ids)
     for s in out.scheduled:
         if s.is_new:
+            sampling = s.seq.sampling.to_proto()
+            if not s.seq.wants_prompt_logprobs:  # none, or sent before a preemption
+                sampling.ClearField("prompt_logprobs")
             req.new_sequences.append(
                 worker_pb2.NewSequence(
                     seq_id=s.seq.seq_id,
                     prompt_token_ids=s.appended_token_ids,
-                    sampling=s.seq.sampling.to_proto(),
+                    sampling=sampling,
                     request_id=s.seq.request_id,
                     num_prompt_tokens=len(s.seq.prompt_token_ids),
                 )
@@ -236,6 +252,8 @@ class StepLoop:
         """Appends the step's sampled tokens and sends each to its request's stream."""
         by_seq = {s.seq_id: s for s in response.sampled}
         sampled = {seq_id: s.token_id for seq_id, s in by_seq.items()}
+        if response.prompt_logprobs:
+            add_prompt_logprobs(out, response.prompt_logprobs)
         for update in sched.apply_sampled(out, sampled):
             seq = update.seq
             if not self.requests.is_live(seq):
@@ -245,6 +263,9 @@ class StepLoop:
             )
             if seq.sampling.logprobs is not None:
                 event.logprobs.append(token_logprobs(by_seq[seq.seq_id]))
+            if len(seq.output_token_ids) == 1 and seq.prompt_logprobs:
+                event.prompt_logprobs.extend(seq.prompt_logprobs)
+                seq.prompt_logprobs = []
             if len(seq.output_token_ids) == 1 and seq.first_scheduled_time is not None:
                 event.queue_seconds = seq.first_scheduled_time - seq.arrival_time
             self.requests.send(seq, event)

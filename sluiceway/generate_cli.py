@@ -33,6 +33,7 @@ _PRESENTATION: dict[str, dict[str, str]] = {
     "logit_bias": {"metavar": "ID=BIAS[,ID=BIAS...]", "more": ", comma-separated"},
     "allowed_token_ids": {"metavar": "ID[,ID...]", "more": ", comma-separated"},
     "logprobs": {"metavar": "N", "more": "; printed to stderr after the text"},
+    "prompt_logprobs": {"metavar": "N", "more": "; printed to stderr after the text"},
     "n": {"short": "-n", "more": "; printed one after the other under a '--- sample I ---' line"},
 }
 
@@ -307,6 +308,7 @@ def generate_command(args: argparse.Namespace) -> int:
     last: list[Any] = [None] * n
     logprobs: list[list[Any]] = [[] for _ in range(n)]
     calls: list[dict[int, list[str]]] = [{} for _ in range(n)]  # index -> [name, arguments]
+    prompt_logprobs: list[list[Any]] = [[] for _ in range(n)]
     started = False
     try:
         client = Client(args.target, **client_options(args))
@@ -323,6 +325,7 @@ def generate_command(args: argparse.Namespace) -> int:
                 logprobs[i].extend(response.logprobs)
                 for call in response.tool_calls:
                     calls[i].setdefault(call.index, [call.name, ""])[1] += call.arguments
+                prompt_logprobs[i].extend(response.prompt_logprobs)
                 last[i] = response
                 if n == 1:
                     sys.stdout.write(response.text)
@@ -349,6 +352,8 @@ def generate_command(args: argparse.Namespace) -> int:
         if not texts[i] and not calls[i]:
             print(f"sluiceway generate: {label}{_empty_hint(reason, ids[i], eos_ids)}",
                   file=sys.stderr)  # fmt: skip
+        if args.prompt_logprobs is not None:
+            _print_logprobs(label + "prompt ", prompt_logprobs[i], prompt=True)
         if args.logprobs is not None:
             _print_logprobs(label, logprobs[i])
         if args.show_usage and last[i] is not None:
@@ -377,16 +382,21 @@ def _failure(error: grpc.RpcError, target: str, started: bool) -> str:
     )
 
 
-def _print_logprobs(label: str, logprobs: list[inference_pb2.TokenLogprobs]) -> None:
+def _print_logprobs(
+    label: str, logprobs: list[inference_pb2.TokenLogprobs], prompt: bool = False
+) -> None:
     """One stderr line per token: its position, text (JSON-quoted: whitespace shows), id and
-    log-probability, then the top ones the same way."""
+    log-probability, then the top ones the same way. ``prompt``: the prompt's entries (the
+    first has no log-probability: "none")."""
 
-    def token(text: str, token_id: int, logprob: float) -> str:
-        return f"{json.dumps(text, ensure_ascii=False)} ({token_id}) {logprob:.4f}"
+    def token(text: str, token_id: int, logprob: float | None) -> str:
+        value = "none" if logprob is None else f"{logprob:.4f}"
+        return f"{json.dumps(text, ensure_ascii=False)} ({token_id}) {value}"
 
     for k, lp in enumerate(logprobs):
         top = ", ".join(token(t.token, t.token_id, t.logprob) for t in lp.top_logprobs)
-        print(f"logprobs: {label}{k} token {token(lp.token, lp.token_id, lp.logprob)}"
+        value = None if prompt and k == 0 else lp.logprob
+        print(f"logprobs: {label}{k} token {token(lp.token, lp.token_id, value)}"
               + (f"  top: {top}" if top else ""), file=sys.stderr)  # fmt: skip
 
 

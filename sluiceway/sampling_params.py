@@ -231,6 +231,10 @@ class SamplingParams:
         (), "only these token ids may be sampled", token_ids=True,
         max_items=MAX_VOCAB_SIZE,
     )  # fmt: skip
+    prompt_logprobs: int | None = _param(
+        None, "each prompt token's log-probability and the N most likely at its position",
+        low=0, high=20,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         for name, (default, rule) in FIELDS.items():

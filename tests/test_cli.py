@@ -93,7 +93,7 @@ def test_generate_has_a_flag_for_every_sampling_param() -> None:
          "--frequency-penalty", "-0.5", "--stop", "a", "--stop", "b c", "--stop-token-ids",
          "2,7", "--ignore-eos", "--include-stop-str-in-output", "--no-skip-special-tokens",
          "--logprobs", "5", "-n", "2", "--logit-bias", "28=100,29=-5.5", "--allowed-token-ids",
-         "4,5", "--choice", "yes", "--choice", "no"]
+         "4,5", "--prompt-logprobs", "0", "--choice", "yes", "--choice", "no"]
     )  # fmt: skip
     req = build_request(args, "Hi")
     s = req.sampling

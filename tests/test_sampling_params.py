@@ -65,7 +65,7 @@ def test_every_field_survives_the_wire_both_ways() -> None:
         stop=("a", "b"), stop_token_ids=(5, 2), ignore_eos=True, seed=0, min_p=0.25,
         presence_penalty=-1.5, frequency_penalty=0.5, min_tokens=2,
         include_stop_str_in_output=True, skip_special_tokens=False, logprobs=0, n=3,
-        logit_bias={7: -100.0, 8: 2.5}, allowed_token_ids=(3, 9),
+        logit_bias={7: -100.0, 8: 2.5}, allowed_token_ids=(3, 9), prompt_logprobs=0,
     )  # fmt: skip
     constrained = dataclasses.replace(  # allowed_token_ids and a constraint exclude each other
         params,
@@ -392,6 +392,7 @@ def test_min_p_is_off_for_greedy_and_min_tokens_capped_with_max_tokens() -> None
         ({"presence_penalty": math.nan}, "sampling.presence_penalty"),
         ({"frequency_penalty": -3.0}, "sampling.frequency_penalty"),
         ({"logprobs": 21}, "sampling.logprobs"),
+        ({"prompt_logprobs": 21}, "sampling.prompt_logprobs"),
         ({"min_tokens": 17}, "sampling.min_tokens"),  # over the default max_tokens 16
         ({"min_tokens": 5, "max_tokens": 4}, "sampling.min_tokens"),
     ],

@@ -41,6 +41,11 @@ from sluiceway.worker.model_setup import (
     select_linear_kernels,
 )
 from sluiceway.worker.parallel import check_tensor_parallel, joined_group
+from sluiceway.worker.prompt_logprobs import (
+    PromptLogprobs,
+    compute_prompt_logprobs,
+    plan_prompt_logprobs,
+)
 from sluiceway.worker.sampler import sample
 from sluiceway.worker.step_inputs import (
     ScheduledChunk,
@@ -124,7 +129,9 @@ class ModelRunner:
     ``config`` (:class:`worker.model.ModelConfig`), ``kv_pool`` (the
     ``[num_layers, 2, num_blocks, Hkv, block_size * D]`` tensor, layout in
     :mod:`kernels.paged_attention`, ``Hkv`` the rank's KV heads), ``bytes_per_block``,
-    ``last_timings`` (:class:`StepTimings` of the last :meth:`execute`), ``tp``
+    ``last_timings`` (:class:`StepTimings` of the last :meth:`execute`),
+    ``last_prompt_logprobs`` (the :class:`worker.prompt_logprobs.PromptLogprobs` the last
+    :meth:`execute` computed, on rank 0, for sequences that ask for them), ``tp``
     (:class:`worker.parallel.TensorParallelGroup`).
 
     Raises:
@@ -157,6 +164,7 @@ class ModelRunner:
         self.model_dir = model_dir
         self._device = resolve_device(device)
         self.last_timings = StepTimings()
+        self.last_prompt_logprobs: list[PromptLogprobs] = []
         self.config: ModelConfig = load_config(model_dir) if model is None else model.config
         check_tensor_parallel(self.config, tensor_parallel_size)
         self.tp = joined_group(tensor_parallel_rank, tensor_parallel_size)
@@ -387,6 +395,7 @@ class ModelRunner:
             ValueError: an inconsistent chunk (see :meth:`_prepare`).
         """
         timings = self.last_timings = StepTimings()
+        self.last_prompt_logprobs = []
         if self.batch_invariant:
             return self._execute_batch(chunks, timings)
         isolated: list[ScheduledChunk] = []
@@ -422,12 +431,15 @@ class ModelRunner:
                 inputs = self._prepare(chunks)
                 sampling = inputs.sampling
                 t1 = time.perf_counter()
+                hidden = self._forward(inputs)
+                plan = plan_prompt_logprobs(chunks, inputs.row_start)
+                if plan is not None:  # a prompt's own logits, before the sampling rows'
+                    prompt = compute_prompt_logprobs(self.model, hidden, plan)
+                    self.last_prompt_logprobs.extend(prompt)
                 if not sampling:
-                    self._forward(inputs)
                     timings.prepare_s += t1 - t0
                     timings.forward_s += time.perf_counter() - t1
                     return []
-                hidden = self._forward(inputs)
                 rows = [inputs.row_start[i] + chunks[i].num_new_tokens - 1 for i in sampling]
                 rows_t = torch.tensor(rows, dtype=torch.int64, device=self._device)
                 selected = hidden.index_select(0, rows_t)

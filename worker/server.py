@@ -38,6 +38,7 @@ from sluiceway.worker.config import WorkerConfig
 from sluiceway.worker.kv_pool import SharedKvPool, copy_blocks, open_kv_pool
 from sluiceway.worker.metrics import FORWARD_SECONDS, step_phase
 from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
+from sluiceway.worker.prompt_logprobs import PromptLogprobs
 from sluiceway.worker.structured_output import ConstraintError, GrammarCompiler
 
 log = structlog.get_logger("worker")
@@ -56,6 +57,33 @@ REREGISTER_PAUSE_S = 1.0
 # gRPC's reconnect backoff grows to 2 minutes; a worker waiting for its scheduler retries
 # the connection at least this often (milliseconds), to register soon after it is back.
 REGISTER_MAX_RECONNECT_BACKOFF_MS = 2000
+
+
+def _prompt_logprobs(p: PromptLogprobs) -> worker_pb2.PromptLogprobs:
+    """The wire form of one chunk's prompt logprobs."""
+    return worker_pb2.PromptLogprobs(
+        seq_id=p.seq_id,
+        first_token_index=p.first_token_index,
+        logprobs=[
+            inference_pb2.TokenLogprobs(
+                token_id=t,
+                logprob=lp,
+                rank=rank,
+                top_logprobs=[
+                    inference_pb2.TopLogprob(token_id=i, logprob=v)
+                    for i, v in zip(ids, lps, strict=True)
+                ],
+            )
+            for t, lp, rank, ids, lps in zip(
+                p.token_ids,
+                p.logprobs,
+                p.ranks,
+                p.top_ids or [[]] * len(p.token_ids),
+                p.top_logprobs or [[]] * len(p.token_ids),
+                strict=True,
+            )
+        ],
+    )
 
 
 class StepExecutor:
@@ -124,6 +152,7 @@ class StepExecutor:
             prepare_seconds=timings.prepare_s,
             forward_seconds=timings.forward_s,
             sample_seconds=timings.sample_s,
+            prompt_logprobs=[_prompt_logprobs(p) for p in self.runner.last_prompt_logprobs],
             step_seconds=time.perf_counter() - t0,
         )
 

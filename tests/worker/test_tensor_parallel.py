@@ -197,7 +197,8 @@ def _scenario(runner: ModelRunner) -> dict[str, Any]:
     seqs: list[SequenceData] = []
     for i, n in enumerate(PROMPT_LENS):
         prompt = [rng.randrange(vocab) for _ in range(n)]
-        seqs.append(runner.make_sequence(i, prompt, SamplingParams(temperature=0.0)))
+        asks = {"prompt_logprobs": 2} if i == 0 else {}  # its prompt's logits: every row's
+        seqs.append(runner.make_sequence(i, prompt, SamplingParams(temperature=0.0, **asks)))
     generated: list[list[int]] = [[] for _ in seqs]
     logits: list[torch.Tensor] = []
     returned: list[int] = []
@@ -211,6 +212,9 @@ def _scenario(runner: ModelRunner) -> dict[str, Any]:
             chunks.append(ScheduledChunk(seq, start, total - start))
         logits.append(torch.stack([x[-1] for x in step_logits(runner, chunks)]))
         out = runner.execute(chunks)
+        if step == 0:
+            prompt_lps = [(p.seq_id, p.token_ids, p.logprobs, p.ranks, p.top_ids)
+                          for p in runner.last_prompt_logprobs]  # fmt: skip
         returned.append(len(out))
         ids = [[t.token_id for t in out]]
         if runner.tp.enabled:
@@ -218,7 +222,8 @@ def _scenario(runner: ModelRunner) -> dict[str, Any]:
         for seq, gen, token in zip(seqs, generated, ids[0], strict=True):
             seq.token_ids.append(token)
             gen.append(token)
-    return {"tokens": generated, "logits": torch.stack(logits), "returned": returned}
+    return {"tokens": generated, "logits": torch.stack(logits), "returned": returned,
+            "prompt_logprobs": prompt_lps}  # fmt: skip
 
 
 def _rank_main(rank: int, port: int, model_dirs: list[str], results: Any) -> None:
@@ -304,6 +309,14 @@ def test_two_gloo_ranks_match_one(tp_models: dict[str, pathlib.Path]) -> None:
             assert diff <= 1e-4, (name, rank, diff)
             expected_returned = ref["returned"] if rank == 0 else [0] * (NUM_DECODE_STEPS + 1)
             assert out["returned"] == expected_returned
+            if rank:  # rank 0 takes the prompt's logprobs, as it samples
+                assert out["prompt_logprobs"] == []
+            else:
+                [(seq_id, ids, lps, ranks, tops)] = out["prompt_logprobs"]
+                [(_, ref_ids, ref_lps, ref_ranks, ref_tops)] = ref["prompt_logprobs"]
+                assert (seq_id, ids, ranks, tops) == (0, ref_ids, ref_ranks, ref_tops)
+                assert len(ids) == PROMPT_LENS[0] - 1
+                assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) <= 1e-4
             ratio = out["parameter_bytes"] / ref_bytes
             print(
                 f"{name} rank {rank}: parameters {out['parameter_bytes']} of {ref_bytes} bytes "

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from sluiceway.v1 import inference_pb2 as sluiceway_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%sluiceway/internal/v1/scheduler.proto\x12\x15sluiceway.internal.v1\x1a\x1csluiceway/v1/inference.proto\"\xca\x01\n\x11\x41\x64\x64RequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.sluiceway.v1.SamplingParams\x12\x19\n\x11parent_request_id\x18\x07 \x01(\t\x12\x18\n\x10output_token_ids\x18\x08 \x03(\r\x12\x10\n\x08priority\x18\t \x01(\x05J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\xaf\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.sluiceway.v1.TokenLogprobs\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.sluiceway.v1.FinishReason\x12\x1a\n\rqueue_seconds\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_queue_seconds\"\x19\n\x17GetSchedulerInfoRequest\"\xc2\x02\n\rSchedulerInfo\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14num_requests_running\x18\x07 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x35\n\x08kv_cache\x18\n \x01(\x0b\x32#.sluiceway.internal.v1.KvCacheStats\x12+\n\nstep_times\x18\x0b \x01(\x0b\x32\x17.sluiceway.v1.StepTimes\"\xc3\x01\n\x0cKvCacheStats\x12\x13\n\x0butilization\x18\x01 \x01(\x02\x12\x1b\n\x13tokens_stored_total\x18\x02 \x01(\x04\x12\x1d\n\x15slots_allocated_total\x18\x03 \x01(\x04\x12\"\n\x1aprefix_cache_queries_total\x18\x04 \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x05 \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\x06 \x01(\x04\"\x9b\x02\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x14\n\x0cworker_group\x18\x08 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\r\x12\x34\n\x07kv_pool\x18\n \x01(\x0b\x32#.sluiceway.internal.v1.KvPoolHandle\x12\x11\n\tworker_id\x18\x0b \x01(\t\"\x8c\x01\n\x0cKvPoolHandle\x12\x12\n\x08shm_path\x18\x01 \x01(\tH\x00\x12\x19\n\x0f\x63uda_ipc_handle\x18\x02 \x01(\x0cH\x00\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x05 \x01(\x05\x12\r\n\x05owner\x18\x06 \x01(\tB\n\n\x08location\"/\n\x16RegisterWorkerResponse\x12\x15\n\rmax_model_len\x18\x01 \x01(\r\"\x1a\n\x18SubscribeKvEventsRequest\"N\n\x08KvEvents\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\x12\x12\n\nblock_size\x18\x04 \x01(\r2\xaa\x03\n\tScheduler\x12[\n\nAddRequest\x12(.sluiceway.internal.v1.AddRequestRequest\x1a!.sluiceway.internal.v1.TokenEvent0\x01\x12h\n\x10GetSchedulerInfo\x12..sluiceway.internal.v1.GetSchedulerInfoRequest\x1a$.sluiceway.internal.v1.SchedulerInfo\x12m\n\x0eRegisterWorker\x12,.sluiceway.internal.v1.RegisterWorkerRequest\x1a-.sluiceway.internal.v1.RegisterWorkerResponse\x12g\n\x11SubscribeKvEvents\x12/.sluiceway.internal.v1.SubscribeKvEventsRequest\x1a\x1f.sluiceway.internal.v1.KvEvents0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%sluiceway/internal/v1/scheduler.proto\x12\x15sluiceway.internal.v1\x1a\x1csluiceway/v1/inference.proto\"\xca\x01\n\x11\x41\x64\x64RequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.sluiceway.v1.SamplingParams\x12\x19\n\x11parent_request_id\x18\x07 \x01(\t\x12\x18\n\x10output_token_ids\x18\x08 \x03(\r\x12\x10\n\x08priority\x18\t \x01(\x05J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\xe5\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.sluiceway.v1.TokenLogprobs\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.sluiceway.v1.FinishReason\x12\x1a\n\rqueue_seconds\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.sluiceway.v1.TokenLogprobsB\x10\n\x0e_queue_seconds\"\x19\n\x17GetSchedulerInfoRequest\"\xc2\x02\n\rSchedulerInfo\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14num_requests_running\x18\x07 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x35\n\x08kv_cache\x18\n \x01(\x0b\x32#.sluiceway.internal.v1.KvCacheStats\x12+\n\nstep_times\x18\x0b \x01(\x0b\x32\x17.sluiceway.v1.StepTimes\"\xc3\x01\n\x0cKvCacheStats\x12\x13\n\x0butilization\x18\x01 \x01(\x02\x12\x1b\n\x13tokens_stored_total\x18\x02 \x01(\x04\x12\x1d\n\x15slots_allocated_total\x18\x03 \x01(\x04\x12\"\n\x1aprefix_cache_queries_total\x18\x04 \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x05 \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\x06 \x01(\x04\"\x9b\x02\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x14\n\x0cworker_group\x18\x08 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\r\x12\x34\n\x07kv_pool\x18\n \x01(\x0b\x32#.sluiceway.internal.v1.KvPoolHandle\x12\x11\n\tworker_id\x18\x0b \x01(\t\"\x8c\x01\n\x0cKvPoolHandle\x12\x12\n\x08shm_path\x18\x01 \x01(\tH\x00\x12\x19\n\x0f\x63uda_ipc_handle\x18\x02 \x01(\x0cH\x00\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x05 \x01(\x05\x12\r\n\x05owner\x18\x06 \x01(\tB\n\n\x08location\"/\n\x16RegisterWorkerResponse\x12\x15\n\rmax_model_len\x18\x01 \x01(\r\"\x1a\n\x18SubscribeKvEventsRequest\"N\n\x08KvEvents\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\x12\x12\n\nblock_size\x18\x04 \x01(\r2\xaa\x03\n\tScheduler\x12[\n\nAddRequest\x12(.sluiceway.internal.v1.AddRequestRequest\x1a!.sluiceway.internal.v1.TokenEvent0\x01\x12h\n\x10GetSchedulerInfo\x12..sluiceway.internal.v1.GetSchedulerInfoRequest\x1a$.sluiceway.internal.v1.SchedulerInfo\x12m\n\x0eRegisterWorker\x12,.sluiceway.internal.v1.RegisterWorkerRequest\x1a-.sluiceway.internal.v1.RegisterWorkerResponse\x12g\n\x11SubscribeKvEvents\x12/.sluiceway.internal.v1.SubscribeKvEventsRequest\x1a\x1f.sluiceway.internal.v1.KvEvents0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADDREQUESTREQUEST']._serialized_start=95
   _globals['_ADDREQUESTREQUEST']._serialized_end=297
   _globals['_TOKENEVENT']._serialized_start=300
-  _globals['_TOKENEVENT']._serialized_end=475
-  _globals['_GETSCHEDULERINFOREQUEST']._serialized_start=477
-  _globals['_GETSCHEDULERINFOREQUEST']._serialized_end=502
-  _globals['_SCHEDULERINFO']._serialized_start=505
-  _globals['_SCHEDULERINFO']._serialized_end=827
-  _globals['_KVCACHESTATS']._serialized_start=830
-  _globals['_KVCACHESTATS']._serialized_end=1025
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1028
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1311
-  _globals['_KVPOOLHANDLE']._serialized_start=1314
-  _globals['_KVPOOLHANDLE']._serialized_end=1454
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1456
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1503
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=1505
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=1531
-  _globals['_KVEVENTS']._serialized_start=1533
-  _globals['_KVEVENTS']._serialized_end=1611
-  _globals['_SCHEDULER']._serialized_start=1614
-  _globals['_SCHEDULER']._serialized_end=2040
+  _globals['_TOKENEVENT']._serialized_end=529
+  _globals['_GETSCHEDULERINFOREQUEST']._serialized_start=531
+  _globals['_GETSCHEDULERINFOREQUEST']._serialized_end=556
+  _globals['_SCHEDULERINFO']._serialized_start=559
+  _globals['_SCHEDULERINFO']._serialized_end=881
+  _globals['_KVCACHESTATS']._serialized_start=884
+  _globals['_KVCACHESTATS']._serialized_end=1079
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1082
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1365
+  _globals['_KVPOOLHANDLE']._serialized_start=1368
+  _globals['_KVPOOLHANDLE']._serialized_end=1508
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1510
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1557
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=1559
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=1585
+  _globals['_KVEVENTS']._serialized_start=1587
+  _globals['_KVEVENTS']._serialized_end=1665
+  _globals['_SCHEDULER']._serialized_start=1668
+  _globals['_SCHEDULER']._serialized_end=2094
 # @@protoc_insertion_point(module_scope)

@@ -24,16 +24,18 @@ class AddRequestRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., parent_request_id: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "queue_seconds")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "queue_seconds", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprobs]
     finish_reason: _inference_pb2.FinishReason
     queue_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., queue_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GetSchedulerInfoRequest(_message.Message):
     __slots__ = ()

@@ -87,17 +87,29 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled", "forward_seconds", "prepare_seconds", "sample_seconds", "step_seconds")
+    __slots__ = ("step_id", "sampled", "forward_seconds", "prepare_seconds", "sample_seconds", "step_seconds", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_seconds: float
     prepare_seconds: float
     sample_seconds: float
     step_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("seq_id", "first_token_index", "logprobs")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    first_token_index: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprobs]
+    def __init__(self, seq_id: _Optional[int] = ..., first_token_index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
