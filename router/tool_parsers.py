@@ -122,11 +122,10 @@ class Format(Protocol):
         while it is incomplete. Raises Malformed for a segment that is not valid calls."""
 
 
-class HermesFormat:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen); the
-    closing tag may be missing at the end of the output, as vLLM's parser takes it."""
+class _StartMarker:
+    """A format whose calls begin with the marker `start`, wherever it stands."""
 
-    start, end = "<tool_call>", "</tool_call>"
+    start = ""
 
     def find(self, text: str, at_start: bool) -> int | None:
         i = text.find(self.start)
@@ -134,6 +133,13 @@ class HermesFormat:
 
     def hold(self, text: str, at_start: bool) -> int:
         return _partial_marker(text, self.start)
+
+
+class HermesFormat(_StartMarker):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen); the
+    closing tag may be missing at the end of the output, as vLLM's parser takes it."""
+
+    start, end = "<tool_call>", "</tool_call>"
 
     def take(self, buf: str, final: bool) -> tuple[list[Call], int] | None:
         close = buf.find(self.end)
@@ -181,18 +187,11 @@ class Llama3JsonFormat:
         return [_call(obj, "parameters", "arguments")], end
 
 
-class MistralFormat:
+class MistralFormat(_StartMarker):
     """``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` (or one object), or
     Mistral's v11 ``[TOOL_CALLS]name[ARGS]{...}`` (one call per marker)."""
 
     start, args = "[TOOL_CALLS]", "[ARGS]"
-
-    def find(self, text: str, at_start: bool) -> int | None:
-        i = text.find(self.start)
-        return None if i < 0 else i
-
-    def hold(self, text: str, at_start: bool) -> int:
-        return _partial_marker(text, self.start)
 
     def take(self, buf: str, final: bool) -> tuple[list[Call], int] | None:
         pos = _skip_ws(buf, len(self.start))
