@@ -190,11 +190,12 @@ def _priority(body: ChatCompletionRequest | CompletionRequest) -> int:
     wire = wire_range(inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["priority"])
     assert wire is not None
     kind, lo, hi = wire
-    if not lo <= body.priority <= hi:
+    priority = body.priority or 0  # unset or null: the default
+    if not lo <= priority <= hi:
         raise ApiError(
-            400, f"priority: must be in [{lo}, {hi}] ({kind}); got {body.priority}", "priority"
+            400, f"priority: must be in [{lo}, {hi}] ({kind}); got {priority}", "priority"
         )
-    return body.priority
+    return priority
 
 
 class _Served:

@@ -103,7 +103,8 @@ def check_body_fields(body: BaseModel, prefix: str = "") -> None:
         prefix: `body`'s place in the request, for the error's `param` ("messages[2]").
 
     Raises:
-        ApiError(400): the first refused field, its path as `param`.
+        ApiError(400): the first refused field, its path as `param`; or a string with a lone
+            UTF-16 surrogate (JSON allows ``"\\ud800"``, UTF-8 cannot carry it).
     """
     for name, value in (body.model_extra or {}).items():
         where = _name(prefix, name)
@@ -125,6 +126,29 @@ def check_body_fields(body: BaseModel, prefix: str = "") -> None:
             for i, item in enumerate(value):
                 if isinstance(item, BaseModel):
                     check_body_fields(item, f"{where}[{i}]")
+                else:
+                    _check_text(item, f"{where}[{i}]")
+        else:
+            _check_text(value, where)
+
+
+def _check_text(value: Any, where: str) -> None:
+    """Refuses a string holding a lone surrogate in `value` (a string, or a JSON list or
+    object of them at any depth), naming where: the tokenizer, the proto and the response
+    would each fail to encode it (a 500)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            message = f"{where}: not valid Unicode (a lone surrogate at character {e.start})"
+            raise ApiError(400, message, where) from None
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, where)
+            _check_text(item, f"{where}.{key}")
 
 
 def check_json_nesting(body: bytes, limit: int = MAX_BODY_NESTING) -> None:

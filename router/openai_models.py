@@ -96,8 +96,8 @@ class _FrontFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # vLLM's extra-body `priority`: sluiceway.v1.GenerateRequest.priority (lower first under
-    # --scheduling-policy priority; anything but 0 is refused under fcfs)
-    priority: int = 0
+    # --scheduling-policy priority; anything but 0 is refused under fcfs); null is 0
+    priority: int | None = None
 
 
 # Both endpoints' parameters: the shared sampling fields, unset (None) unless the body sets

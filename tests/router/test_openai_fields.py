@@ -182,3 +182,31 @@ def test_readme_field_table_is_the_codes() -> None:
     assert {"messages", "messages[].role", "temperature", "response_format.json_schema.schema",
             "stream_options.include_usage"} <= set(names)  # fmt: skip
     assert not set(names) & (set(IGNORED) | set(REFUSED)), "declared and also ignored/refused"
+
+
+@pytest.mark.parametrize(
+    ("url", "body", "param"),
+    [("/v1/completions", {"prompt": "\ud800"}, "prompt"),
+     ("/v1/completions", {"prompt": ["ok", "a\udc00b"]}, "prompt[1]"),
+     ("/v1/completions", COMPLETION | {"stop": ["x", "\ud800"]}, "stop[1]"),
+     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud83d"}]},
+      "messages[0].content"),
+     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+         {"type": "text", "text": "\ud83d"}]}]}, "messages[0].content[0].text"),
+     ("/v1/completions", COMPLETION | {"guided_json": {"properties": {"\ud800": {}}}},
+      "guided_json.properties"),
+     ("/tokenize", {"prompt": "\ud800"}, "prompt")],
+)  # fmt: skip
+def test_a_lone_surrogate_is_400_naming_where(
+    client: TestClient, url: str, body: dict[str, Any], param: str
+) -> None:
+    """JSON may escape half of a UTF-16 pair ("\\ud800"); no UTF-8 text holds it."""
+    headers = {"Content-Type": "application/json"}
+    r = client.post(url, content=json.dumps(body), headers=headers)  # ASCII: the escape
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param
+    assert "lone surrogate" in r.json()["error"]["message"]
+
+
+def test_null_is_unset_for_priority(client: TestClient) -> None:
+    assert answer(client, "/v1/completions", COMPLETION | {"priority": None}) == NOT_READY
