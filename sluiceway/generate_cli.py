@@ -374,11 +374,19 @@ def _failure(error: grpc.RpcError, target: str, started: bool) -> str:
     code, details = error.code(), error.details() or ""  # type: ignore[attr-defined]
     if code != grpc.StatusCode.UNAVAILABLE or started or written_by_sluiceway(error):
         return f"{code.name}: {details}"
+    lowered = details.lower()
+    if "handshake" in lowered or "certificate" in lowered or "ssl" in lowered:
+        why = "CERTIFICATE_VERIFY_FAILED" if "certificate_verify_failed" in lowered else "failed"
+        return (
+            f"the TLS handshake with {target} {why.lower().replace('_', ' ')}: a self-signed "
+            "server certificate needs --ssl-ca-certs CA.pem; a plaintext server, no --tls"
+        )
     reason = details.rstrip("]").rsplit(": ", 1)[-1]  # "...: Connection refused"
     reason = reason[:1].lower() + reason[1:]
+    hint = " or does it serve TLS (--tls, --ssl-ca-certs)?" if "socket closed" in lowered else ""
     return (
         f"cannot reach a sluiceway server at {target} ({reason}); is `sluiceway serve` "
-        "running there? (--target)"
+        f"running there? (--target){hint}"
     )
 
 

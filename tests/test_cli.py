@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import torch
 
@@ -555,3 +556,41 @@ def test_commands_that_only_print_import_no_torch(argv: list[str]) -> None:
     assert (result.returncode, result.stderr) == (0, "")
     assert "sluiceway" in packages and "argparse" in packages  # importtime saw the run
     assert packages & HEAVY == set()
+
+
+class _TransportError(grpc.RpcError):
+    """A failed call as gRPC reports a transport failure (no sluiceway status metadata)."""
+
+    def __init__(self, details: str) -> None:
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
+
+
+def test_generate_says_what_to_do_when_tls_fails() -> None:
+    from sluiceway.generate_cli import _failure
+
+    untrusted = _TransportError(
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:52061: Ssl "
+        "handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL routines:"
+        "OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: self signed certificate: OK"
+    )
+    assert _failure(untrusted, "127.0.0.1:52061", started=False) == (
+        "the TLS handshake with 127.0.0.1:52061 certificate verify failed: a self-signed server "
+        "certificate needs --ssl-ca-certs CA.pem; a plaintext server, no --tls"
+    )
+    plaintext = _TransportError(
+        "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:52061: "
+        "Socket closed"
+    )
+    assert _failure(plaintext, "127.0.0.1:52061", started=False) == (
+        "cannot reach a sluiceway server at 127.0.0.1:52061 (socket closed); is `sluiceway "
+        "serve` running there? (--target) or does it serve TLS (--tls, --ssl-ca-certs)?"
+    )
