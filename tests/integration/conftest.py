@@ -142,14 +142,21 @@ def metrics_urls(log: list[str], timeout_s: float = 10.0) -> dict[str, str]:
     return dict(re.findall(r"([\w-]+) (http://\S+/metrics)", lines[0]))
 
 
+def log_line(stack: Stack, marker: str, timeout_s: float = 10.0) -> str:
+    """The first line of `sluiceway serve`'s output holding `marker`, waiting for it up to
+    `timeout_s` (the lines after "serving" may still be on their way)."""
+    deadline = time.monotonic() + timeout_s
+    while not (lines := [line for line in list(stack.log) if marker in line]):
+        assert time.monotonic() < deadline, f"no {marker!r} line:\n" + "".join(stack.log[-20:])
+        time.sleep(0.05)
+    return lines[0]
+
+
 def http_base_url(stack: Stack, timeout_s: float = 10.0) -> str:
     """The first router's OpenAI-compatible base URL (``http://host:port/v1``) from `sluiceway
     serve`'s "OpenAI-compatible API:" line (printed after the "serving" line)."""
-    deadline = time.monotonic() + timeout_s
-    while not (lines := [line for line in list(stack.log) if "OpenAI-compatible API:" in line]):
-        assert time.monotonic() < deadline, "no HTTP API line:\n" + "".join(stack.log[-20:])
-        time.sleep(0.05)
-    return lines[0].split("OpenAI-compatible API:", 1)[1].split(",")[0].strip()
+    line = log_line(stack, "OpenAI-compatible API:", timeout_s)
+    return line.split("OpenAI-compatible API:", 1)[1].split(",")[0].strip()
 
 
 def metric_sum(url: str, name: str) -> float:

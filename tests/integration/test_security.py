@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluiceway.client import Client, channel_credentials
 from sluiceway.router.auth import UNAUTHORIZED
-from tests.integration.conftest import Stack, http_base_url, start_stack, stop_stack
+from tests.integration.conftest import Stack, http_base_url, log_line, start_stack, stop_stack
 from tests.tls_certs import Certs, make_certs
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,8 @@ def grpc_text(secured: Stack, certs: Certs) -> str:
 
 def test_serve_says_https_and_what_protects_the_ports(secured: Stack, base_url: str) -> None:
     assert base_url.startswith("https://127.0.0.1:") and base_url.endswith("/v1")
-    (line,) = [line for line in secured.log if "public ports" in line]
+    line = log_line(secured, "public ports")
+    assert sum("public ports" in line for line in secured.log) == 1
     assert line.strip() == (
         "sluiceway: public ports (gRPC, HTTP): TLS, API key required (health, /version and "
         "/metrics open); schedulers and workers: Unix sockets of this machine, no TLS"
