@@ -123,21 +123,45 @@ def named_schema(tool: dict[str, Any]) -> dict[str, Any]:
     return dict(tool["parameters"])
 
 
+# Keys whose values are JSON data, not subschemas: a "$ref" in them is not a reference.
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with its local references (``"$ref": "#..."``, e.g. pydantic's
+    ``#/$defs/Address``) pointing below the JSON pointer `base`, where the schema now lives
+    inside a larger one."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, base)
+    return out
+
+
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """The JSON schema of a required tool_choice's output (vLLM's): an array of 1 call (at most
     1 unless `parallel`), each ``{"name": <a tool's name>, "parameters": <its arguments>}``
-    with the arguments valid against that tool's parameters."""
+    with the arguments valid against that tool's parameters (their local ``$ref``s rewritten
+    to where the parameters now are)."""
     calls = [
         {
             "type": "object",
             "properties": {
                 "name": {"type": "string", "enum": [t["name"]]},
-                "parameters": t["parameters"],
+                "parameters": _rebased(t["parameters"], f"#/items/anyOf/{i}/properties/parameters"),
             },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for t in tools
+        for i, t in enumerate(tools)
     ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:

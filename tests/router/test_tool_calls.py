@@ -313,3 +313,40 @@ def test_a_constraint_refusal_of_a_forced_choice_names_the_tools() -> None:
     assert plan.own_error(info.value).field == "messages.tools"
     auto = plan_tools(tools_msg(), parser="hermes", auto_enabled=True)
     assert auto is not None and auto.own_error(info.value) is info.value  # not the tools'
+
+
+def test_local_refs_of_nested_models_survive_the_required_wrapper() -> None:
+    pydantic = pytest.importorskip("pydantic")
+    xgr = pytest.importorskip("xgrammar")
+
+    class Address(pydantic.BaseModel):
+        street: str
+        city: str
+
+    class Person(pydantic.BaseModel):
+        name: str
+        home: Address
+        others: list[Address]
+
+    person = Person.model_json_schema()  # {"$defs": {"Address": ...}, "$ref"s into it}
+    assert person["properties"]["home"] == {"$ref": "#/$defs/Address"}
+    legacy = json.loads(json.dumps(person).replace("$defs", "definitions"))  # draft-07 name
+    msg = with_tools([pb.Tool(name="person", parameters=json.dumps(person)),
+                      pb.Tool(name="legacy", parameters=json.dumps(legacy))],
+                     mode=pb.TOOL_CHOICE_MODE_REQUIRED)  # fmt: skip
+    tools = parse_tools(msg)
+    args = {"name": "Ann", "home": {"street": "1 Main St", "city": "Paris"},
+            "others": [{"street": "2 Side St", "city": "Lyon"}]}  # fmt: skip
+    good = [{"name": "person", "parameters": args}, {"name": "legacy", "parameters": args}]
+    bad = [{"name": "person", "parameters": {**args, "home": {"street": "1 Main St"}}}]
+    for parallel, calls in ((True, good), (False, good[1:])):
+        schema = required_schema(tools, parallel)
+        assert schema["items"]["anyOf"][1]["properties"]["parameters"]["properties"]["home"] == {
+            "$ref": "#/items/anyOf/1/properties/parameters/definitions/Address"
+        }
+        jsonschema.validate(calls, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema))
+        assert xgr.testing._is_grammar_accept_string(grammar, json.dumps(calls))
+        assert not xgr.testing._is_grammar_accept_string(grammar, json.dumps(bad))
