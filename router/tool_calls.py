@@ -195,11 +195,19 @@ class ToolPlan:
         a parser that reads markers (vLLM's, unless the request says otherwise).
 
         Raises FieldError("sampling.structured_outputs"): the request has its own constraint
-        and the plan one too."""
+        and the plan one too; ("sampling.stop" / "sampling.stop_token_ids"): given with a
+        required or named choice (a stop would cut the call short)."""
         out = inference_pb2.SamplingParams()
         out.CopyFrom(sampling)
         constraint = self.constraint()
         if constraint is not None:
+            for name in ("stop", "stop_token_ids"):
+                if getattr(sampling, name):
+                    raise FieldError(
+                        f"sampling.{name}",
+                        f"cannot be combined with a {self.mode} tool_choice: it would end "
+                        "the enforced tool call early",
+                    )
             if sampling.HasField("structured_outputs"):
                 raise FieldError(
                     "sampling.structured_outputs",
@@ -371,7 +379,8 @@ async def tool_call_responses(
                         count += 1
                     else:
                         out.tool_calls.add(index=count - 1, arguments=call.arguments)
-                if final and count and r.finish_reason == inference_pb2.FINISH_REASON_STOP:
+                stopped = r.finish_reason == inference_pb2.FINISH_REASON_STOP
+                if final and count and stopped and stream.complete():
                     out.finish_reason = inference_pb2.FINISH_REASON_TOOL_CALLS
                 yield out
         except RequestError as e:

@@ -270,6 +270,10 @@ class CallStream:
         self.plain = False  # a malformed segment: the rest is text
         self.after_call = False  # only whitespace since the last call
 
+    def complete(self) -> bool:
+        """True: a call is given out only once it parsed."""
+        return True
+
     def feed(self, text: str, final: bool) -> tuple[str, list[Call]]:
         """The content text and the calls that `text` completes; `final`: the output ends
         with it (what is held back is given out or parsed now)."""
@@ -342,10 +346,19 @@ class NamedStream:
     def __init__(self, name: str) -> None:
         self.name = name
         self.started = False
+        self.arguments = ""
+
+    def complete(self) -> bool:
+        """Whether the arguments given out so far parse as one JSON object."""
+        try:
+            return isinstance(json.loads(self.arguments), dict)
+        except (ValueError, RecursionError):
+            return False
 
     def feed(self, text: str, final: bool) -> tuple[str, list[Call]]:
         """No content; the first call gives the function's name, each call an arguments
         piece."""
+        self.arguments += text
         if not self.started:
             self.started = True
             return "", [Call(self.name, text)]

@@ -7,7 +7,9 @@ transformers' apply_chat_template takes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import jsonschema
@@ -25,6 +27,7 @@ from sluiceway.router.tool_calls import (
     parse_tools,
     plan_tools,
     required_schema,
+    tool_call_responses,
 )
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.status import FieldError
@@ -164,6 +167,45 @@ def test_a_forced_choice_and_the_requests_own_constraint_are_refused() -> None:
     with pytest.raises(FieldError) as info:
         plan.sampling(own)
     assert info.value.field == "sampling.structured_outputs"
+    required = plan_tools(tools_msg(mode=pb.TOOL_CHOICE_MODE_REQUIRED), parser=None,
+                          auto_enabled=False)  # fmt: skip
+    assert required is not None
+    for forced in (plan, required):  # a stop would end the enforced call early
+        for sampling, field, param in (
+            (pb.SamplingParams(stop=["\n"]), "sampling.stop", "stop"),
+            (pb.SamplingParams(stop_token_ids=[2]), "sampling.stop_token_ids", "stop_token_ids"),
+        ):
+            with pytest.raises(FieldError, match="enforced tool call early") as info:
+                forced.sampling(sampling)
+            assert (info.value.field, body_param(info.value.field, chat=True, names={})) == (
+                field,
+                param,
+            )
+
+
+async def _collect(rs: AsyncIterator[pb.GenerateResponse]) -> list[pb.GenerateResponse]:
+    return [r async for r in rs]
+
+
+async def _answers(*responses: pb.GenerateResponse) -> AsyncIterator[pb.GenerateResponse]:
+    for r in responses:
+        yield r
+
+
+def test_a_named_call_that_does_not_parse_is_not_finished_as_tool_calls() -> None:
+    plan = plan_tools(tools_msg(function="get_time"), parser=None, auto_enabled=False)
+    assert plan is not None
+    stop, length = pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH
+    for pieces, reason, want in (
+        (['{"tz": ', '"UTC"}'], stop, pb.FINISH_REASON_TOOL_CALLS),
+        (['{"tz": ', '"UT'], length, length),  # cut by max_tokens
+        (["{"], stop, stop),  # ended early: never reported as a finished call
+    ):
+        answers = [pb.GenerateResponse(text=p) for p in pieces]
+        answers[-1].finish_reason = reason
+        got = asyncio.run(_collect(tool_call_responses(_answers(*answers), plan)))
+        assert "".join(c.arguments for r in got for c in r.tool_calls) == "".join(pieces)
+        assert got[-1].finish_reason == want
 
 
 @pytest.mark.parametrize(
