@@ -24,13 +24,14 @@ from sluiceway.router.tool_parsers import (
     new_call_id,
     parser_format,
 )
-from sluiceway.sampling_params import MAX_JSON_SCHEMA_DEPTH
+from sluiceway.sampling_params import MAX_CONSTRAINT_BYTES, MAX_JSON_SCHEMA_DEPTH
 from sluiceway.status import FieldError, RequestError
 from sluiceway.v1 import inference_pb2
 
 __all__ = [
     "MAX_TOOLS",
     "ToolPlan",
+    "call_constraint",
     "chat_conversation",
     "named_schema",
     "plan_tools",
@@ -169,6 +170,25 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
     return schema
 
 
+def call_constraint(schema: dict[str, Any]) -> inference_pb2.StructuredOutputs:
+    """The constraint of JSON valid against `schema`: xgrammar's EBNF grammar of it with no
+    whitespace but a space after each ``,`` and ``:`` (a JSON-schema constraint allows any
+    whitespace, and a small model given a function without parameters fills the call with
+    newlines until max_tokens). When xgrammar cannot convert the schema, or the grammar is over
+    MAX_CONSTRAINT_BYTES (a schema nested some 30 levels), the schema itself: the worker then
+    compiles it, or its refusal names the field."""
+    import xgrammar  # the grammar engine; imported on first use (it is slow to import)
+
+    text = json.dumps(schema)
+    try:
+        grammar = str(xgrammar.Grammar.from_json_schema(text, any_whitespace=False))
+    except (RuntimeError, ValueError, TypeError):
+        return inference_pb2.StructuredOutputs(json=text)
+    if len(grammar.encode()) > MAX_CONSTRAINT_BYTES:
+        return inference_pb2.StructuredOutputs(json=text)
+    return inference_pb2.StructuredOutputs(grammar=grammar)
+
+
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
     """What a request's tools do: `mode` "none" (text only), "auto" (parsed with `parser`),
@@ -181,13 +201,14 @@ class ToolPlan:
     parser: str | None = None
 
     def constraint(self) -> inference_pb2.StructuredOutputs | None:
-        """The structured-outputs constraint that forces the calls (None for none / auto)."""
+        """The structured-outputs constraint that forces the calls (None for none / auto): the
+        call schema as a compact grammar (`call_constraint`)."""
         if self.mode == "named":
             tool = next(t for t in self.tools if t["name"] == self.function)
-            return inference_pb2.StructuredOutputs(json=json.dumps(named_schema(tool)))
+            return call_constraint(named_schema(tool))
         if self.mode == "required":
             schema = required_schema(list(self.tools), self.parallel)
-            return inference_pb2.StructuredOutputs(json=json.dumps(schema))
+            return call_constraint(schema)
         return None
 
     def sampling(self, sampling: inference_pb2.SamplingParams) -> inference_pb2.SamplingParams:

@@ -22,6 +22,7 @@ from sluiceway.router.tool_calls import (
     MAX_SCHEMA_DEPTH,
     MAX_TOOLS,
     ToolPlan,
+    call_constraint,
     chat_conversation,
     named_schema,
     parse_tools,
@@ -117,14 +118,14 @@ def test_plans() -> None:
     assert kept.skip_special_tokens is True  # the request's own choice wins
     named = plan_tools(tools_msg(function="get_time"), parser=None, auto_enabled=False)
     assert named == ToolPlan("named", tuple(parse_tools(tools_msg())), "get_time", True, None)
-    assert json.loads(named.sampling(pb.SamplingParams()).structured_outputs.json) == TIME
+    assert named.sampling(pb.SamplingParams()).structured_outputs == call_constraint(TIME)
     required = plan_tools(
         tools_msg(mode=pb.TOOL_CHOICE_MODE_REQUIRED, parallel_tool_calls=False),
         parser="hermes", auto_enabled=True,
     )  # fmt: skip
     assert required is not None and required.mode == "required" and not required.parallel
-    schema = json.loads(required.sampling(pb.SamplingParams()).structured_outputs.json)
-    assert schema == required_schema(parse_tools(tools_msg()), parallel=False)
+    constraint = required.sampling(pb.SamplingParams()).structured_outputs
+    assert constraint == call_constraint(required_schema(parse_tools(tools_msg()), False))
     none = plan_tools(tools_msg(mode=pb.TOOL_CHOICE_MODE_NONE), parser=None, auto_enabled=False)
     assert none is not None and none.mode == "none" and none.stream() is None
     assert plan_tools(pb.ChatMessages(), parser=None, auto_enabled=False) is None
@@ -346,7 +347,7 @@ def test_the_deepest_parameters_fit_the_constraints_limit() -> None:
 
 
 def test_a_constraint_refusal_of_a_forced_choice_names_the_tools() -> None:
-    big = json.dumps({"type": "object", "description": "x" * 70_000})
+    big = json.dumps({"type": "object", "properties": {"a": {"enum": ["x" * 70_000]}}})
     plan = plan_tools(with_tools([pb.Tool(name="f", parameters=big)], function="f"),
                       parser=None, auto_enabled=False)  # fmt: skip
     assert plan is not None
@@ -392,3 +393,27 @@ def test_local_refs_of_nested_models_survive_the_required_wrapper() -> None:
         grammar = xgr.Grammar.from_json_schema(json.dumps(schema))
         assert xgr.testing._is_grammar_accept_string(grammar, json.dumps(calls))
         assert not xgr.testing._is_grammar_accept_string(grammar, json.dumps(bad))
+
+
+def test_the_call_constraint_is_compact() -> None:
+    xgr = pytest.importorskip("xgrammar")
+    accepts = xgr.testing._is_grammar_accept_string
+    for params in (None, "{}", '{"type": "object", "properties": {}}'):  # no parameters
+        tool = pb.Tool(name="f", parameters=params) if params else pb.Tool(name="f")
+        msg = with_tools([tool], mode=pb.TOOL_CHOICE_MODE_REQUIRED, parallel_tool_calls=False)
+        plan = plan_tools(msg, parser=None, auto_enabled=False)
+        assert plan is not None
+        constraint = plan.sampling(pb.SamplingParams()).structured_outputs
+        assert constraint.WhichOneof("constraint") == "grammar"
+        grammar = xgr.Grammar.from_ebnf(constraint.grammar)
+        assert accepts(grammar, '[{"name": "f", "parameters": {}}]')
+        assert not accepts(grammar, '[{"name": "f", "parameters": {\n}}]')  # no free whitespace
+        assert not accepts(grammar, '[\n{"name": "f", "parameters": {}}]')
+    named = plan_tools(tools_msg(function="get_weather"), parser=None, auto_enabled=False)
+    assert named is not None
+    grammar = xgr.Grammar.from_ebnf(named.sampling(pb.SamplingParams()).structured_outputs.grammar)
+    assert accepts(grammar, '{"city": "Paris", "unit": "celsius"}')
+    assert not accepts(grammar, '{"city": "Paris",\n "unit": "celsius"}')
+    assert not accepts(grammar, '{"unit": "celsius"}')
+    deep = call_constraint(json.loads(nested(MAX_SCHEMA_DEPTH)))  # its grammar is over 64 KiB
+    assert deep.WhichOneof("constraint") == "json"
