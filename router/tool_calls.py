@@ -16,6 +16,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from sluiceway.json_nesting import too_deep
+from sluiceway.router.tokenizer import CHAT_ROLES
 from sluiceway.router.tool_parsers import (
     PARSERS,
     CallStream,
@@ -44,6 +46,9 @@ MAX_TOOLS = 128
 #: Nesting a tool's parameters schema may have at most: a required choice's schema wraps it in
 #: 5 levels (array, items, anyOf, the call, its properties), within the constraint's limit.
 MAX_SCHEMA_DEPTH = MAX_JSON_SCHEMA_DEPTH - 5
+#: Whitespace characters an enforced call may have between two JSON tokens at most: room for a
+#: newline and the indent of a call pretty-printed 7 levels deep.
+MAX_CALL_WHITESPACE = 16
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _MODES = {
     inference_pb2.TOOL_CHOICE_MODE_NONE: "none",
@@ -70,25 +75,13 @@ To call a function, answer with a JSON object holding its name and its arguments
 </tool_call>"""
 
 
-def _depth(value: Any) -> int:
-    """Levels of arrays and objects in a parsed JSON value, as sluiceway/json_nesting.py counts
-    them (iterative: no recursion limit to hit)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, d = stack.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, d)
-            stack.extend((c, d + 1) for c in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
 def parse_tools(messages: inference_pb2.ChatMessages) -> list[dict[str, Any]]:
     """The request's tools as ``{"name", "description", "parameters": dict}``, checked.
 
     Raises FieldError("messages.tools"): more than MAX_TOOLS; ("messages.tools[i].name"): a
     name that is not 1 to 64 letters, digits, _ or -, or one given twice;
-    ("messages.tools[i].parameters"): not a JSON object, or nested deeper than
-    MAX_SCHEMA_DEPTH.
+    ("messages.tools[i].parameters"): not a JSON object, a "type" other than "object", or
+    nested deeper than MAX_SCHEMA_DEPTH.
     """
     if len(messages.tools) > MAX_TOOLS:
         raise FieldError("messages.tools", f"at most {MAX_TOOLS} tools; got {len(messages.tools)}")
@@ -105,15 +98,20 @@ def parse_tools(messages: inference_pb2.ChatMessages) -> list[dict[str, Any]]:
         seen.add(tool.name)
         params: Any = dict(_ANY_OBJECT)
         if tool.parameters:
+            if too_deep(tool.parameters, MAX_SCHEMA_DEPTH) is not None:  # before the parser
+                raise FieldError(
+                    f"{where}.parameters", f"nested deeper than {MAX_SCHEMA_DEPTH} levels"
+                )
             try:
                 params = json.loads(tool.parameters)
             except (ValueError, RecursionError):
                 raise FieldError(f"{where}.parameters", "must be JSON text") from None
             if not isinstance(params, dict):
                 raise FieldError(f"{where}.parameters", "must be a JSON schema object")
-            if _depth(params) > MAX_SCHEMA_DEPTH:
+            if params.get("type", "object") != "object":  # OpenAI's rule: calls are objects
                 raise FieldError(
-                    f"{where}.parameters", f"nested deeper than {MAX_SCHEMA_DEPTH} levels"
+                    f"{where}.parameters",
+                    f'must be an object schema ("type": "object"); got type {params["type"]!r}',
                 )
         tools.append({"name": tool.name, "description": tool.description, "parameters": params})
     return tools
@@ -171,17 +169,20 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
 
 
 def call_constraint(schema: dict[str, Any]) -> inference_pb2.StructuredOutputs:
-    """The constraint of JSON valid against `schema`: xgrammar's EBNF grammar of it with no
-    whitespace but a space after each ``,`` and ``:`` (a JSON-schema constraint allows any
-    whitespace, and a small model given a function without parameters fills the call with
-    newlines until max_tokens). When xgrammar cannot convert the schema, or the grammar is over
+    """The constraint of JSON valid against `schema`: xgrammar's EBNF grammar of it with at
+    most MAX_CALL_WHITESPACE whitespace characters between two tokens of the JSON (a
+    JSON-schema constraint allows any run, and a small model given a function without
+    parameters fills the call with newlines until max_tokens; none at all changes the style a
+    model was trained to write, and SmolLM2 then repeats parallel calls). When xgrammar cannot convert the schema, or the grammar is over
     MAX_CONSTRAINT_BYTES (a schema nested some 30 levels), the schema itself: the worker then
     compiles it, or its refusal names the field."""
     import xgrammar  # the grammar engine; imported on first use (it is slow to import)
 
     text = json.dumps(schema)
     try:
-        grammar = str(xgrammar.Grammar.from_json_schema(text, any_whitespace=False))
+        grammar = str(
+            xgrammar.Grammar.from_json_schema(text, max_whitespace_cnt=MAX_CALL_WHITESPACE)
+        )
     except (RuntimeError, ValueError, TypeError):
         return inference_pb2.StructuredOutputs(json=text)
     if len(grammar.encode()) > MAX_CONSTRAINT_BYTES:
@@ -324,10 +325,19 @@ def chat_conversation(
     text, and a tool turn a user turn of ``<tool_response>`` blocks (consecutive ones
     merged), as Hermes and Qwen render them.
 
-    Raises FieldError: what `parse_tools` refuses; ("messages[i].tool_calls"): calls in a
-    turn that is not an assistant's; ("messages[i].tool_calls[j].arguments"): not JSON.
+    Raises FieldError: what `parse_tools` refuses; ("messages"): no messages;
+    ("messages[i].role"): not one of CHAT_ROLES (checked here: the tools' system turn and
+    merged tool turns shift the rendered turns' indexes); ("messages[i].tool_calls"): calls in
+    a turn that is not an assistant's; ("messages[i].tool_calls[j].arguments"): not JSON.
     """
     tools = parse_tools(messages)
+    if not messages.messages:
+        raise FieldError("messages", "must hold at least one message")
+    for i, m in enumerate(messages.messages):
+        if m.role not in CHAT_ROLES:
+            raise FieldError(
+                f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}"
+            )
     spec = [{"type": "function", "function": t} for t in tools]
     turns: list[dict[str, Any]] = []
     for i, m in enumerate(messages.messages):

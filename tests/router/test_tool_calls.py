@@ -151,7 +151,33 @@ REFUSED = [
     (with_tools([pb.Tool(name="f", parameters='{"a":' * 100 + "1" + "}" * 100)]),
      "messages.tools[0].parameters"),
     (with_tools([pb.Tool(name=f"f{i}") for i in range(MAX_TOOLS + 1)]), "messages.tools"),
+    (with_tools([pb.Tool(name="f", parameters='{"type": "string"}')], function="f"),
+     "messages.tools[0].parameters"),  # not an object schema
 ]  # fmt: skip
+
+
+def test_refusals_say_why() -> None:
+    deep = '{"items": ' * 1000 + "{}" + "}" * 1000  # over the JSON parser's recursion limit
+    with pytest.raises(FieldError, match="nested deeper than 59 levels"):
+        parse_tools(with_tools([pb.Tool(name="f", parameters=deep)]))
+    with pytest.raises(FieldError, match="must be an object schema") as info:
+        parse_tools(with_tools([pb.Tool(name="f", parameters='{"type": "string"}')]))
+    assert body_param(info.value.field, chat=True, names={}) == "tools[0].function.parameters"
+    parse_tools(with_tools([pb.Tool(name="f", parameters='{"properties": {}}')]))  # type implied
+
+
+def test_conversation_refusals_name_the_requests_own_message() -> None:
+    for template_takes in (False, True):  # the generic prompt adds a system turn first
+        bogus = tools_msg(mode=pb.TOOL_CHOICE_MODE_NONE)
+        bogus.messages.add(role="bogus", content="x")
+        with pytest.raises(FieldError) as info:
+            chat_conversation(bogus, template_takes)
+        assert info.value.field == "messages[1].role"
+        empty = tools_msg(mode=pb.TOOL_CHOICE_MODE_NONE)
+        del empty.messages[:]
+        with pytest.raises(FieldError, match="at least one message") as info:
+            chat_conversation(empty, template_takes)
+        assert info.value.field == "messages"
 
 
 @pytest.mark.parametrize(("msg", "field"), REFUSED)
@@ -330,7 +356,7 @@ def test_router_flags() -> None:
 
 def nested(depth: int) -> str:
     """A parameters schema `depth` levels deep (the outer object is level 1)."""
-    return '{"type": "array", "items": ' * (depth - 1) + "{}" + "}" * (depth - 1)
+    return '{"type": "object", "additionalProperties": ' * (depth - 1) + "{}" + "}" * (depth - 1)
 
 
 def test_the_deepest_parameters_fit_the_constraints_limit() -> None:
@@ -407,13 +433,15 @@ def test_the_call_constraint_is_compact() -> None:
         assert constraint.WhichOneof("constraint") == "grammar"
         grammar = xgr.Grammar.from_ebnf(constraint.grammar)
         assert accepts(grammar, '[{"name": "f", "parameters": {}}]')
-        assert not accepts(grammar, '[{"name": "f", "parameters": {\n}}]')  # no free whitespace
-        assert not accepts(grammar, '[\n{"name": "f", "parameters": {}}]')
+        assert accepts(grammar, '[\n {"name": "f", "parameters": {\n' + " " * 14 + "}}]")
+        assert not accepts(grammar, '[{"name": "f", "parameters": {\n' + " " * 16 + "}}]")
     named = plan_tools(tools_msg(function="get_weather"), parser=None, auto_enabled=False)
     assert named is not None
     grammar = xgr.Grammar.from_ebnf(named.sampling(pb.SamplingParams()).structured_outputs.grammar)
     assert accepts(grammar, '{"city": "Paris", "unit": "celsius"}')
-    assert not accepts(grammar, '{"city": "Paris",\n "unit": "celsius"}')
+    assert accepts(grammar, '{\n  "city": "Paris",\n  "unit": "celsius"\n}')
+    assert not accepts(grammar, '{"city": "Paris",' + " " * 17 + '"unit": "celsius"}')
     assert not accepts(grammar, '{"unit": "celsius"}')
-    deep = call_constraint(json.loads(nested(MAX_SCHEMA_DEPTH)))  # its grammar is over 64 KiB
-    assert deep.WhichOneof("constraint") == "json"
+    broken = {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}
+    fallback = call_constraint(broken)  # xgrammar's refusal comes from the worker, named
+    assert fallback == pb.StructuredOutputs(json=json.dumps(broken))
