@@ -258,7 +258,7 @@ class ToolPlan:
             return CallStream(RequiredFormat())
         if self.mode == "auto":
             assert self.parser is not None
-            return CallStream(parser_format(self.parser))
+            return CallStream(parser_format(self.parser), frozenset(t["name"] for t in self.tools))
         return None
 
 

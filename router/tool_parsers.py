@@ -14,8 +14,9 @@ format:
 - ``required``: the JSON array ``[{"name": ..., "parameters": {...}}, ...]`` that a required
   tool_choice's grammar produces (vLLM's).
 
-A call that does not parse (bad JSON, no name, arguments not an object), or one cut short by
-the end of generation, is returned as text, with everything after it.
+A call that does not parse (bad JSON, no name, arguments not an object), one naming a function
+that is not one of the tools, or one cut short by the end of generation, is returned as text,
+with everything after it.
 
 `NamedStream` is a named tool_choice's: the whole output is the arguments of that function,
 streamed as it comes.
@@ -260,10 +261,11 @@ def parser_format(name: str) -> Format:
 
 class CallStream:
     """Splits a sample's text deltas into content and calls, in `fmt` (the module
-    docstring)."""
+    docstring); a call of a function not in `names` (when given) is malformed."""
 
-    def __init__(self, fmt: Format) -> None:
+    def __init__(self, fmt: Format, names: frozenset[str] | None = None) -> None:
         self.fmt = fmt
+        self.names = names  # the functions a call may name (None: any)
         self.pending = ""  # text not yet given out: a possible marker, or a segment
         self.in_calls = False  # `pending` begins with a segment
         self.at_start = True
@@ -298,6 +300,9 @@ class CallStream:
                     continue
                 break
             segment, used = got
+            if self.names is not None and any(c.name not in self.names for c in segment):
+                self.plain = True  # a call of no such function is malformed: text
+                continue
             calls += segment
             self.pending = self.pending[used:]
             if not self._after_segment(final):
