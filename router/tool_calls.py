@@ -80,8 +80,8 @@ def parse_tools(messages: inference_pb2.ChatMessages) -> list[dict[str, Any]]:
 
     Raises FieldError("messages.tools"): more than MAX_TOOLS; ("messages.tools[i].name"): a
     name that is not 1 to 64 letters, digits, _ or -, or one given twice;
-    ("messages.tools[i].parameters"): not a JSON object, a "type" other than "object", or
-    nested deeper than MAX_SCHEMA_DEPTH.
+    ("messages.tools[i].parameters"): not a JSON object, a "type" other than "object" (none
+    given is "object"), or nested deeper than MAX_SCHEMA_DEPTH.
     """
     if len(messages.tools) > MAX_TOOLS:
         raise FieldError("messages.tools", f"at most {MAX_TOOLS} tools; got {len(messages.tools)}")
@@ -113,6 +113,7 @@ def parse_tools(messages: inference_pb2.ChatMessages) -> list[dict[str, Any]]:
                     f"{where}.parameters",
                     f'must be an object schema ("type": "object"); got type {params["type"]!r}',
                 )
+            params = {"type": "object", **params}  # `{}` (no parameters) too: not any value
         tools.append({"name": tool.name, "description": tool.description, "parameters": params})
     return tools
 

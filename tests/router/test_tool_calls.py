@@ -433,6 +433,7 @@ def test_the_call_constraint_is_compact() -> None:
         assert constraint.WhichOneof("constraint") == "grammar"
         grammar = xgr.Grammar.from_ebnf(constraint.grammar)
         assert accepts(grammar, '[{"name": "f", "parameters": {}}]')
+        assert not accepts(grammar, '[{"name": "f", "parameters": 1}]')  # `{}` is an object
         assert accepts(grammar, '[\n {"name": "f", "parameters": {\n' + " " * 14 + "}}]")
         assert not accepts(grammar, '[{"name": "f", "parameters": {\n' + " " * 16 + "}}]")
     named = plan_tools(tools_msg(function="get_weather"), parser=None, auto_enabled=False)
