@@ -175,7 +175,7 @@ def call_constraint(schema: dict[str, Any]) -> inference_pb2.StructuredOutputs:
     JSON-schema constraint allows any run, and a small model given a function without
     parameters fills the call with newlines until max_tokens; none at all changes the style a
     model was trained to write, and SmolLM2 then repeats parallel calls). When xgrammar cannot convert the schema, or the grammar is over
-    MAX_CONSTRAINT_BYTES (a schema nested some 30 levels), the schema itself: the worker then
+    MAX_CONSTRAINT_BYTES (a deeply nested schema), the schema itself: the worker then
     compiles it, or its refusal names the field."""
     import xgrammar  # the grammar engine; imported on first use (it is slow to import)
 
