@@ -267,6 +267,9 @@ class Run:
             async for index, r in merged:
                 finished = r.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED
                 choice: dict[str, Any] = {"index": index}
+                said = finished or index not in started or r.text or r.tool_calls
+                if self.chat and not said and not (self.logprobs and r.logprobs):
+                    continue  # nothing to say (a buffered tool call): no empty delta (vLLM's)
                 if self.chat:
                     delta: dict[str, Any] = {"content": r.text}
                     if r.tool_calls:

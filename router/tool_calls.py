@@ -16,6 +16,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from sluiceway.json_nesting import too_deep
+from sluiceway.router.tokenizer import CHAT_ROLES
 from sluiceway.router.tool_parsers import (
     PARSERS,
     CallStream,
@@ -24,13 +26,14 @@ from sluiceway.router.tool_parsers import (
     new_call_id,
     parser_format,
 )
-from sluiceway.sampling_params import MAX_JSON_SCHEMA_DEPTH
+from sluiceway.sampling_params import MAX_CONSTRAINT_BYTES, MAX_JSON_SCHEMA_DEPTH
 from sluiceway.status import FieldError, RequestError
 from sluiceway.v1 import inference_pb2
 
 __all__ = [
     "MAX_TOOLS",
     "ToolPlan",
+    "call_constraint",
     "chat_conversation",
     "named_schema",
     "plan_tools",
@@ -43,6 +46,9 @@ MAX_TOOLS = 128
 #: Nesting a tool's parameters schema may have at most: a required choice's schema wraps it in
 #: 5 levels (array, items, anyOf, the call, its properties), within the constraint's limit.
 MAX_SCHEMA_DEPTH = MAX_JSON_SCHEMA_DEPTH - 5
+#: Whitespace characters an enforced call may have between two JSON tokens at most: room for a
+#: newline and the indent of a call pretty-printed 7 levels deep.
+MAX_CALL_WHITESPACE = 16
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _MODES = {
     inference_pb2.TOOL_CHOICE_MODE_NONE: "none",
@@ -69,25 +75,13 @@ To call a function, answer with a JSON object holding its name and its arguments
 </tool_call>"""
 
 
-def _depth(value: Any) -> int:
-    """Levels of arrays and objects in a parsed JSON value, as sluiceway/json_nesting.py counts
-    them (iterative: no recursion limit to hit)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, d = stack.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, d)
-            stack.extend((c, d + 1) for c in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
 def parse_tools(messages: inference_pb2.ChatMessages) -> list[dict[str, Any]]:
     """The request's tools as ``{"name", "description", "parameters": dict}``, checked.
 
     Raises FieldError("messages.tools"): more than MAX_TOOLS; ("messages.tools[i].name"): a
     name that is not 1 to 64 letters, digits, _ or -, or one given twice;
-    ("messages.tools[i].parameters"): not a JSON object, or nested deeper than
-    MAX_SCHEMA_DEPTH.
+    ("messages.tools[i].parameters"): not a JSON object, a "type" other than "object" (none
+    given is "object"), or nested deeper than MAX_SCHEMA_DEPTH.
     """
     if len(messages.tools) > MAX_TOOLS:
         raise FieldError("messages.tools", f"at most {MAX_TOOLS} tools; got {len(messages.tools)}")
@@ -104,16 +98,22 @@ def parse_tools(messages: inference_pb2.ChatMessages) -> list[dict[str, Any]]:
         seen.add(tool.name)
         params: Any = dict(_ANY_OBJECT)
         if tool.parameters:
+            if too_deep(tool.parameters, MAX_SCHEMA_DEPTH) is not None:  # before the parser
+                raise FieldError(
+                    f"{where}.parameters", f"nested deeper than {MAX_SCHEMA_DEPTH} levels"
+                )
             try:
                 params = json.loads(tool.parameters)
             except (ValueError, RecursionError):
                 raise FieldError(f"{where}.parameters", "must be JSON text") from None
             if not isinstance(params, dict):
                 raise FieldError(f"{where}.parameters", "must be a JSON schema object")
-            if _depth(params) > MAX_SCHEMA_DEPTH:
+            if params.get("type", "object") != "object":  # OpenAI's rule: calls are objects
                 raise FieldError(
-                    f"{where}.parameters", f"nested deeper than {MAX_SCHEMA_DEPTH} levels"
+                    f"{where}.parameters",
+                    f'must be an object schema ("type": "object"); got type {params["type"]!r}',
                 )
+            params = {"type": "object", **params}  # `{}` (no parameters) too: not any value
         tools.append({"name": tool.name, "description": tool.description, "parameters": params})
     return tools
 
@@ -123,26 +123,72 @@ def named_schema(tool: dict[str, Any]) -> dict[str, Any]:
     return dict(tool["parameters"])
 
 
+# Keys whose values are JSON data, not subschemas: a "$ref" in them is not a reference.
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with its local references (``"$ref": "#..."``, e.g. pydantic's
+    ``#/$defs/Address``) pointing below the JSON pointer `base`, where the schema now lives
+    inside a larger one."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, base)
+    return out
+
+
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """The JSON schema of a required tool_choice's output (vLLM's): an array of 1 call (at most
     1 unless `parallel`), each ``{"name": <a tool's name>, "parameters": <its arguments>}``
-    with the arguments valid against that tool's parameters."""
+    with the arguments valid against that tool's parameters (their local ``$ref``s rewritten
+    to where the parameters now are)."""
     calls = [
         {
             "type": "object",
             "properties": {
                 "name": {"type": "string", "enum": [t["name"]]},
-                "parameters": t["parameters"],
+                "parameters": _rebased(t["parameters"], f"#/items/anyOf/{i}/properties/parameters"),
             },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for t in tools
+        for i, t in enumerate(tools)
     ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def call_constraint(schema: dict[str, Any]) -> inference_pb2.StructuredOutputs:
+    """The constraint of JSON valid against `schema`: xgrammar's EBNF grammar of it with at
+    most MAX_CALL_WHITESPACE whitespace characters between two tokens of the JSON (a
+    JSON-schema constraint allows any run, and a small model given a function without
+    parameters fills the call with newlines until max_tokens; none at all changes the style a
+    model was trained to write, and SmolLM2 then repeats parallel calls). When xgrammar cannot convert the schema, or the grammar is over
+    MAX_CONSTRAINT_BYTES (a deeply nested schema), the schema itself: the worker then
+    compiles it, or its refusal names the field."""
+    import xgrammar  # the grammar engine; imported on first use (it is slow to import)
+
+    text = json.dumps(schema)
+    try:
+        grammar = str(
+            xgrammar.Grammar.from_json_schema(text, max_whitespace_cnt=MAX_CALL_WHITESPACE)
+        )
+    except (RuntimeError, ValueError, TypeError):
+        return inference_pb2.StructuredOutputs(json=text)
+    if len(grammar.encode()) > MAX_CONSTRAINT_BYTES:
+        return inference_pb2.StructuredOutputs(json=text)
+    return inference_pb2.StructuredOutputs(grammar=grammar)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,13 +203,14 @@ class ToolPlan:
     parser: str | None = None
 
     def constraint(self) -> inference_pb2.StructuredOutputs | None:
-        """The structured-outputs constraint that forces the calls (None for none / auto)."""
+        """The structured-outputs constraint that forces the calls (None for none / auto): the
+        call schema as a compact grammar (`call_constraint`)."""
         if self.mode == "named":
             tool = next(t for t in self.tools if t["name"] == self.function)
-            return inference_pb2.StructuredOutputs(json=json.dumps(named_schema(tool)))
+            return call_constraint(named_schema(tool))
         if self.mode == "required":
             schema = required_schema(list(self.tools), self.parallel)
-            return inference_pb2.StructuredOutputs(json=json.dumps(schema))
+            return call_constraint(schema)
         return None
 
     def sampling(self, sampling: inference_pb2.SamplingParams) -> inference_pb2.SamplingParams:
@@ -171,11 +218,19 @@ class ToolPlan:
         a parser that reads markers (vLLM's, unless the request says otherwise).
 
         Raises FieldError("sampling.structured_outputs"): the request has its own constraint
-        and the plan one too."""
+        and the plan one too; ("sampling.stop" / "sampling.stop_token_ids"): given with a
+        required or named choice (a stop would cut the call short)."""
         out = inference_pb2.SamplingParams()
         out.CopyFrom(sampling)
         constraint = self.constraint()
         if constraint is not None:
+            for name in ("stop", "stop_token_ids"):
+                if getattr(sampling, name):
+                    raise FieldError(
+                        f"sampling.{name}",
+                        f"cannot be combined with a {self.mode} tool_choice: it would end "
+                        "the enforced tool call early",
+                    )
             if sampling.HasField("structured_outputs"):
                 raise FieldError(
                     "sampling.structured_outputs",
@@ -204,7 +259,7 @@ class ToolPlan:
             return CallStream(RequiredFormat())
         if self.mode == "auto":
             assert self.parser is not None
-            return CallStream(parser_format(self.parser))
+            return CallStream(parser_format(self.parser), frozenset(t["name"] for t in self.tools))
         return None
 
 
@@ -271,10 +326,19 @@ def chat_conversation(
     text, and a tool turn a user turn of ``<tool_response>`` blocks (consecutive ones
     merged), as Hermes and Qwen render them.
 
-    Raises FieldError: what `parse_tools` refuses; ("messages[i].tool_calls"): calls in a
-    turn that is not an assistant's; ("messages[i].tool_calls[j].arguments"): not JSON.
+    Raises FieldError: what `parse_tools` refuses; ("messages"): no messages;
+    ("messages[i].role"): not one of CHAT_ROLES (checked here: the tools' system turn and
+    merged tool turns shift the rendered turns' indexes); ("messages[i].tool_calls"): calls in
+    a turn that is not an assistant's; ("messages[i].tool_calls[j].arguments"): not JSON.
     """
     tools = parse_tools(messages)
+    if not messages.messages:
+        raise FieldError("messages", "must hold at least one message")
+    for i, m in enumerate(messages.messages):
+        if m.role not in CHAT_ROLES:
+            raise FieldError(
+                f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}"
+            )
     spec = [{"type": "function", "function": t} for t in tools]
     turns: list[dict[str, Any]] = []
     for i, m in enumerate(messages.messages):
@@ -347,7 +411,8 @@ async def tool_call_responses(
                         count += 1
                     else:
                         out.tool_calls.add(index=count - 1, arguments=call.arguments)
-                if final and count and r.finish_reason == inference_pb2.FINISH_REASON_STOP:
+                stopped = r.finish_reason == inference_pb2.FINISH_REASON_STOP
+                if final and count and stopped and stream.complete():
                     out.finish_reason = inference_pb2.FINISH_REASON_TOOL_CALLS
                 yield out
         except RequestError as e:

@@ -14,8 +14,9 @@ format:
 - ``required``: the JSON array ``[{"name": ..., "parameters": {...}}, ...]`` that a required
   tool_choice's grammar produces (vLLM's).
 
-A call that does not parse (bad JSON, no name, arguments not an object), or one cut short by
-the end of generation, is returned as text, with everything after it.
+A call that does not parse (bad JSON, no name, arguments not an object), one naming a function
+that is not one of the tools, or one cut short by the end of generation, is returned as text,
+with everything after it.
 
 `NamedStream` is a named tool_choice's: the whole output is the arguments of that function,
 streamed as it comes.
@@ -260,15 +261,20 @@ def parser_format(name: str) -> Format:
 
 class CallStream:
     """Splits a sample's text deltas into content and calls, in `fmt` (the module
-    docstring)."""
+    docstring); a call of a function not in `names` (when given) is malformed."""
 
-    def __init__(self, fmt: Format) -> None:
+    def __init__(self, fmt: Format, names: frozenset[str] | None = None) -> None:
         self.fmt = fmt
+        self.names = names  # the functions a call may name (None: any)
         self.pending = ""  # text not yet given out: a possible marker, or a segment
         self.in_calls = False  # `pending` begins with a segment
         self.at_start = True
         self.plain = False  # a malformed segment: the rest is text
         self.after_call = False  # only whitespace since the last call
+
+    def complete(self) -> bool:
+        """True: a call is given out only once it parsed."""
+        return True
 
     def feed(self, text: str, final: bool) -> tuple[str, list[Call]]:
         """The content text and the calls that `text` completes; `final`: the output ends
@@ -294,6 +300,9 @@ class CallStream:
                     continue
                 break
             segment, used = got
+            if self.names is not None and any(c.name not in self.names for c in segment):
+                self.plain = True  # a call of no such function is malformed: text
+                continue
             calls += segment
             self.pending = self.pending[used:]
             if not self._after_segment(final):
@@ -342,10 +351,19 @@ class NamedStream:
     def __init__(self, name: str) -> None:
         self.name = name
         self.started = False
+        self.arguments = ""
+
+    def complete(self) -> bool:
+        """Whether the arguments given out so far parse as one JSON object."""
+        try:
+            return isinstance(json.loads(self.arguments), dict)
+        except (ValueError, RecursionError):
+            return False
 
     def feed(self, text: str, final: bool) -> tuple[str, list[Call]]:
         """No content; the first call gives the function's name, each call an arguments
         piece."""
+        self.arguments += text
         if not self.started:
             self.started = True
             return "", [Call(self.name, text)]

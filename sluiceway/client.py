@@ -192,6 +192,7 @@ class Client:
         priority: int = 0,
         tools: list[inference_pb2.Tool] | None = None,
         tool_choice: str | None = None,
+        parallel_tool_calls: bool | None = None,
         **sampling: Any,
     ) -> inference_pb2.GenerateRequest:
         """Builds a `GenerateRequest` from exactly one input and `SamplingParams` fields.
@@ -211,6 +212,8 @@ class Client:
             tools: functions the model may call (with `messages`; docs/tool-calling.md).
             tool_choice: "none", "auto" or "required", or the name of one of `tools` to
                 call; None: the server's default (auto with tools).
+            parallel_tool_calls: False: a required choice makes exactly one call; None: the
+                server's default (true).
             **sampling: `SamplingParams` fields by name (temperature, top_p, top_k, min_p,
                 repetition_penalty, presence_penalty, frequency_penalty, max_tokens,
                 min_tokens, stop, stop_token_ids, include_stop_str_in_output, ignore_eos,
@@ -250,6 +253,8 @@ class Client:
                 req.messages.tool_choice.mode = modes[tool_choice]
             elif tool_choice is not None:
                 req.messages.tool_choice.function_name = tool_choice
+            if parallel_tool_calls is not None:
+                req.messages.parallel_tool_calls = parallel_tool_calls
         elif prompt_token_ids is not None:
             req.prompt_token_ids.ids.extend(prompt_token_ids)
         return req
@@ -278,7 +283,8 @@ class Client:
         self, request: inference_pb2.GenerateRequest, timeout: float | None = None
     ) -> tuple[str, list[int], inference_pb2.GenerateResponse]:
         """Runs one request to the end: (the whole text, every generated token id, the last
-        response, which carries finish_reason and usage). `timeout`: the call's deadline in
+        response, which carries finish_reason and usage, and in `tool_calls` every tool call
+        of the answer whole, as `generate_samples` joins them). `timeout`: the call's deadline in
         seconds (None: none).
 
         Raises:
@@ -294,8 +300,10 @@ class Client:
         self, request: inference_pb2.GenerateRequest, timeout: float | None = None
     ) -> list[tuple[str, list[int], inference_pb2.GenerateResponse]]:
         """Runs a request of ``sampling.n`` samples to the end: (text, token ids, last
-        response) of each, in `index` order (one entry when n is unset or 1). `timeout`:
-        the call's deadline in seconds (None: none).
+        response) of each, in `index` order (one entry when n is unset or 1). The last
+        response's `tool_calls` is replaced by all of that sample's calls, joined: one
+        `ToolCall` per call index with its id, name and whole arguments (the pieces came in
+        earlier responses). `timeout`: the call's deadline in seconds (None: none).
 
         Raises:
             grpc.RpcError: a failed call, with the codes of `generate_stream` (a failure of
@@ -305,11 +313,22 @@ class Client:
         text: list[list[str]] = [[] for _ in range(n)]
         ids: list[list[int]] = [[] for _ in range(n)]
         last = [inference_pb2.GenerateResponse() for _ in range(n)]
+        calls: list[dict[int, inference_pb2.ToolCall]] = [{} for _ in range(n)]
         for response in self.generate_stream(request, timeout):
             i = response.index
             text[i].append(response.text)
             ids[i].extend(response.token_ids)
             last[i] = response
+            for piece in response.tool_calls:
+                whole = calls[i].setdefault(piece.index, inference_pb2.ToolCall(index=piece.index))
+                whole.id = whole.id or piece.id
+                whole.name = whole.name or piece.name
+                whole.arguments += piece.arguments
+        for i in range(n):
+            final, last[i] = last[i], inference_pb2.GenerateResponse()
+            last[i].CopyFrom(final)
+            del last[i].tool_calls[:]
+            last[i].tool_calls.extend(calls[i][k] for k in sorted(calls[i]))
         return [("".join(text[i]), ids[i], last[i]) for i in range(n)]
 
     def model_info(self) -> inference_pb2.ModelInfo:

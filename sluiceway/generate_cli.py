@@ -245,7 +245,10 @@ def _tool(value: str) -> inference_pb2.Tool:
         ValueError: not JSON of an object with a string ``name``.
     """
     text = pathlib.Path(value[1:]).read_text() if value.startswith("@") else value
-    spec = json.loads(text)
+    try:
+        spec = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"--tool: not JSON text ({e}): {value}") from None
     if isinstance(spec, dict) and isinstance(spec.get("function"), dict):
         spec = spec["function"]
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):

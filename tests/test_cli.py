@@ -157,6 +157,8 @@ def test_generate_tool_flags_make_a_chat_request_with_tools(tmp_path) -> None:  
     assert choice.mode == inference_pb2.TOOL_CHOICE_MODE_REQUIRED
     with pytest.raises(ValueError, match="--tool: not a function with a name"):
         build_request(build_parser().parse_args(["generate", "Hi", "--tool", "[1]"]), "Hi")
+    with pytest.raises(ValueError, match=r"^--tool: not JSON text .*: notjson$"):
+        build_request(build_parser().parse_args(["generate", "Hi", "--tool", "notjson"]), "Hi")
 
 
 def test_generate_reads_a_schema_from_a_file_and_takes_one_constraint(tmp_path) -> None:  # type: ignore[no-untyped-def]

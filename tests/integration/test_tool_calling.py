@@ -229,3 +229,17 @@ def test_refused_with_400_naming_the_field(
     error = refusal(client, **body)
     assert error.status_code == 400
     assert error.body["param"] == param, error.body  # type: ignore[index]
+
+
+def test_a_function_without_parameters_is_called_in_few_tokens(client: openai.OpenAI) -> None:
+    # a JSON-schema constraint let SmolLM2 (greedy) fill "parameters": { with newlines until
+    # max_tokens (120 tokens, finish "length"); the call grammar bounds whitespace: 25 tokens
+    response = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice="required", parallel_tool_calls=False, temperature=0.0, max_tokens=MAX_TOKENS,
+    )  # fmt: skip
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("f", "{}")
+    assert response.usage is not None and response.usage.completion_tokens == 25

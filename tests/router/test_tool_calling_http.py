@@ -112,7 +112,13 @@ def test_auto_parses_the_call_whole_and_streamed(
         content, args, finish = "", "", ""
         stream = await client.chat.completions.create(model="fake", messages=QUESTION,
                                                       tools=TOOLS, stream=True)  # fmt: skip
-        async for chunk in stream:
+        chunks = [chunk async for chunk in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        for chunk in chunks[1:-1]:  # no empty delta while the call is buffered (vLLM's)
+            assert chunk.choices[0].delta.content or chunk.choices[0].delta.tool_calls, chunk
+        # the role chunk, "Let me check.\n" token by token, the call, the finish chunk
+        assert len(chunks) <= 2 + len(tokenizer.encode("Let me check.\n")) + 1
+        for chunk in chunks:
             delta = chunk.choices[0].delta
             content += delta.content or ""
             for piece in delta.tool_calls or []:

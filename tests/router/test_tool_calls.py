@@ -7,7 +7,9 @@ transformers' apply_chat_template takes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import jsonschema
@@ -20,11 +22,13 @@ from sluiceway.router.tool_calls import (
     MAX_SCHEMA_DEPTH,
     MAX_TOOLS,
     ToolPlan,
+    call_constraint,
     chat_conversation,
     named_schema,
     parse_tools,
     plan_tools,
     required_schema,
+    tool_call_responses,
 )
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.status import FieldError
@@ -114,14 +118,14 @@ def test_plans() -> None:
     assert kept.skip_special_tokens is True  # the request's own choice wins
     named = plan_tools(tools_msg(function="get_time"), parser=None, auto_enabled=False)
     assert named == ToolPlan("named", tuple(parse_tools(tools_msg())), "get_time", True, None)
-    assert json.loads(named.sampling(pb.SamplingParams()).structured_outputs.json) == TIME
+    assert named.sampling(pb.SamplingParams()).structured_outputs == call_constraint(TIME)
     required = plan_tools(
         tools_msg(mode=pb.TOOL_CHOICE_MODE_REQUIRED, parallel_tool_calls=False),
         parser="hermes", auto_enabled=True,
     )  # fmt: skip
     assert required is not None and required.mode == "required" and not required.parallel
-    schema = json.loads(required.sampling(pb.SamplingParams()).structured_outputs.json)
-    assert schema == required_schema(parse_tools(tools_msg()), parallel=False)
+    constraint = required.sampling(pb.SamplingParams()).structured_outputs
+    assert constraint == call_constraint(required_schema(parse_tools(tools_msg()), False))
     none = plan_tools(tools_msg(mode=pb.TOOL_CHOICE_MODE_NONE), parser=None, auto_enabled=False)
     assert none is not None and none.mode == "none" and none.stream() is None
     assert plan_tools(pb.ChatMessages(), parser=None, auto_enabled=False) is None
@@ -147,7 +151,33 @@ REFUSED = [
     (with_tools([pb.Tool(name="f", parameters='{"a":' * 100 + "1" + "}" * 100)]),
      "messages.tools[0].parameters"),
     (with_tools([pb.Tool(name=f"f{i}") for i in range(MAX_TOOLS + 1)]), "messages.tools"),
+    (with_tools([pb.Tool(name="f", parameters='{"type": "string"}')], function="f"),
+     "messages.tools[0].parameters"),  # not an object schema
 ]  # fmt: skip
+
+
+def test_refusals_say_why() -> None:
+    deep = '{"items": ' * 1000 + "{}" + "}" * 1000  # over the JSON parser's recursion limit
+    with pytest.raises(FieldError, match="nested deeper than 59 levels"):
+        parse_tools(with_tools([pb.Tool(name="f", parameters=deep)]))
+    with pytest.raises(FieldError, match="must be an object schema") as info:
+        parse_tools(with_tools([pb.Tool(name="f", parameters='{"type": "string"}')]))
+    assert body_param(info.value.field, chat=True, names={}) == "tools[0].function.parameters"
+    parse_tools(with_tools([pb.Tool(name="f", parameters='{"properties": {}}')]))  # type implied
+
+
+def test_conversation_refusals_name_the_requests_own_message() -> None:
+    for template_takes in (False, True):  # the generic prompt adds a system turn first
+        bogus = tools_msg(mode=pb.TOOL_CHOICE_MODE_NONE)
+        bogus.messages.add(role="bogus", content="x")
+        with pytest.raises(FieldError) as info:
+            chat_conversation(bogus, template_takes)
+        assert info.value.field == "messages[1].role"
+        empty = tools_msg(mode=pb.TOOL_CHOICE_MODE_NONE)
+        del empty.messages[:]
+        with pytest.raises(FieldError, match="at least one message") as info:
+            chat_conversation(empty, template_takes)
+        assert info.value.field == "messages"
 
 
 @pytest.mark.parametrize(("msg", "field"), REFUSED)
@@ -164,6 +194,45 @@ def test_a_forced_choice_and_the_requests_own_constraint_are_refused() -> None:
     with pytest.raises(FieldError) as info:
         plan.sampling(own)
     assert info.value.field == "sampling.structured_outputs"
+    required = plan_tools(tools_msg(mode=pb.TOOL_CHOICE_MODE_REQUIRED), parser=None,
+                          auto_enabled=False)  # fmt: skip
+    assert required is not None
+    for forced in (plan, required):  # a stop would end the enforced call early
+        for sampling, field, param in (
+            (pb.SamplingParams(stop=["\n"]), "sampling.stop", "stop"),
+            (pb.SamplingParams(stop_token_ids=[2]), "sampling.stop_token_ids", "stop_token_ids"),
+        ):
+            with pytest.raises(FieldError, match="enforced tool call early") as info:
+                forced.sampling(sampling)
+            assert (info.value.field, body_param(info.value.field, chat=True, names={})) == (
+                field,
+                param,
+            )
+
+
+async def _collect(rs: AsyncIterator[pb.GenerateResponse]) -> list[pb.GenerateResponse]:
+    return [r async for r in rs]
+
+
+async def _answers(*responses: pb.GenerateResponse) -> AsyncIterator[pb.GenerateResponse]:
+    for r in responses:
+        yield r
+
+
+def test_a_named_call_that_does_not_parse_is_not_finished_as_tool_calls() -> None:
+    plan = plan_tools(tools_msg(function="get_time"), parser=None, auto_enabled=False)
+    assert plan is not None
+    stop, length = pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH
+    for pieces, reason, want in (
+        (['{"tz": ', '"UTC"}'], stop, pb.FINISH_REASON_TOOL_CALLS),
+        (['{"tz": ', '"UT'], length, length),  # cut by max_tokens
+        (["{"], stop, stop),  # ended early: never reported as a finished call
+    ):
+        answers = [pb.GenerateResponse(text=p) for p in pieces]
+        answers[-1].finish_reason = reason
+        got = asyncio.run(_collect(tool_call_responses(_answers(*answers), plan)))
+        assert "".join(c.arguments for r in got for c in r.tool_calls) == "".join(pieces)
+        assert got[-1].finish_reason == want
 
 
 @pytest.mark.parametrize(
@@ -287,7 +356,7 @@ def test_router_flags() -> None:
 
 def nested(depth: int) -> str:
     """A parameters schema `depth` levels deep (the outer object is level 1)."""
-    return '{"type": "array", "items": ' * (depth - 1) + "{}" + "}" * (depth - 1)
+    return '{"type": "object", "additionalProperties": ' * (depth - 1) + "{}" + "}" * (depth - 1)
 
 
 def test_the_deepest_parameters_fit_the_constraints_limit() -> None:
@@ -304,7 +373,7 @@ def test_the_deepest_parameters_fit_the_constraints_limit() -> None:
 
 
 def test_a_constraint_refusal_of_a_forced_choice_names_the_tools() -> None:
-    big = json.dumps({"type": "object", "description": "x" * 70_000})
+    big = json.dumps({"type": "object", "properties": {"a": {"enum": ["x" * 70_000]}}})
     plan = plan_tools(with_tools([pb.Tool(name="f", parameters=big)], function="f"),
                       parser=None, auto_enabled=False)  # fmt: skip
     assert plan is not None
@@ -313,3 +382,67 @@ def test_a_constraint_refusal_of_a_forced_choice_names_the_tools() -> None:
     assert plan.own_error(info.value).field == "messages.tools"
     auto = plan_tools(tools_msg(), parser="hermes", auto_enabled=True)
     assert auto is not None and auto.own_error(info.value) is info.value  # not the tools'
+
+
+def test_local_refs_of_nested_models_survive_the_required_wrapper() -> None:
+    pydantic = pytest.importorskip("pydantic")
+    xgr = pytest.importorskip("xgrammar")
+
+    class Address(pydantic.BaseModel):
+        street: str
+        city: str
+
+    class Person(pydantic.BaseModel):
+        name: str
+        home: Address
+        others: list[Address]
+
+    person = Person.model_json_schema()  # {"$defs": {"Address": ...}, "$ref"s into it}
+    assert person["properties"]["home"] == {"$ref": "#/$defs/Address"}
+    legacy = json.loads(json.dumps(person).replace("$defs", "definitions"))  # draft-07 name
+    msg = with_tools([pb.Tool(name="person", parameters=json.dumps(person)),
+                      pb.Tool(name="legacy", parameters=json.dumps(legacy))],
+                     mode=pb.TOOL_CHOICE_MODE_REQUIRED)  # fmt: skip
+    tools = parse_tools(msg)
+    args = {"name": "Ann", "home": {"street": "1 Main St", "city": "Paris"},
+            "others": [{"street": "2 Side St", "city": "Lyon"}]}  # fmt: skip
+    good = [{"name": "person", "parameters": args}, {"name": "legacy", "parameters": args}]
+    bad = [{"name": "person", "parameters": {**args, "home": {"street": "1 Main St"}}}]
+    for parallel, calls in ((True, good), (False, good[1:])):
+        schema = required_schema(tools, parallel)
+        assert schema["items"]["anyOf"][1]["properties"]["parameters"]["properties"]["home"] == {
+            "$ref": "#/items/anyOf/1/properties/parameters/definitions/Address"
+        }
+        jsonschema.validate(calls, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema))
+        assert xgr.testing._is_grammar_accept_string(grammar, json.dumps(calls))
+        assert not xgr.testing._is_grammar_accept_string(grammar, json.dumps(bad))
+
+
+def test_the_call_constraint_is_compact() -> None:
+    xgr = pytest.importorskip("xgrammar")
+    accepts = xgr.testing._is_grammar_accept_string
+    for params in (None, "{}", '{"type": "object", "properties": {}}'):  # no parameters
+        tool = pb.Tool(name="f", parameters=params) if params else pb.Tool(name="f")
+        msg = with_tools([tool], mode=pb.TOOL_CHOICE_MODE_REQUIRED, parallel_tool_calls=False)
+        plan = plan_tools(msg, parser=None, auto_enabled=False)
+        assert plan is not None
+        constraint = plan.sampling(pb.SamplingParams()).structured_outputs
+        assert constraint.WhichOneof("constraint") == "grammar"
+        grammar = xgr.Grammar.from_ebnf(constraint.grammar)
+        assert accepts(grammar, '[{"name": "f", "parameters": {}}]')
+        assert not accepts(grammar, '[{"name": "f", "parameters": 1}]')  # `{}` is an object
+        assert accepts(grammar, '[\n {"name": "f", "parameters": {\n' + " " * 14 + "}}]")
+        assert not accepts(grammar, '[{"name": "f", "parameters": {\n' + " " * 16 + "}}]")
+    named = plan_tools(tools_msg(function="get_weather"), parser=None, auto_enabled=False)
+    assert named is not None
+    grammar = xgr.Grammar.from_ebnf(named.sampling(pb.SamplingParams()).structured_outputs.grammar)
+    assert accepts(grammar, '{"city": "Paris", "unit": "celsius"}')
+    assert accepts(grammar, '{\n  "city": "Paris",\n  "unit": "celsius"\n}')
+    assert not accepts(grammar, '{"city": "Paris",' + " " * 17 + '"unit": "celsius"}')
+    assert not accepts(grammar, '{"unit": "celsius"}')
+    broken = {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}
+    fallback = call_constraint(broken)  # xgrammar's refusal comes from the worker, named
+    assert fallback == pb.StructuredOutputs(json=json.dumps(broken))

@@ -165,3 +165,16 @@ def test_call_ids() -> None:
     ids = {new_call_id() for _ in range(100)}
     assert len(ids) == 100
     assert all(i.startswith("call_") and len(i) == 29 for i in ids)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_call_of_a_function_not_in_the_tools_is_text(step: int) -> None:
+    names = frozenset({"get_weather", "get_time"})
+    good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    bad = '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'
+    assert feed_all(CallStream(parser_format("hermes"), names), good, step) == ("", [WEATHER])
+    # a call of no such tool, and everything after it, is text; the calls before it stand
+    got = feed_all(CallStream(parser_format("hermes"), names), good + "\n" + bad + " ok", step)
+    assert got == (bad + " ok", [WEATHER])
+    llama = '{"name": "rm_rf", "parameters": {}}'
+    assert feed_all(CallStream(parser_format("llama3_json"), names), llama, step) == (llama, [])
