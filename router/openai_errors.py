@@ -178,7 +178,7 @@ def api_error(
     param = body_param(error.field, chat=chat, names=names or {})
     if param is not None and param.startswith("structured_outputs") and constraint_param:
         param = constraint_param
-        if error.field == f"{_CONSTRAINT_FIELD}.json":
+        if error.field == f"{_CONSTRAINT_FIELD}.json" and constraint_param == "response_format":
             param = "response_format.json_schema.schema"
     message = f"{param}: {error.message}" if param else error.message
     return ApiError(status, message, param)

@@ -66,9 +66,10 @@ def completion_logprobs(
     prompt: bool = False,
 ) -> dict[str, Any]:
     """Completions' ``logprobs`` of ``entries``; ``offsets`` runs on across calls (a stream's
-    chunks). ``prompt``: the entries are a response's ``prompt_logprobs`` (echo): the first
-    has a null logprob and null top_logprobs, and each position's top_logprobs hold the
-    prompt token besides the N most likely (vLLM's)."""
+    chunks). Each position's top_logprobs hold its token besides the N most likely (up to
+    N + 1 entries, as OpenAI's legacy completions and vLLM). ``prompt``: the entries are a
+    response's ``prompt_logprobs`` (echo): the first has a null logprob and null
+    top_logprobs."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                            "text_offset": []}  # fmt: skip
     for i, lp in enumerate(entries):
@@ -80,8 +81,7 @@ def completion_logprobs(
             continue
         out["token_logprobs"].append(lp.logprob)
         top = {t.token: t.logprob for t in lp.top_logprobs}
-        if prompt:
-            top.setdefault(lp.token, lp.logprob)
+        top.setdefault(lp.token, lp.logprob)  # the chosen token always (OpenAI's, vLLM's)
         out["top_logprobs"].append(top)
     return out
 

@@ -178,13 +178,13 @@ class Run:
 
     def _api_error(self, e: RequestError) -> ApiError:
         fmt = self.body.response_format
-        from_format = fmt is not None and fmt.type != "text"
-        return api_error(
-            e,
-            chat=self.chat,
-            names=self.names,
-            constraint_param="response_format" if from_format else None,
-        )
+        constraint_param = None  # the body field the constraint came from, unless vLLM's
+        if fmt is not None and fmt.type != "text":
+            constraint_param = "response_format"
+        for kind in ("json", "regex", "choice", "grammar"):  # vLLM's older guided_* fields
+            if getattr(self.body, f"guided_{kind}") is not None:
+                constraint_param = f"guided_{kind}"
+        return api_error(e, chat=self.chat, names=self.names, constraint_param=constraint_param)
 
     async def _whole(self, prompts: list[inference_pb2.GenerateRequest]) -> dict[str, Any]:
         texts: dict[int, list[str]] = {}

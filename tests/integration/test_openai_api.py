@@ -73,7 +73,11 @@ def test_completions_with_logprobs_match_grpc(api: openai.OpenAI, stack: Stack) 
     assert choice.logprobs.tokens == [lp.token for lp in grpc_lps]  # the router's text, both
     assert "".join(choice.logprobs.tokens) == choice.text
     assert choice.logprobs.top_logprobs is not None
-    assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)  # greedy: in the top 2
+    # each position's alternatives hold the chosen token (OpenAI's, vLLM's)
+    tops = choice.logprobs.top_logprobs
+    assert all(top[t] == lp for t, lp, top in zip(choice.logprobs.tokens,
+                                                  choice.logprobs.token_logprobs, tops, strict=True))  # fmt: skip
     streamed = api.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=5,
                                       stream=True)  # fmt: skip
     assert "".join(c.choices[0].text for c in streamed) == choice.text
@@ -94,7 +98,8 @@ def test_logprobs_without_alternatives_give_each_tokens_logprob(
     api: openai.OpenAI, stack: Stack
 ) -> None:
     """OpenAI's chat `logprobs: true` alone and completions' `logprobs: 0`: every generated
-    token's logprob, no alternatives (the gRPC API's logprobs 0)."""
+    token's logprob, no alternatives (the gRPC API's logprobs 0; completions' top_logprobs
+    hold the chosen token, as OpenAI's legacy API)."""
     with stack.client() as client:
         rs = list(client.generate_stream(
             Client.request(messages=[("user", CHAT[0]["content"])], temperature=0, max_tokens=4,
@@ -110,7 +115,9 @@ def test_logprobs_without_alternatives_give_each_tokens_logprob(
                                   max_tokens=3, logprobs=0)  # fmt: skip
     lps = text.choices[0].logprobs
     assert lps is not None and lps.token_logprobs is not None and len(lps.token_logprobs) == 3
-    assert lps.top_logprobs == [{}, {}, {}]
+    assert lps.tokens is not None  # logprobs 0: the chosen token alone (OpenAI's, vLLM's)
+    pairs = zip(lps.tokens, lps.token_logprobs, strict=True)
+    assert lps.top_logprobs == [{t: lp} for t, lp in pairs]
 
 
 def test_n_samples_are_reproducible_with_a_seed(api: openai.OpenAI) -> None:
@@ -142,6 +149,10 @@ def test_n_samples_are_reproducible_with_a_seed(api: openai.OpenAI) -> None:
         ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
         ({"extra_body": {"repetition_penalty": 0.0}}, "repetition_penalty"),
         ({"max_completion_tokens": 0, "max_tokens": 3}, "max_completion_tokens"),  # not "unset"
+        # the schema nests too deep: named as the body's field, not as structured_outputs
+        ({"extra_body": {"guided_json": '{"items":' * 100 + "{}" + "}" * 100}}, "guided_json"),
+        ({"extra_body": {"structured_outputs": {"regex": "("}}}, "structured_outputs.regex"),
+        ({"extra_body": {"guided_regex": "("}}, "guided_regex"),
     ],
 )
 def test_errors_name_the_field(api: openai.OpenAI, kwargs: dict, param: str) -> None:  # type: ignore[type-arg]
