@@ -27,6 +27,7 @@ from transformers import AutoTokenizer
 
 from sluiceway.bench.grammar import PERSON as SCHEMA
 from sluiceway.bench.grammar import person_document as document
+from sluiceway.router.token_bytes import bytes_to_unicode
 
 REGEX = r"\(?[0-9]{3}\)?[ -][0-9]{3}-[0-9]{4}"
 CHOICE = "positive|negative|neutral"
@@ -117,27 +118,13 @@ def bench_llguidance(tok: Any, vocab: int, paths: list[list[int]]) -> dict[str, 
     return out | run_steps(paths, fill, advance)
 
 
-def byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
-
-
 def bench_outlines_core(tok: Any, vocab: int, paths: list[list[int]]) -> dict[str, float]:
     from outlines_core import Guide, Index, Vocabulary
     from outlines_core.json_schema import build_regex_from_schema
     from outlines_core.kernels.torch import allocate_token_bitmask, fill_next_token_bitmask
 
     def vocabulary() -> Any:
-        decoder = byte_decoder()
+        decoder = {c: b for b, c in bytes_to_unicode().items()}
         tokens: dict[bytes, list[int]] = {}
         for tid in range(vocab):
             if tid == tok.eos_token_id:
