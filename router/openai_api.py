@@ -61,7 +61,7 @@ from sluiceway.router.openai_models import (
 )
 from sluiceway.router.openai_responses import Run
 from sluiceway.router.request_path import RequestPath
-from sluiceway.sampling_params import check_wire_integers, sampling_proto, wire_range
+from sluiceway.sampling_params import check_wire_integers, sampling_proto
 from sluiceway.status import FieldError
 from sluiceway.v1 import inference_pb2
 
@@ -185,16 +185,13 @@ def _token_ids(ids: list[int], where: str) -> list[int]:
 
 
 def _priority(body: ChatCompletionRequest | CompletionRequest) -> int:
-    """`body.priority` if it fits GenerateRequest.priority (int32), else a 400 naming it
-    (the scheduler checks what its policy accepts)."""
-    wire = wire_range(inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["priority"])
-    assert wire is not None
-    kind, lo, hi = wire
-    priority = body.priority or 0  # unset or null: the default
-    if not lo <= priority <= hi:
-        raise ApiError(
-            400, f"priority: must be in [{lo}, {hi}] ({kind}); got {priority}", "priority"
-        )
+    """`body.priority` (null or unset: 0) if it fits GenerateRequest.priority (int32), else a
+    400 naming it (the scheduler checks what its policy accepts)."""
+    priority = body.priority or 0
+    try:
+        check_wire_integers(inference_pb2.GenerateRequest, "priority", priority, "priority")
+    except FieldError as e:
+        raise ApiError(400, e.details, e.field) from None
     return priority
 
 

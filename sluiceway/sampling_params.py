@@ -440,11 +440,18 @@ def sampling_proto(values: Mapping[str, Any]) -> inference_pb2.SamplingParams:
     return inference_pb2.SamplingParams(**values)
 
 
-def check_wire_integers(message: type[Any], name: str, values: Iterable[int], where: str) -> None:
+def check_wire_integers(
+    message: type[Any], name: str, values: Iterable[int] | int, where: str
+) -> None:
     """Raises FieldError(f"{where}[i]") for the first of `values` outside the integer type of
-    field `name` of proto `message` (e.g. token ids into `TokenIds.ids`, uint32)."""
+    field `name` of proto `message` (e.g. token ids into `TokenIds.ids`, uint32); for one
+    value (a scalar field, e.g. `GenerateRequest.priority`, int32), FieldError(where)."""
     wire = wire_range(message.DESCRIPTOR.fields_by_name[name])
     assert wire is not None, f"{name} is not an integer field"
+    if isinstance(values, int):
+        if not wire[1] <= values <= wire[2]:
+            _check_number(where, values, Rule(""), wire)
+        return
     for i, value in enumerate(values):
         if not wire[1] <= value <= wire[2]:
             _check_number(f"{where}[{i}]", value, Rule(""), wire)
