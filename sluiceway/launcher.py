@@ -182,14 +182,16 @@ def _resolve_model(config: ServeConfig) -> tuple[pathlib.Path, str]:
     """The model folder (a GGUF converted once, before the children) and the name clients see.
 
     Raises:
-        ValueError: `--device cuda` without a GPU, a model path that is not one, a
-            `--max-model-len` above the model's context (`sluiceway.preflight`).
+        ValueError: `--device cuda` without a GPU, a model path that is not one, an
+            architecture the worker does not implement, a `--max-model-len` above the
+            model's context (`sluiceway.preflight`).
     """
     from sluiceway.model_files import resolve_model, served_model_name
-    from sluiceway.preflight import check_device, check_max_model_len
+    from sluiceway.preflight import check_architecture, check_device, check_max_model_len
 
     check_device(config.worker.device)
     model_dir = resolve_model(config.worker.model)
+    check_architecture(model_dir)
     check_max_model_len(model_dir, config.worker.max_model_len)
     return model_dir, served_model_name(model_dir, config.worker.served_model_name)
 

@@ -46,3 +46,19 @@ def check_max_model_len(model_dir: pathlib.Path, max_model_len: int | None) -> N
         resolve_max_model_len(max_model_len, *context_window(config))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_architecture(model_dir: pathlib.Path) -> None:
+    """Refuses a model folder whose ``config.json`` names an architecture the worker does not
+    implement, as the worker would after importing torch (the same line).
+
+    Raises:
+        ConfigError: see :func:`sluiceway.worker.architectures.model_type_of`.
+    """
+    from sluiceway.worker.architectures import UnsupportedModelError, model_type_of
+
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    try:
+        model_type_of(config)
+    except UnsupportedModelError as e:
+        raise ConfigError(str(e)) from None

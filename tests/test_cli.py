@@ -417,10 +417,30 @@ def test_scheduler_a_step_budget_below_max_num_seqs() -> None:
 
 
 def test_serve_max_model_len_above_the_models_context(tmp_path: pathlib.Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 8192}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     assert one_line_error("serve", "--model", str(tmp_path), "--max-model-len", "100000") == (
         "sluiceway: User-specified max_model_len (100000) is greater than the derived "
         "max_model_len (max_position_embeddings=8192 in model's config.json)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}, "Gemma2ForCausalLM"),
+        ({"model_type": "gpt2"}, "model_type 'gpt2'"),
+    ],
+)
+def test_serve_an_architecture_that_is_not_implemented(
+    tmp_path: pathlib.Path, config: dict[str, object], named: str
+) -> None:
+    from sluiceway.worker.architectures import ARCHITECTURES
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert one_line_error("serve", "--model", str(tmp_path)) == (
+        f"sluiceway: architecture {named} is not implemented; supported: "
+        + ", ".join(ARCHITECTURES)
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from sluiceway.worker.model import LlamaForCausalLM, ModelConfig
+from sluiceway.worker.model import DecoderLayer, LlamaForCausalLM, ModelConfig
 from sluiceway.worker.parallel import TensorParallelGroup
 
 __all__ = [
@@ -191,6 +191,42 @@ def _targets(model: LlamaForCausalLM, name: str) -> _Target | None:
     return None
 
 
+def _packed_targets(model: LlamaForCausalLM, name: str) -> list[_Target] | None:
+    """Where a tensor that already packs several of ours lands (Phi-3's
+    ``self_attn.qkv_proj.weight`` ``[(Hq + 2 Hkv) D, H]``, q rows then k then v, and
+    ``mlp.gate_up_proj.weight`` ``[2 I, H]``, gate rows then up: the layout of our fused
+    parameters); None for any other name. One target, the whole parameter, without tensor
+    parallelism; else one per part (q, k, v / gate, up), each the rank's rows of that part.
+    """
+    m = _LAYER.match(name)
+    if m is None or int(m.group(1)) >= model.config.num_layers:
+        return None
+    c, tp = model.config, model.tp
+    d = c.head_dim
+    layer: DecoderLayer = model.layers[int(m.group(1))]  # type: ignore[assignment]
+    param: torch.Tensor
+    if m.group(2) == "self_attn.qkv_proj.weight":
+        param = layer.qkv_weight
+        # (rows of the part in the checkpoint, the rank's rows of it)
+        parts = [(c.num_heads * d, model.num_heads * d)] + [
+            (c.num_kv_heads * d, model.num_kv_heads * d)
+        ] * 2
+    elif m.group(2) == "mlp.gate_up_proj.weight":
+        param = layer.gate_up_weight
+        parts = [(c.intermediate_size, c.intermediate_size // tp.world_size)] * 2
+    else:
+        return None
+    if not tp.enabled:
+        return [_Target(param)]
+    full = sum(whole for whole, _ in parts)
+    targets, src, dst = [], 0, 0
+    for whole, mine in parts:
+        rows = slice(dst, dst + mine)
+        targets.append(_Target(param, rows, dim=0, start=src + tp.rank * mine, full=full))
+        src, dst = src + whole, dst + mine
+    return targets
+
+
 def _read(sf: Any, name: str, target: _Target) -> torch.Tensor:
     """The checkpoint tensor ``name`` (or, sharded, only the rank's slice of it, read from the
     file without the rest) on the CPU in its stored dtype.
@@ -270,15 +306,19 @@ def load_model(
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
-                target = _targets(model, name)
-                if target is None:
+                targets = _packed_targets(model, name)
+                if targets is None:
+                    target = _targets(model, name)
+                    targets = [] if target is None else [target]
+                if not targets:
                     unexpected.append(name)
                     continue
-                target.dest.copy_(_read(sf, name, target))
-                rows = target.rows
-                start = 0 if rows is None else rows.start
-                stop = target.param.shape[0] if rows is None else rows.stop
-                filled.add((id(target.param), start, stop))
+                for target in targets:
+                    target.dest.copy_(_read(sf, name, target))
+                    rows = target.rows
+                    start = 0 if rows is None else rows.start
+                    stop = target.param.shape[0] if rows is None else rows.stop
+                    filled.add((id(target.param), start, stop))
     if unexpected:
         raise ModelLoadError(
             f"{model_dir}: tensors this model does not use: {sorted(unexpected)[:8]}"

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain torch over the paged KV pool.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Phi-3, SmolLM) in plain torch over the paged KV pool.
 
 One forward runs a flattened varlen batch (prefill chunks and decode tokens back to back, no
 padding in the linear layers). Q/K/V are one fused matmul, gate/up another. Parameter names are
@@ -25,21 +25,12 @@ from torch import nn
 from sluiceway.kernels import cpu_ops, onednn_linear
 from sluiceway.kernels.backend import AttentionBackend, TorchAttentionBackend
 from sluiceway.model_files import context_window
+from sluiceway.worker.architectures import UnsupportedModelError, model_type_of
 from sluiceway.worker.parallel import TensorParallelGroup
 
 __all__ = ["DecoderLayer", "LlamaForCausalLM", "ModelConfig", "UnsupportedModelError"]
 
 LINEAR_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
-
-_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture or one of its options is not implemented here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,20 +62,12 @@ class ModelConfig:
         """Read an HF ``config.json`` dict (transformers 4.x or 5.x layout).
 
         Raises:
-            UnsupportedModelError: not a Llama/Mistral/Qwen2 causal LM, a non-SiLU activation,
-                or a rope scaling other than default/linear/llama3.
+            UnsupportedModelError: an architecture not in
+                :data:`worker.architectures.ARCHITECTURES`, a non-SiLU activation, a rope
+                scaling other than default/linear/llama3 (Phi-3's longrope among them), or a
+                partial rotary factor (rotary over part of each head).
         """
-        archs = cfg.get("architectures") or []
-        model_type = cfg.get("model_type")
-        arch_types = [_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES]
-        if arch_types:
-            model_type = arch_types[0]
-        elif archs or model_type not in _ARCHITECTURES.values():
-            raise UnsupportedModelError(
-                f"unsupported architecture {archs or model_type!r}; supported: "
-                f"{', '.join(_ARCHITECTURES)}"
-            )
-        assert isinstance(model_type, str)
+        model_type = model_type_of(cfg)
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"unsupported hidden_act {act!r} (only 'silu')")
@@ -97,8 +80,18 @@ class ModelConfig:
         if scaling is not None:
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
             if rope_type not in ("default", "linear", "llama3"):
-                raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}")
+                raise UnsupportedModelError(
+                    f"rope scaling {rope_type!r} is not implemented (supported: default, "
+                    "linear, llama3)"
+                )
             scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+        partial = float(
+            rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1))
+        )
+        if partial != 1:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor {partial} is not implemented (rotary over whole heads only)"
+            )
         attention_bias = bool(cfg.get("attention_bias", False))
         max_positions, sliding = context_window({**cfg, "model_type": model_type})
         eos = cfg.get("eos_token_id")

@@ -123,11 +123,12 @@ def _check_shards(model_dir: pathlib.Path, world: int) -> None:
             )
 
 
-@pytest.mark.parametrize("name", TP_MODELS)
+# and phi3: its checkpoint packs q/k/v and gate/up, sliced part by part
+@pytest.mark.parametrize("name", (*TP_MODELS, "phi3"))
 def test_loaded_shards_are_the_megatron_slices(
-    tp_models: dict[str, pathlib.Path], name: str
+    tiny_models: dict[str, pathlib.Path], tp_models: dict[str, pathlib.Path], name: str
 ) -> None:
-    _check_shards(tp_models[name], WORLD)
+    _check_shards({**tiny_models, **tp_models}[name], WORLD)
 
 
 def test_loaded_shards_of_a_sharded_checkpoint(tmp_path: pathlib.Path) -> None:
