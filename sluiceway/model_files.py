@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -354,6 +355,40 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     return cfg
 
 
+@functools.cache
+def _dequantizable(qtype: Any) -> bool:
+    """Whether ``gguf.quants.dequantize`` reads tensors of ``qtype`` (tried on one zero block)."""
+    import gguf
+
+    _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros(block_bytes, dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def check_tensor_types(reader: Any) -> None:
+    """Refuses a GGUF (a ``gguf.GGUFReader``) that holds a tensor of a type the installed
+    ``gguf`` cannot dequantize (integer tensors, Q8_1, Q8_K, ...), before any tensor is
+    converted. The types it reads (F32, F16, BF16, Q4_0 ... Q8_0, Q2_K ... Q6_K, the IQ and
+    TQ types, ...) are whatever ``gguf.quants.dequantize`` implements.
+
+    Raises:
+        ModelFilesError: naming the first such tensor, its type and the supported types.
+    """
+    import gguf
+
+    for t in reader.tensors:
+        if not _dequantizable(t.tensor_type):
+            supported = [q.name for q in gguf.GGMLQuantizationType if _dequantizable(q)]
+            raise ModelFilesError(
+                f"GGUF tensor {t.name!r} is of type {t.tensor_type.name}, which gguf "
+                f"{importlib.metadata.version('gguf')} cannot dequantize (supported: "
+                f"{', '.join(supported)})"
+            )
+
+
 def _convert_into(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     import gguf
     import torch
@@ -362,6 +397,7 @@ def _convert_into(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
 
     reader = gguf.GGUFReader(str(gguf_path))
     cfg = gguf_config(reader)
+    check_tensor_types(reader)
     permute = cfg["model_type"] in ("llama", "mistral")
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
