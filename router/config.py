@@ -150,6 +150,13 @@ class RouterConfig(ProcessConfig):
         "(default: none)",
         choices=tuple(PARSERS),
     )
+    chat_template: str | None = option(
+        None,
+        "the Jinja chat template of chat requests, vLLM's flag: a file's path, or the template "
+        "itself when no such file exists (backslash escapes such as \\n decoded); for a "
+        "model without one (a base model's GGUF) or to replace the model's (default: the "
+        "model's own; docs/models.md)",
+    )
     log_format: str = LOG_FORMAT.field()
     log_level: str = LOG_LEVEL.field()
 

@@ -21,7 +21,7 @@ from sluiceway.router.auth import ApiKeys, server_credentials
 from sluiceway.router.config import RouterConfig
 from sluiceway.router.grpc_api import Router, start_router
 from sluiceway.router.request_path import RequestPath
-from sluiceway.router.tokenizer import load_tokenizer
+from sluiceway.router.tokenizer import load_chat_template, load_tokenizer
 from sluiceway.security import api_keys
 
 log = structlog.get_logger("router")
@@ -39,7 +39,9 @@ async def serve(config: RouterConfig, model_dir: Path) -> None:
     """Serves the public API on `config.host:config.port` until SIGINT/SIGTERM, then drains;
     the OpenAI-compatible HTTP API (router/openai_api.py) on `config.http_host` (default:
     `config.host`) `:config.http_port` too unless the port is -1 (0: a free port; OSError if
-    it is taken). `model_dir`: the resolved `config.model`, whose tokenizer is loaded.
+    it is taken). `model_dir`: the resolved `config.model`, whose tokenizer is loaded (with
+    `config.chat_template` instead of its own template when given; ValueError if that cannot
+    be read or parsed: `router.tokenizer.load_chat_template`).
 
     `config.scheduler`: one scheduler address or several comma-separated; requests are
     spread over them (router/balancer.py, with `config.cache_threshold` and
@@ -67,7 +69,8 @@ async def serve(config: RouterConfig, model_dir: Path) -> None:
         from sluiceway.metrics import serve_metrics
 
         serve_metrics(metrics_port, config.metrics_host)
-    tokenizer = load_tokenizer(model_dir)
+    template = None if config.chat_template is None else load_chat_template(config.chat_template)
+    tokenizer = load_tokenizer(model_dir, chat_template=template)
     path = RequestPath(
         tokenizer,
         model_dir,

@@ -8,6 +8,7 @@ directly.
 
 from __future__ import annotations
 
+import codecs
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,7 @@ __all__ = [
     "CHAT_ROLES",
     "encode_chat",
     "encode_prompt",
+    "load_chat_template",
     "load_tokenizer",
     "template_takes_tools",
 ]
@@ -26,8 +28,39 @@ __all__ = [
 CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 
 
-def load_tokenizer(model_dir: pathlib.Path) -> Any:
-    """Loads the fast tokenizer of the HF model folder `model_dir`.
+def load_chat_template(value: str) -> str:
+    """The Jinja chat template `--chat-template` gives, as vLLM reads that flag: the content of
+    the file `value` names, else (no such file) `value` itself with its backslash escapes
+    (``\\n``) decoded, unless it looks like a path (none of ``{``, ``}``, a newline). The
+    template must parse.
+
+    Raises:
+        ValueError: "--chat-template ..." one line: a path that cannot be read, or a template
+            with a Jinja syntax error (its line and message).
+    """
+    try:
+        with open(value, encoding="utf-8") as f:  # vLLM's order: a file first
+            template = f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(
+                f"--chat-template {value!r} looks like a file path, but it cannot be read: "
+                f"{e.strerror or e}"
+            ) from None
+        # non-ASCII kept: only the backslash escapes are decoded
+        template = codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
+    from jinja2 import Environment, TemplateSyntaxError  # a dependency of transformers
+
+    try:
+        Environment().parse(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: line {e.lineno}: {e.message}") from None
+    return template
+
+
+def load_tokenizer(model_dir: pathlib.Path, chat_template: str | None = None) -> Any:
+    """Loads the fast tokenizer of the HF model folder `model_dir`, with `chat_template` (a
+    Jinja template: :func:`load_chat_template`) in place of the model's own when given.
 
     Reads only local files (`local_files_only=True`) and runs no remote code.
 
@@ -52,6 +85,8 @@ def load_tokenizer(model_dir: pathlib.Path) -> Any:
             f"the tokenizer in {model_dir} is not a fast (tokenizers-backed) tokenizer: "
             f"{type(tokenizer).__name__}"
         )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return tokenizer
 
 
@@ -108,7 +143,11 @@ def encode_chat(
                 f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {role!r}"
             )
     if not getattr(tokenizer, "chat_template", None):
-        raise FieldError("messages", "this model has no chat template; send a plain prompt instead")
+        raise FieldError(
+            "messages",
+            "this model has no chat template: start the server with --chat-template FILE|STRING "
+            "(a Jinja template), or send a plain prompt instead",
+        )
     from jinja2 import TemplateError  # a dependency of transformers' chat templates
 
     try:

@@ -169,6 +169,7 @@ def _run_router(args: argparse.Namespace) -> int:
     from sluiceway.model_files import resolve_model
     from sluiceway.router.balancer import parse_scheduler_addresses
     from sluiceway.router.server import serve
+    from sluiceway.router.tokenizer import load_chat_template
     from sluiceway.security import check_files
 
     try:  # a TLS flag without its pair, an unreadable key or certificate file
@@ -184,6 +185,8 @@ def _run_router(args: argparse.Namespace) -> int:
         return 2
     try:
         model_dir = resolve_model(config.model)
+        if config.chat_template is not None:
+            load_chat_template(config.chat_template)
     except ValueError as e:
         print(f"sluiceway router: {e}", file=sys.stderr)
         return 2

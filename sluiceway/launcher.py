@@ -184,12 +184,16 @@ def _resolve_model(config: ServeConfig) -> tuple[pathlib.Path, str]:
     Raises:
         ValueError: `--device cuda` without a GPU, a model path that is not one, an
             architecture the worker does not implement, a `--max-model-len` above the
-            model's context (`sluiceway.preflight`).
+            model's context (`sluiceway.preflight`), a `--chat-template` that cannot be read
+            or parsed.
     """
     from sluiceway.model_files import resolve_model, served_model_name
     from sluiceway.preflight import check_architecture, check_device, check_max_model_len
+    from sluiceway.router.tokenizer import load_chat_template
 
     check_device(config.worker.device)
+    if config.router.chat_template is not None:  # read by each router again
+        load_chat_template(config.router.chat_template)
     model_dir = resolve_model(config.worker.model)
     check_architecture(model_dir)
     check_max_model_len(model_dir, config.worker.max_model_len)

@@ -24,7 +24,7 @@ PARTS: dict[str, type[ProcessConfig]] = {
 
 # serve's flags, in the order of its --help: its own (None) and the child config fields it
 # forwards. A forwarded flag goes to every child config with a field of its name: --model to
-# the routers and workers, the API key and TLS flags to the routers (the public ports), --tensor-parallel-size and --max-model-len to the schedulers and
+# the routers and workers, the API key and TLS flags and --chat-template to the routers (the public ports), --tensor-parallel-size and --max-model-len to the schedulers and
 # workers, --log-format and --log-level to all. The other child fields are the launcher's to
 # set per child (addresses, ports, ranks).
 FLAGS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
@@ -34,7 +34,7 @@ FLAGS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
         ("http_host", "drain_timeout", "cache_threshold", "balance_abs_threshold",
          "max_message_size", "api_key", "api_key_file", "ssl_keyfile", "ssl_certfile",
          "ssl_ca_certs", "ssl_cert_reqs", "enable_auto_tool_choice", "tool_call_parser",
-         "model"),
+         "chat_template", "model"),
     ),
     (
         "worker",

@@ -444,6 +444,13 @@ def test_serve_an_architecture_that_is_not_implemented(
     )
 
 
+def test_serve_a_chat_template_that_cannot_be_read() -> None:
+    assert one_line_error("serve", "--chat-template", "/nonexistent/chat.jinja") == (
+        "sluiceway: --chat-template '/nonexistent/chat.jinja' looks like a file path, but it "
+        "cannot be read: No such file or directory"
+    )
+
+
 def test_max_model_len_resolution() -> None:
     assert resolve_max_model_len(None, 8192, None) == 8192
     assert resolve_max_model_len(100, 8192, None) == 100
