@@ -63,10 +63,13 @@ def _tensor_bytes(shape: tuple[int, int], qtype: object, rng: np.random.Generato
     return blocks.reshape(shape[0], -1)
 
 
-def write_tiny_gguf(path: pathlib.Path, type_of: Callable[[str], object]) -> pathlib.Path:
+def write_tiny_gguf(
+    path: pathlib.Path, type_of: Callable[[str], object], arch: str = "llama"
+) -> pathlib.Path:
     """A one-layer llama GGUF (hidden 256, 2 heads, 1 KV head, a 256-token byte vocabulary)
-    whose matrix ``name`` is of type ``type_of(name)``; norms are F32."""
-    w = gguf.GGUFWriter(str(path), "llama")
+    whose matrix ``name`` is of type ``type_of(name)``; norms are F32. ``arch``: the
+    architecture it says it is."""
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny")
     w.add_block_count(1)
     w.add_context_length(128)
@@ -154,3 +157,16 @@ def test_a_type_gguf_cannot_dequantize_is_refused_before_any_conversion(
     assert "\n" not in message and "Q8_K" not in message.split("supported")[1]
     assert all(len(shape) == 1 for shape in shapes)  # at most one-block probes: no tensor
     assert not list((tmp_path / "cache" / "gguf").glob("tiny-*-v*/config.json"))
+
+
+def test_an_architecture_the_converter_does_not_map_is_refused_naming_those_it_does(
+    tmp_path: pathlib.Path,
+) -> None:
+    from sluiceway.model_files import _SUPPORTED
+
+    path = write_tiny_gguf(tmp_path / "phi2.gguf", lambda _: Q.Q8_0, arch="phi2")
+    with pytest.raises(ModelFilesError) as e:
+        convert_gguf(path, cache=tmp_path / "cache")
+    assert str(e.value) == (
+        f"GGUF architecture 'phi2' is not supported (supported: {', '.join(_SUPPORTED)})"
+    )

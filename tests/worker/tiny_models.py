@@ -24,10 +24,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 64,
         },
     },
-    # fused qkv_proj and gate_up_proj in the checkpoint
-    "phi3": {"model_type": "phi3", "tie_word_embeddings": False, "pad_token_id": None},
     "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True},
     "mistral": {"model_type": "mistral", "tie_word_embeddings": False, "sliding_window": None},
+    # last: the others keep their seeds; fused qkv_proj and gate_up_proj in the checkpoint
+    "phi3": {"model_type": "phi3", "tie_word_embeddings": False, "pad_token_id": None},
 }
 
 
