@@ -1,12 +1,13 @@
 """Helpers of scripts/bench_vs_vllm.sh, run with the project's own Python.
 
-    python scripts/bench_vs_vllm.py model-dir          # the embedded model as an HF folder
+    python scripts/bench_vs_vllm.py model-dir [MODEL]  # the embedded model or MODEL, an HF folder
     python scripts/bench_vs_vllm.py sharegpt OUT.json  # ShareGPT's complete records, valid JSON
     python scripts/bench_vs_vllm.py table OUT_DIR      # markdown table from the saved results
 
 `model-dir` reuses sluiceway's own GGUF -> safetensors conversion
-(:func:`sluiceway.model_files.resolve_model`, cached under ``$SLUICEWAY_CACHE_DIR``), so
-vLLM and sluiceway load the very same folder. `sharegpt` writes the records that
+(:func:`sluiceway.model_files.resolve_model`, cached under ``$SLUICEWAY_CACHE_DIR``; the files
+``sluiceway convert`` writes), so vLLM and sluiceway load the very same weights; MODEL is what
+``serve --model`` takes (a .gguf path, a short name). `sharegpt` writes the records that
 :mod:`sluiceway.sharegpt` reads from the truncated packaged file (vLLM's ``json.load`` fails
 on that file), so both clients sample the same prompts. `table` reads both clients' saved
 JSON (the two use vLLM's figure names) and the start-up times the script recorded.
@@ -27,10 +28,14 @@ WORKLOAD_TITLES = {
 }
 
 
-def model_dir() -> int:
-    from sluiceway.model_files import resolve_model
+def model_dir(model: str | None = None) -> int:
+    from sluiceway.model_files import ModelFilesError, resolve_model
 
-    folder = resolve_model(None)
+    try:
+        folder = resolve_model(model)
+    except ModelFilesError as e:  # e.g. an architecture the converter does not know yet
+        print(f"model-dir: {e}", file=sys.stderr)
+        return 1
     needed = ["config.json", "generation_config.json", "tokenizer_config.json"]
     missing = [n for n in needed if not (folder / n).is_file()]
     if not list(folder.glob("*.safetensors")):
@@ -108,7 +113,8 @@ def table(out_dir: str) -> int:
     text = "\n".join(lines) + "\n"
     if meta:
         text = (
-            f"{meta.get('date', '')}, {meta.get('cpu', '')}, {meta.get('num_prompts')} prompts "
+            f"{meta.get('date', '')}, {meta.get('model', 'SmolLM2-135M-Instruct')}, "
+            f"{meta.get('cpu', '')}, {meta.get('num_prompts')} prompts "
             f"per workload, dtype {meta.get('dtype')}, vLLM binding {meta.get('vllm_binding')}\n\n"
             + text
         )
@@ -118,8 +124,8 @@ def table(out_dir: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["model-dir"] and len(argv) == 1:
-        return model_dir()
+    if argv[:1] == ["model-dir"] and len(argv) <= 2:
+        return model_dir(argv[1] if len(argv) == 2 else None)
     if argv[:1] == ["sharegpt"] and len(argv) == 2:
         return sharegpt(argv[1])
     if argv[:1] == ["table"] and len(argv) == 2:

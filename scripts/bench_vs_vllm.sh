@@ -4,6 +4,7 @@
 #
 #   bash scripts/bench_vs_vllm.sh                        # everything, 200 prompts per workload
 #   NUM_PROMPTS=8 WORKLOADS=W1 bash scripts/bench_vs_vllm.sh   # a smoke run
+#   MODEL=gemma3-270m MAX_MODEL_LEN=32768 WORKLOADS=W1 bash scripts/bench_vs_vllm.sh   # Gemma 3
 #   bash scripts/bench_vs_vllm.sh --vllm-binding default # vLLM with VLLM_CPU_OMP_THREADS_BIND unset
 #
 # Steps:
@@ -16,6 +17,11 @@
 #   2. the model: the embedded SmolLM2-135M-Instruct GGUF, converted by sluiceway's own
 #      sluiceway.model_files.resolve_model into its safetensors cache (config.json,
 #      model.safetensors, tokenizer files, generation_config.json); both servers get it.
+#      With MODEL (a .gguf path or a short name of `serve --model`, e.g. gemma3-270m): vLLM
+#      serves that conversion (the files `sluiceway convert --model MODEL` writes), or the HF
+#      folder VLLM_MODEL_DIR when given; sluiceway serves MODEL itself (`--model MODEL`, the
+#      conversion already cached, so its start-up is not the conversion); both clients take
+#      their tokenizer from vLLM's folder.
 #   3. ShareGPT: the 17,671 complete records of the truncated packaged file, as valid JSON
 #      (vLLM's json.load fails on the packaged file); both clients get it.
 #   4. per system: start the server, poll until it is ready (the start-up time is launch to
@@ -37,7 +43,11 @@
 #
 # Environment: NUM_PROMPTS (200), WORKLOADS ("W1 W2 W3"), SYSTEMS ("vllm sluiceway"; also
 # sluiceway-http: `vllm bench serve`, vLLM's own client, against sluiceway's OpenAI API),
-# DTYPE (bfloat16), OUT_DIR (docs/bench/vs-vllm), VLLM_VENV
+# MODEL (the embedded SmolLM2; or a .gguf path or short name, see 2.), VLLM_MODEL_DIR (an HF
+# folder for vLLM and the clients instead of sluiceway's conversion of MODEL), SERVED_NAME
+# (SmolLM2-135M-Instruct; with MODEL: its name without the quantization suffix), MAX_MODEL_LEN
+# (--max-model-len of both servers; unset: each server's default, the model's context),
+# DTYPE (bfloat16), OUT_DIR (docs/bench/vs-vllm; with MODEL: docs/bench/vs-vllm-NAME), VLLM_VENV
 # (~/.cache/sluiceway-bench/vllm-venv), BENCH_DATA_DIR (~/.cache/sluiceway-bench: the ShareGPT
 # JSON), VLLM_PORT (18000), SLUICEWAY_PORT (18051), SLUICEWAY_HTTP_PORT (18080), MAX_NUM_SEQS (256),
 # MAX_NUM_BATCHED_TOKENS (2048), KV_CACHE_GIB (4), SLUICEWAY_SERVE_ARGS (more `serve` flags, e.g.
@@ -66,7 +76,18 @@ esac
 VLLM_VERSION=0.32.0
 VLLM_VENV=${VLLM_VENV:-$HOME/.cache/sluiceway-bench/vllm-venv}
 BENCH_DATA_DIR=${BENCH_DATA_DIR:-$HOME/.cache/sluiceway-bench}
-OUT_DIR=${OUT_DIR:-docs/bench/vs-vllm}
+MODEL=${MODEL:-}
+VLLM_MODEL_DIR=${VLLM_MODEL_DIR:-}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-}
+if [[ -z $MODEL ]]; then
+    [[ -z $VLLM_MODEL_DIR ]] || { echo "bench_vs_vllm: VLLM_MODEL_DIR needs MODEL" >&2; exit 2; }
+    SERVED_NAME=${SERVED_NAME:-SmolLM2-135M-Instruct}
+    OUT_DIR=${OUT_DIR:-docs/bench/vs-vllm}
+else  # gemma3-270m, or /path/gemma-3-270m-q4_k_m.gguf -> gemma-3-270m (as `serve` names it)
+    model_stem=$(basename "$MODEL" .gguf | sed -E 's/[.-](I?Q[0-9][A-Za-z0-9_]*|F16|F32|BF16)$//I')
+    SERVED_NAME=${SERVED_NAME:-$model_stem}
+    OUT_DIR=${OUT_DIR:-docs/bench/vs-vllm-$model_stem}
+fi
 NUM_PROMPTS=${NUM_PROMPTS:-200}
 WORKLOADS=${WORKLOADS:-W1 W2 W3}
 SYSTEMS=${SYSTEMS:-vllm sluiceway}
@@ -82,8 +103,12 @@ START_TIMEOUT_S=${START_TIMEOUT_S:-900}
 W3_SEED=${W3_SEED:-1}
 PROJECT_PYTHON=${PROJECT_PYTHON:-$REPO/.venv/bin/python}
 BASE_PYTHON=${BASE_PYTHON:-python3}
-SERVED_NAME=SmolLM2-135M-Instruct
 
+if [[ -n $MAX_MODEL_LEN && ! $MAX_MODEL_LEN =~ ^[1-9][0-9]*$ ]]; then
+    echo "bench_vs_vllm: MAX_MODEL_LEN must be a positive integer, not $MAX_MODEL_LEN" >&2; exit 2
+fi
+MAX_MODEL_LEN_ARGS=()
+[[ -z $MAX_MODEL_LEN ]] || MAX_MODEL_LEN_ARGS=(--max-model-len "$MAX_MODEL_LEN")
 case $VLLM_VENV/ in "$REPO"/*)
     echo "bench_vs_vllm: VLLM_VENV must be outside the repository ($REPO)" >&2; exit 2 ;;
 esac
@@ -252,18 +277,18 @@ run_system() {
             start_server vllm vllm_ready "${env_bind[@]}" "$VLLM_VENV/bin/vllm" serve "$MODEL_DIR" \
                 --served-model-name "$SERVED_NAME" --host 127.0.0.1 --port "$VLLM_PORT" \
                 --dtype "$DTYPE" --max-num-seqs "$MAX_NUM_SEQS" \
-                --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" \
+                --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" "${MAX_MODEL_LEN_ARGS[@]}" \
                 --kv-cache-memory-bytes "${KV_CACHE_GIB}G" || return 1
             ;;
         sluiceway|sluiceway-http)
             port_free "$SLUICEWAY_PORT" || { log "port $SLUICEWAY_PORT is taken (SLUICEWAY_PORT)"; return 1; }
             port_free "$SLUICEWAY_HTTP_PORT" || { log "port $SLUICEWAY_HTTP_PORT is taken (SLUICEWAY_HTTP_PORT)"; return 1; }
             SLUICEWAY_NAME=$sys
-            start_server "$sys" sluiceway_ready "$REPO/.venv/bin/sluiceway" serve --model "$MODEL_DIR" \
+            start_server "$sys" sluiceway_ready "$REPO/.venv/bin/sluiceway" serve --model "$SLUICEWAY_MODEL" \
                 --served-model-name "$SERVED_NAME" --host 127.0.0.1 --port "$SLUICEWAY_PORT" \
                 --http-port "$SLUICEWAY_HTTP_PORT" --metrics-port -1 --log-format console \
                 --dtype "$DTYPE" --max-num-seqs "$MAX_NUM_SEQS" \
-                --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" \
+                --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" "${MAX_MODEL_LEN_ARGS[@]}" \
                 --kv-cache-memory "${KV_CACHE_GIB}GiB" $SLUICEWAY_SERVE_ARGS || return 1
             ;;
     esac
@@ -306,8 +331,25 @@ run_system() {
 T_ALL=$SECONDS
 if [[ " $SYSTEMS " == *" vllm "* || " $SYSTEMS " == *" sluiceway-http "* ]]; then setup_vllm_venv; fi
 
-log "model folder: sluiceway's conversion of the embedded GGUF"
-MODEL_DIR=$("$PROJECT_PYTHON" scripts/bench_vs_vllm.py model-dir)
+if [[ -z $MODEL ]]; then
+    log "model folder: sluiceway's conversion of the embedded GGUF"
+    MODEL_DIR=$("$PROJECT_PYTHON" scripts/bench_vs_vllm.py model-dir)
+    SLUICEWAY_MODEL=$MODEL_DIR
+else
+    SLUICEWAY_MODEL=$MODEL
+    MODEL_DIR=$VLLM_MODEL_DIR
+    # sluiceway's conversion: vLLM's folder unless VLLM_MODEL_DIR; cached before sluiceway starts
+    if [[ -z $MODEL_DIR || " $SYSTEMS " == *" sluiceway"* ]]; then
+        log "model folder: sluiceway's conversion of $MODEL"
+        converted=$("$PROJECT_PYTHON" scripts/bench_vs_vllm.py model-dir "$MODEL") || {
+            log "no conversion of $MODEL (above); VLLM_MODEL_DIR can name an HF folder of it for vLLM"
+            exit 2
+        }
+        MODEL_DIR=${MODEL_DIR:-$converted}
+    fi
+    [[ -f $MODEL_DIR/config.json ]] || { log "VLLM_MODEL_DIR $MODEL_DIR has no config.json"; exit 2; }
+    MODEL_DIR=$(cd "$MODEL_DIR" && pwd)
+fi
 log "model folder: $MODEL_DIR ($(ls "$MODEL_DIR" | tr '\n' ' '))"
 
 SHAREGPT_JSON=$BENCH_DATA_DIR/ShareGPT_V3_complete_records.json
@@ -336,6 +378,7 @@ CPU="$cpu, $(nproc) cores${bf16:+, $bf16}" DATE=$(date -Iseconds) \
 SYSTEMS_J=$systems_json WORKLOADS_J=$workloads_json STARTUP_J=$startup_json \
 VLLM_VER=$vllm_ver SL_VER=$sl_ver GIT_REV=$git_rev GIT_DIRTY=$git_dirty \
 NUM_PROMPTS=$NUM_PROMPTS DTYPE=$DTYPE VLLM_BINDING=$VLLM_BINDING MODEL_DIR=$MODEL_DIR \
+SLUICEWAY_MODEL=$SLUICEWAY_MODEL SERVED_NAME=$SERVED_NAME MAX_MODEL_LEN=$MAX_MODEL_LEN \
 MAX_NUM_SEQS=$MAX_NUM_SEQS MAX_NUM_BATCHED_TOKENS=$MAX_NUM_BATCHED_TOKENS KV_CACHE_GIB=$KV_CACHE_GIB W3_SEED=$W3_SEED \
 "$PROJECT_PYTHON" - "$OUT_DIR/meta.json" <<'EOF'
 import json, os, sys
@@ -348,6 +391,8 @@ meta = {
     "max_num_seqs": int(e["MAX_NUM_SEQS"]), "max_num_batched_tokens": int(e["MAX_NUM_BATCHED_TOKENS"]),
     "kv_cache_gib": float(e["KV_CACHE_GIB"]),
     "w3_seed": int(e["W3_SEED"]), "model_dir": e["MODEL_DIR"],
+    "model": e["SERVED_NAME"], "sluiceway_model": e["SLUICEWAY_MODEL"],
+    "max_model_len": int(e["MAX_MODEL_LEN"]) if e["MAX_MODEL_LEN"] else None,
     "versions": {"vllm-cpu": e["VLLM_VER"], "sluiceway": e["SL_VER"], "git": e["GIT_REV"], "git_dirty": e["GIT_DIRTY"] == "true"},
 }
 with open(sys.argv[1], "w") as f:
