@@ -9,14 +9,15 @@
 // together, so a block is read from memory once per KV head per tile, and the next blocks are
 // prefetched. When a step has fewer items than threads (a decode of one sequence on a model
 // with one KV head), each item's G heads are cut into smaller groups, one item each, so every
-// core works: a head's arithmetic is the same in any group. Each row keeps an online softmax (Milakov & Gimelshein 2018, as in
-// FlashAttention) over the blocks in order: for every block its scores (a dot product per key,
-// vectorized over the block's keys), the new running max, and the rescaled sum and output
-// (vectorized over D). A row reads only the blocks up to its own position and, with a sliding
-// window W, from the block of its position - W + 1 (it attends to keys p - W < k <= p, as
-// transformers' sliding_window_overlay): where it starts is the row's own, so its arithmetic
-// is the same whatever the tile, the chunking of its prompt or the other rows of the step.
-// Work items are claimed from a shared counter, the costliest first.
+// core works: a head's arithmetic is the same in any group. Each row keeps an online softmax
+// (Milakov & Gimelshein 2018, as in FlashAttention) over the blocks in order: for every block
+// its scores (a dot product per key, vectorized over the block's keys), the new running max,
+// and the rescaled sum and output (vectorized over D). A row reads only the blocks up to its
+// own position and, with a sliding window W, from the block of its position - W + 1 (it
+// attends to keys p - W < k <= p, as transformers' sliding_window_overlay): where it starts is
+// the row's own, so its arithmetic is the same whatever the tile, the chunking of its prompt
+// or the other rows of the step. Work items are claimed from a shared counter, the costliest
+// first.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -47,7 +48,9 @@ struct WorkItem {
 };
 
 // The first key position a row at `pos` attends to: pos - W + 1 with a window W > 0, else 0.
-inline int window_start(int pos, int window) { return window > 0 ? std::max(0, pos - window + 1) : 0; }
+inline int window_start(int pos, int window) {
+  return window > 0 ? std::max(0, pos - window + 1) : 0;
+}
 
 // ---- the vectorized path: block_size a multiple of 16, D = 16 * ND -----------------------
 
@@ -215,7 +218,8 @@ void attend_item(const WorkItem& item, const Step<T>& st, std::vector<float>& sc
     const int64_t block = table[b];
     const T* kb = st.key_cache + block * st.cache_block_stride + head_offset;
     const T* vb = st.value_cache + block * st.cache_block_stride + head_offset;
-    if (b + kPrefetchBlocks < num_blocks) prefetch_block(st, table[b + kPrefetchBlocks], head_offset);
+    if (b + kPrefetchBlocks < num_blocks)
+      prefetch_block(st, table[b + kPrefetchBlocks], head_offset);
     for (int r = 0; r < rows; ++r) {
       const int pos = row0_pos + r;
       const int valid = std::min(bs, pos - b * bs + 1);  // keys of this block the row sees
@@ -278,7 +282,8 @@ std::vector<WorkItem> plan_items(const int32_t* ctx, const int32_t* qsl, const i
       const int end = std::min(r + kRowTile, qsl[s + 1]);
       const int first_pos = ctx[s] - chunk_len + (r - qsl[s]);
       const int last_pos = ctx[s] - chunk_len + (end - 1 - qsl[s]);
-      const int64_t blocks = last_pos / block_size - window_start(first_pos, window) / block_size + 1;
+      const int64_t blocks =
+          last_pos / block_size - window_start(first_pos, window) / block_size + 1;
       const int64_t cost = static_cast<int64_t>(end - r) * group * blocks;
       for (int h = 0; h < num_kv_heads; ++h) items.push_back({s, h, r, end, 0, group, cost});
     }
