@@ -50,7 +50,8 @@ DEFAULT_BLOCK_N = 32
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# one compiled kernel for every window (0 included): no specialization on its value
+@triton.jit(do_not_specialize=["window"])
 def _prefill_kernel(
     q_ptr,
     cache_ptr,

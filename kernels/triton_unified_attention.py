@@ -194,7 +194,8 @@ def _fold_vec(m, l_run, acc, m_s, l_s, acc_s):
     return m_new, l_new, acc_new
 
 
-@triton.jit
+# one compiled kernel for every window (0 included): no specialization on its value
+@triton.jit(do_not_specialize=["window"])
 def _unified_kernel(
     q_ptr,
     cache_ptr,
