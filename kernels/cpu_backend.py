@@ -44,8 +44,11 @@ class CpuAttentionBackend(VarlenMetadataBuilder):
         kv_cache: torch.Tensor,
         metadata: VarlenMetadata,
         scale: float | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """``query`` ``[T, Hq, D]`` (heads contiguous) -> ``[T, Hq, D]`` contiguous."""
+        """``query`` ``[T, Hq, D]`` (heads contiguous) -> ``[T, Hq, D]`` contiguous; with
+        ``sliding_window`` ``W`` a row at position ``p`` attends to keys ``p - W < k <= p``
+        (blocks wholly before that are not read)."""
         if scale is None:
             scale = 1.0 / math.sqrt(query.shape[-1])
         return cpu_ops.paged_attention(
@@ -55,4 +58,5 @@ class CpuAttentionBackend(VarlenMetadataBuilder):
             metadata.context_lens,
             metadata.query_start_loc,
             scale,
+            sliding_window,
         )

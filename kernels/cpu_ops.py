@@ -13,7 +13,8 @@ model on 2 cores, most of it there), and a fixed per-row reduction order is ours
 After :func:`load` the operators are ``torch.ops.sluiceway.*`` (they write into the tensors
 they are given and return nothing):
 
-- ``paged_attention(out, query, kv_cache, block_tables, context_lens, query_start_loc, scale)``
+- ``paged_attention(out, query, kv_cache, block_tables, context_lens, query_start_loc, scale,
+  sliding_window)`` (``sliding_window`` 0: none)
 - ``rms_norm(out, x, weight, eps)``, ``fused_add_rms_norm(x, residual, weight, eps)``
 - ``silu_and_mul(out, x)``
 - ``rotary_embedding_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, Hq, Hkv)``
@@ -168,10 +169,13 @@ def paged_attention(
     context_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of a flattened varlen batch over the paged pool (layout and batch rules of
     :mod:`kernels.paged_attention`): prefill chunks and decode tokens alike, each row causal
-    over its sequence's cached tokens and its own chunk.
+    over its sequence's cached tokens and its own chunk; with ``sliding_window`` ``W`` a row
+    at position ``p`` attends to keys ``p - W < k <= p`` only, and blocks wholly before a
+    row's window are not read (their table entries are not even checked).
 
     Args:
         query: ``[T, Hq, D]`` float32/bfloat16/float16, heads contiguous (a row-strided view of
@@ -181,15 +185,22 @@ def paged_attention(
         context_lens: ``[S]`` int32, tokens in the pool per sequence (cached + this chunk).
         query_start_loc: ``[S + 1]`` int32, row offsets of each sequence's chunk.
         scale: softmax scale.
+        sliding_window: ``W >= 1`` tokens, or ``None`` for full causal attention.
 
     Returns:
         A new ``[T, Hq, D]`` contiguous tensor. Scores, softmax and sums in float32, one
         rounding at the end.
+
+    Raises:
+        ValueError: ``sliding_window < 1``.
     """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
     out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.sluiceway.paged_attention(
-        out, query, kv_cache, block_tables, context_lens, query_start_loc, scale
-    )
+        out, query, kv_cache, block_tables, context_lens, query_start_loc, scale,
+        sliding_window or 0,
+    )  # fmt: skip
     return out
 
 

@@ -63,11 +63,13 @@ class TritonAttentionBackend(VarlenMetadataBuilder):
         kv_cache: torch.Tensor,
         metadata: VarlenMetadata,
         scale: float | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """``query`` ``[T, Hq, D]`` -> ``[T, Hq, D]``. Batch invariant: the unified kernel
         (split over segments when ``max_query_len == 1`` and ``num_splits > 1``). Else the
         decode kernel when ``max_query_len == 1`` (row ``s`` is sequence ``s``), else the
-        prefill kernel."""
+        prefill kernel. ``sliding_window`` ``W``: a row at position ``p`` attends to keys
+        ``p - W < k <= p`` (blocks wholly before are not read), in all three."""
         if self.batch_invariant:
             return triton_unified_attention(
                 query,
@@ -79,6 +81,7 @@ class TritonAttentionBackend(VarlenMetadataBuilder):
                 max_context_len=metadata.max_context_len,
                 split=metadata.max_query_len == 1 and metadata.num_splits > 1,
                 scale=scale,
+                sliding_window=sliding_window,
             )
         if metadata.max_query_len == 1:
             return triton_decode_attention(
@@ -89,6 +92,7 @@ class TritonAttentionBackend(VarlenMetadataBuilder):
                 block_size=metadata.block_size,
                 scale=scale,
                 num_splits=metadata.num_splits,
+                sliding_window=sliding_window,
             )
         return triton_prefill_attention(
             query,
@@ -99,4 +103,5 @@ class TritonAttentionBackend(VarlenMetadataBuilder):
             max_query_len=metadata.max_query_len,
             block_size=metadata.block_size,
             scale=scale,
+            sliding_window=sliding_window,
         )

@@ -26,6 +26,10 @@ writes a partial ``(m, l, acc)`` and a second kernel merges them. The split rang
 in the kernel from the loaded context length, so the grid depends only on shapes and
 ``num_splits``: no host synchronization, safe to capture in a CUDA graph.
 
+Sliding window ``W``: the token at position ``p = context_len - 1`` attends to keys
+``p - W < k <= p`` (transformers' ``sliding_window_overlay``): the splits cut that range only,
+so no block wholly before it is read.
+
 A sequence with ``context_len == 0`` (a padding row) reads nothing and outputs zeros.
 """
 
@@ -37,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluiceway.kernels.triton_launch import check_query_and_cache, split_scratch
+from sluiceway.kernels.triton_launch import check_query_and_cache, split_scratch, window_arg
 
 __all__ = ["DEFAULT_BLOCK_N", "dot_precision", "triton_decode_attention"]
 
@@ -45,7 +49,8 @@ DEFAULT_BLOCK_N = 32
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# one compiled kernel for every window (0 included): no specialization on its value
+@triton.jit(do_not_specialize=["window"])
 def _decode_kernel(
     q_ptr,
     cache_ptr,
@@ -55,6 +60,7 @@ def _decode_kernel(
     part_ml_ptr,
     part_acc_ptr,
     qk_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -93,11 +99,11 @@ def _decode_kernel(
         other=0.0,
     )
 
-    # this split's tiles: [tile_lo, tile_hi) of cdiv(ctx, BLOCK_N), cut evenly
-    num_tiles = tl.cdiv(ctx, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    start = split * per_split * BLOCK_N
-    end = tl.minimum(ctx, (split + 1) * per_split * BLOCK_N)
+    # the keys [kv_lo, ctx) (the window's, or all), in tiles of BLOCK_N cut evenly by split
+    kv_lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
+    per_split = tl.cdiv(tl.cdiv(ctx - kv_lo, BLOCK_N), NUM_SPLITS)
+    start = kv_lo + split * per_split * BLOCK_N
+    end = tl.minimum(ctx, kv_lo + (split + 1) * per_split * BLOCK_N)
 
     # a finite "minus infinity": exp2(m_i - m_new) stays 1, never NaN, before any valid score
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
@@ -193,6 +199,7 @@ def triton_decode_attention(
     num_splits: int = 1,
     block_n: int = DEFAULT_BLOCK_N,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: ``query`` ``[S, Hq, D]`` (one token per sequence) -> ``[S, Hq, D]``.
 
@@ -210,12 +217,15 @@ def triton_decode_attention(
             merge kernel and ``S * Hq * num_splits * (D + 2)`` float32 of scratch.
         block_n: tokens per tile (a power of two, >= 16).
         out: optional ``[S, Hq, D]`` output buffer (e.g. a CUDA graph's static tensor).
+        sliding_window: ``W >= 1``: each token attends to its last ``W`` keys (itself
+            included) only; ``None``: all of them.
 
     Returns:
         ``[S, Hq, D]`` in the query's dtype; softmax and accumulation in float32.
 
     Raises:
-        ValueError: on inconsistent shapes (checked on shapes only: no device sync).
+        ValueError: on inconsistent shapes (checked on shapes only: no device sync) or a
+            ``sliding_window < 1``.
     """
     s, hq, d = query.shape
     hkv = check_query_and_cache(query, kv_cache, block_size)
@@ -247,6 +257,7 @@ def triton_decode_attention(
         part_ml,
         part_acc,
         scale * _LOG2E,
+        window_arg(sliding_window),
         query.stride(0),
         query.stride(1),
         query.stride(2),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_query_and_cache", "check_varlen_tables", "split_scratch"]
+__all__ = ["check_query_and_cache", "check_varlen_tables", "split_scratch", "window_arg"]
 
 
 def check_query_and_cache(query: torch.Tensor, kv_cache: torch.Tensor, block_size: int) -> int:
@@ -58,3 +58,15 @@ def split_scratch(
         (rows, num_heads, num_splits, block_d), dtype=torch.float32, device=device
     )
     return part_ml, part_acc
+
+
+def window_arg(sliding_window: int | None) -> int:
+    """The kernels' ``window`` argument: ``sliding_window`` ``W`` (a row at ``p`` attends to
+    keys ``p - W < k <= p``), or 0 for ``None`` (full causal attention).
+
+    Raises:
+        ValueError: ``sliding_window < 1``.
+    """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    return sliding_window or 0

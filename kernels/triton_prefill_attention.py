@@ -13,7 +13,10 @@ is):
 
 Semantics (exactly :func:`kernels.paged_attention.paged_attention`'s): row ``j`` of a chunk
 sits at position ``context_len - q_s + j`` and attends to keys ``0 .. context_len - q_s + j``:
-all of the cached prefix, causally within the chunk. A chunk of one row (a decode) is just a
+all of the cached prefix, causally within the chunk; with a sliding window ``W`` only keys
+``p - W < k <= p`` of a row at ``p`` (transformers' ``sliding_window_overlay``), and a tile's
+key loop starts at its first row's window start (no block wholly before it is read). A chunk
+of one row (a decode) is just a
 short chunk, so prefills and decodes mix in one launch. Query head ``h`` reads KV head
 ``h // (Hq // Hkv)``.
 
@@ -35,7 +38,11 @@ import triton
 import triton.language as tl
 
 from sluiceway.kernels.triton_decode_attention import dot_precision
-from sluiceway.kernels.triton_launch import check_query_and_cache, check_varlen_tables
+from sluiceway.kernels.triton_launch import (
+    check_query_and_cache,
+    check_varlen_tables,
+    window_arg,
+)
 
 __all__ = ["DEFAULT_BLOCK_N", "triton_prefill_attention"]
 
@@ -43,7 +50,8 @@ DEFAULT_BLOCK_N = 32
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# one compiled kernel for every window (0 included): no specialization on its value
+@triton.jit(do_not_specialize=["window"])
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
@@ -52,6 +60,7 @@ def _prefill_kernel(
     context_lens_ptr,
     out_ptr,
     qk_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -94,6 +103,7 @@ def _prefill_kernel(
     # keys 0 .. the tile's last position; none for tiles past the chunk's end
     end = tl.minimum(ctx, prefix + (tile + 1) * BLOCK_M)
     end = tl.where(tile * BLOCK_M < q_len, end, 0)
+    kv_lo = tl.where(window > 0, tl.maximum(prefix + tile * BLOCK_M - window + 1, 0), 0)
 
     # a finite "minus infinity": rows with every key of a tile masked keep alpha = 1, no NaN
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -102,7 +112,7 @@ def _prefill_kernel(
     k_base = cache_ptr + kv_head.to(tl.int64) * stride_c_head
     v_base = k_base + stride_c_kv
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for tile_start in range(0, end, BLOCK_N):
+    for tile_start in range(kv_lo, end, BLOCK_N):
         pos = tile_start + n
         valid = pos < end
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -115,6 +125,7 @@ def _prefill_kernel(
         )  # [BLOCK_D, BLOCK_N]
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        visible = visible & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -149,6 +160,7 @@ def triton_prefill_attention(
     block_m: int | None = None,
     block_n: int = DEFAULT_BLOCK_N,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of a flattened varlen batch (prefill chunks and decodes) over the paged pool.
 
@@ -165,12 +177,15 @@ def triton_prefill_attention(
             ``max_query_len``.
         block_n: keys per tile (power of two, >= 16).
         out: optional ``[T, Hq, D]`` output buffer.
+        sliding_window: ``W >= 1``: a row at position ``p`` attends to keys
+            ``p - W < k <= p`` only; ``None``: all of them.
 
     Returns:
         ``[T, Hq, D]`` in the query's dtype; softmax and accumulation in float32.
 
     Raises:
-        ValueError: on inconsistent shapes (checked on shapes only: no device sync).
+        ValueError: on inconsistent shapes (checked on shapes only: no device sync) or a
+            ``sliding_window < 1``.
     """
     t, hq, d = query.shape
     s = context_lens.shape[0]
@@ -196,6 +211,7 @@ def triton_prefill_attention(
         context_lens,
         out,
         scale * _LOG2E,
+        window_arg(sliding_window),
         query.stride(0),
         query.stride(1),
         query.stride(2),

@@ -25,6 +25,13 @@ length, after a prefix-cache hit (its prefix's K/V written by another step) or b
 other rows: "Defeating Nondeterminism in LLM Inference" (He et al., Thinking Machines, 2025)
 asks attention for exactly this, a fixed split *size* instead of a split *count*.
 
+Sliding window ``W`` (``window > 0``): a row at position ``p`` sees keys ``p - W < k <= p``
+(transformers' ``sliding_window_overlay``). A tile starts at the segment and the key tile
+(both still aligned from position 0) holding its first row's window start, and loads no key
+before that start: segments and key tiles wholly before a row's window would enter it as the
+exact zeros above, so skipping them keeps every bit, and blocks wholly before every window of
+the tile are never read.
+
 Tiles: one program per (tile of ``BLOCK_Q`` query tokens of one sequence, KV head): the
 ``BLOCK_M = BLOCK_Q * G`` rows of the tile are its tokens times the ``G`` query heads sharing
 the KV head, so K/V are read once per KV head (vLLM's unified Triton attention arranges its
@@ -60,6 +67,7 @@ from sluiceway.kernels.triton_launch import (
     check_query_and_cache,
     check_varlen_tables,
     split_scratch,
+    window_arg,
 )
 from sluiceway.kernels.triton_matmul import interpreter_dot
 
@@ -97,10 +105,12 @@ def _segment(
     q,
     q_pos,
     k_base,
-    v_base,
+    stride_c_kv,
     table,
     lo,
     hi,
+    kv_lo,
+    window,
     stride_c_block,
     qk_scale,
     HEAD_DIM: tl.constexpr,
@@ -111,19 +121,22 @@ def _segment(
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """The online-softmax partial ``(m, l, acc)`` of keys ``[lo, hi)`` (tiles from ``lo``)
-    for the tile's rows, each row seeing keys ``<= q_pos``; empty (-1e30, 0, 0) when
-    ``lo >= hi``."""
+    """The online-softmax partial ``(m, l, acc)`` of keys ``[lo, hi)`` (key tiles aligned on
+    ``BLOCK_N`` from ``lo``, the first the one holding ``kv_lo``; no key below ``kv_lo`` is
+    loaded) for the tile's rows, each row seeing keys ``<= q_pos`` and, when ``window > 0``,
+    ``> q_pos - window``; empty (-1e30, 0, 0) when nothing is left."""
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     d_mask = d < HEAD_DIM
+    v_base = k_base + stride_c_kv
     # a finite "minus infinity": exp2 of differences stays finite, never NaN
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for tile_start in range(lo, hi, BLOCK_N):
+    first = tl.maximum(lo, lo + (kv_lo - lo) // BLOCK_N * BLOCK_N)
+    for tile_start in range(first, hi, BLOCK_N):
         pos = tile_start + n
-        valid = pos < hi
+        valid = (pos < hi) & (pos >= kv_lo)
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         block_off = block * stride_c_block  # [BLOCK_N]
         offset = pos % BLOCK_SIZE
@@ -139,6 +152,7 @@ def _segment(
             scores = tl.dot(q, k, input_precision=DOT_PRECISION)
         scores = scores * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        visible = visible & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -180,7 +194,8 @@ def _fold_vec(m, l_run, acc, m_s, l_s, acc_s):
     return m_new, l_new, acc_new
 
 
-@triton.jit
+# one compiled kernel for every window (0 included): no specialization on its value
+@triton.jit(do_not_specialize=["window"])
 def _unified_kernel(
     q_ptr,
     cache_ptr,
@@ -191,6 +206,7 @@ def _unified_kernel(
     part_ml_ptr,
     part_acc_ptr,
     qk_scale,
+    window,
     num_seqs,
     num_segments,
     stride_qt,
@@ -240,10 +256,10 @@ def _unified_kernel(
         other=0.0,
     )
     q_pos = prefix + tok
-    # keys 0 .. the tile's last position (its causal bound)
+    # keys 0 .. the tile's last position (its causal bound), from its first row's window start
     end = tl.minimum(ctx, prefix + (local_tile + 1) * BLOCK_Q)
+    kv_lo = tl.where(window > 0, tl.maximum(prefix + local_tile * BLOCK_Q - window + 1, 0), 0)
     k_base = cache_ptr + kv_head.to(tl.int64) * stride_c_head
-    v_base = k_base + stride_c_kv
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     out_mask = row_mask[:, None] & d_mask[None, :]
 
@@ -252,8 +268,8 @@ def _unified_kernel(
         lo = segment * SEGMENT
         hi = tl.minimum(end, lo + SEGMENT)
         m_s, l_s, acc_s = _segment(
-            q, q_pos, k_base, v_base, table, lo, hi, stride_c_block, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_D, BLOCK_N, INTERPRET, DOT_PRECISION,
+            q, q_pos, k_base, stride_c_kv, table, lo, hi, kv_lo, window, stride_c_block,
+            qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_D, BLOCK_N, INTERPRET, DOT_PRECISION,
         )  # fmt: skip
         # partials: ml [T, Hq, num_segments, 2], acc [T, Hq, num_segments, BLOCK_D]
         part = (rows * NUM_HEADS + heads) * num_segments + segment  # [BLOCK_M]
@@ -264,11 +280,11 @@ def _unified_kernel(
         m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for lo in range(0, end, SEGMENT):
+        for lo in range(kv_lo // SEGMENT * SEGMENT, end, SEGMENT):
             hi = tl.minimum(end, lo + SEGMENT)
             m_s, l_s, acc_s = _segment(
-                q, q_pos, k_base, v_base, table, lo, hi, stride_c_block, qk_scale,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_D, BLOCK_N, INTERPRET, DOT_PRECISION,
+                q, q_pos, k_base, stride_c_kv, table, lo, hi, kv_lo, window, stride_c_block,
+                qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_D, BLOCK_N, INTERPRET, DOT_PRECISION,
             )  # fmt: skip
             m, l_run, acc = _fold(m, l_run, acc, m_s, l_s, acc_s)
         out = acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
@@ -329,6 +345,7 @@ def triton_unified_attention(
     scale: float | None = None,
     segment: int = SEGMENT,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of a flattened varlen batch (prefill chunks and decodes) over the paged pool,
     each row's result independent of the batch (module docstring).
@@ -350,17 +367,19 @@ def triton_unified_attention(
             :data:`SEGMENT`, a multiple of :data:`BLOCK_N` so tiles stay full; tests use
             short ones to reach several segments on small contexts).
         out: optional ``[T, Hq, D]`` output buffer.
+        sliding_window: ``W``: a row at ``p`` attends to keys ``p - W < k <= p`` only.
 
     Returns:
         ``[T, Hq, D]`` in the query's dtype; softmax and accumulation in float32.
 
     Raises:
-        ValueError: on inconsistent shapes (checked on shapes only: no device sync) or a
-            ``segment < 1``.
+        ValueError: on inconsistent shapes (checked on shapes only: no device sync), a
+            ``segment < 1`` or a window ``< 1``.
     """
     t, hq, d = query.shape
     if segment < 1:
         raise ValueError(f"segment={segment} must be positive")
+    window = window_arg(sliding_window)
     s = context_lens.shape[0]
     hkv = check_query_and_cache(query, kv_cache, block_size)
     check_varlen_tables(block_tables, query_start_loc, s)
@@ -387,17 +406,12 @@ def triton_unified_attention(
         part_ml,
         part_acc,
         scale * _LOG2E,
+        window,
         s,
         num_segments,
-        query.stride(0),
-        query.stride(1),
-        query.stride(2),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
+        *query.stride(),
+        *out.stride(),
+        *kv_cache.stride()[:3],
         block_tables.stride(0),
         NUM_HEADS=hq,
         GROUP=group,

@@ -9,7 +9,7 @@ namespace sluiceway {
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& context_lens,
-                     const at::Tensor& query_start_loc, double scale);
+                     const at::Tensor& query_start_loc, double scale, int64_t sliding_window);
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps);
@@ -29,7 +29,7 @@ void bf16_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
 TORCH_LIBRARY(sluiceway, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
-      "Tensor context_lens, Tensor query_start_loc, float scale) -> ()");
+      "Tensor context_lens, Tensor query_start_loc, float scale, int sliding_window) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");

@@ -7,12 +7,17 @@
 // One work item is (sequence, KV head, tile of up to kRowTile query rows of its chunk): the G
 // query heads of that KV head (grouped-query attention) go through each K and V block
 // together, so a block is read from memory once per KV head per tile, and the next blocks are
-// prefetched. Each row keeps an online softmax (Milakov & Gimelshein 2018, as in
-// FlashAttention) over the blocks in order: for every block its scores (a dot product per key,
-// vectorized over the block's keys), the new running max, and the rescaled sum and output
-// (vectorized over D). A row reads only the blocks up to its own position, and its arithmetic
-// is the same whatever the tile, the chunking of its prompt or the other rows of the step.
-// Work items are claimed from a shared counter, the costliest first.
+// prefetched. When a step has fewer items than threads (a decode of one sequence on a model
+// with one KV head), each item's G heads are cut into smaller groups, one item each, so every
+// core works: a head's arithmetic is the same in any group. Each row keeps an online softmax
+// (Milakov & Gimelshein 2018, as in FlashAttention) over the blocks in order: for every block
+// its scores (a dot product per key, vectorized over the block's keys), the new running max,
+// and the rescaled sum and output (vectorized over D). A row reads only the blocks up to its
+// own position and, with a sliding window W, from the block of its position - W + 1 (it
+// attends to keys p - W < k <= p, as transformers' sliding_window_overlay): where it starts is
+// the row's own, so its arithmetic is the same whatever the tile, the chunking of its prompt
+// or the other rows of the step. Work items are claimed from a shared counter, the costliest
+// first.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -37,23 +42,36 @@ struct WorkItem {
   int32_t kv_head;
   int32_t row_begin;  // rows of the flattened batch
   int32_t row_end;
-  int64_t cost;  // rows x blocks read: the order items are claimed in
+  int32_t head_begin;  // query heads of the KV head's group: [head_begin, head_end)
+  int32_t head_end;
+  int64_t cost;  // rows x heads x blocks read: the order items are claimed in
 };
+
+// The first key position a row at `pos` attends to: pos - W + 1 with a window W > 0, else 0.
+inline int window_start(int pos, int window) {
+  return window > 0 ? std::max(0, pos - window + 1) : 0;
+}
 
 // ---- the vectorized path: block_size a multiple of 16, D = 16 * ND -----------------------
 
-// NL query lanes (query heads of one row that share a KV head) against the keys of one block
-// the row sees (`valid` of them), 16 keys (a "key tile") at a time: scores q . k (two partial
-// sums, even and odd dimensions, added at the end: independent FMA chains), an online-softmax
-// step per tile, and the rescaled output. Per lane the operations and their order are fixed.
+// NL query lanes (query heads of one row that share a KV head) against the keys [first, valid)
+// of one block that the row sees, 16 keys (a "key tile") at a time, from the tile holding
+// `first` (a window's start; earlier tiles are not read): scores q . k (two partial sums, even
+// and odd dimensions, added at the end: independent FMA chains), an online-softmax step per
+// tile, and the rescaled output. Per lane the operations and their order are fixed.
 template <typename T, int ND, int NL>
 inline void attend_block(const float* __restrict__ q, float* __restrict__ acc,
                          float* __restrict__ run_max, float* __restrict__ run_sum,
-                         const T* __restrict__ kb, const T* __restrict__ vb, int bs, int valid) {
+                         const T* __restrict__ kb, const T* __restrict__ vb, int bs, int first,
+                         int valid) {
   constexpr int D = 16 * ND;
+  // output columns per pass over a tile's keys: 8 registers per lane at most (D = 256 would
+  // spill otherwise); every column's sum is in key order whatever the pass
+  constexpr int JC = ND > 8 ? 8 : ND;
   v16i iota;
   for (int t = 0; t < 16; ++t) iota[t] = t;
-  for (int kt = 0; kt * 16 < valid; ++kt) {
+  for (int kt = first / 16; kt * 16 < valid; ++kt) {
+    const int tile_first = std::max(0, first - kt * 16);
     const int tile_valid = std::min(16, valid - kt * 16);
     v16f even[NL], odd[NL];
     for (int l = 0; l < NL; ++l) even[l] = odd[l] = splat(0.0f);
@@ -65,7 +83,7 @@ inline void attend_block(const float* __restrict__ q, float* __restrict__ acc,
         odd[l] += q[l * D + i + 1] * k1;
       }
     }
-    const v16i seen = iota < tile_valid;
+    const v16i seen = (iota >= tile_first) & (iota < tile_valid);
     const v16f neg_inf = splat(-std::numeric_limits<float>::infinity());
     v16f prob[NL];
     float alpha[NL];
@@ -77,20 +95,22 @@ inline void attend_block(const float* __restrict__ q, float* __restrict__ acc,
       run_sum[l] = run_sum[l] * alpha[l] + reduce_sum(prob[l]);
       run_max[l] = mx;
     }
-    v16f o[NL][ND];
-    for (int l = 0; l < NL; ++l)
-      for (int j = 0; j < ND; ++j) o[l][j] = load16(acc + l * D + 16 * j) * alpha[l];
-    for (int t = 0; t < tile_valid; ++t) {
-      const T* vrow = vb + (kt * 16 + t) * D;
-      v16f v[ND];
-      for (int j = 0; j < ND; ++j) v[j] = load16(vrow + 16 * j);
-      for (int l = 0; l < NL; ++l) {
-        const float pt = prob[l][t];
-        for (int j = 0; j < ND; ++j) o[l][j] += pt * v[j];
+    for (int j0 = 0; j0 < ND; j0 += JC) {
+      v16f o[NL][JC];
+      for (int l = 0; l < NL; ++l)
+        for (int j = 0; j < JC; ++j) o[l][j] = load16(acc + l * D + 16 * (j0 + j)) * alpha[l];
+      for (int t = tile_first; t < tile_valid; ++t) {
+        const T* vrow = vb + (kt * 16 + t) * D + 16 * j0;
+        v16f v[JC];
+        for (int j = 0; j < JC; ++j) v[j] = load16(vrow + 16 * j);
+        for (int l = 0; l < NL; ++l) {
+          const float pt = prob[l][t];
+          for (int j = 0; j < JC; ++j) o[l][j] += pt * v[j];
+        }
       }
+      for (int l = 0; l < NL; ++l)
+        for (int j = 0; j < JC; ++j) store16(acc + l * D + 16 * (j0 + j), o[l][j]);
     }
-    for (int l = 0; l < NL; ++l)
-      for (int j = 0; j < ND; ++j) store16(acc + l * D + 16 * j, o[l][j]);
   }
 }
 
@@ -98,40 +118,76 @@ inline void attend_block(const float* __restrict__ q, float* __restrict__ acc,
 
 template <typename T>
 void attend_block_generic(const float* q, float* acc, float* run_max, float* run_sum,
-                          const T* kb, const T* vb, int bs, int d, int valid, float* s) {
-  for (int t = 0; t < valid; ++t) {
+                          const T* kb, const T* vb, int bs, int d, int first, int valid,
+                          float* s) {
+  for (int t = first; t < valid; ++t) {
     float dot = 0.0f;
     for (int i = 0; i < d; ++i) dot += q[i] * to_float(kb[i * bs + t]);
     s[t] = dot;
   }
   float mx = *run_max;
-  for (int t = 0; t < valid; ++t) mx = std::max(mx, s[t]);
+  for (int t = first; t < valid; ++t) mx = std::max(mx, s[t]);
   const float alpha = fast_exp(*run_max - mx);
   float sum = 0.0f;
-  for (int t = 0; t < valid; ++t) {
+  for (int t = first; t < valid; ++t) {
     s[t] = fast_exp(s[t] - mx);
     sum += s[t];
   }
   *run_sum = *run_sum * alpha + sum;
   *run_max = mx;
   for (int i = 0; i < d; ++i) acc[i] *= alpha;
-  for (int t = 0; t < valid; ++t)
+  for (int t = first; t < valid; ++t)
     for (int i = 0; i < d; ++i) acc[i] += s[t] * to_float(vb[t * d + i]);
 }
 
-// One work item: rows [row_begin, row_end) of a sequence's chunk against its blocks, for the
-// query heads of one KV head. ND > 0: the vectorized path with D = 16 * ND; 0: generic.
+// What every work item of a step shares: the tensors' pointers and the geometry.
+template <typename T>
+struct Step {
+  const T* query;
+  int64_t query_row_stride;
+  const T* key_cache;
+  const T* value_cache;
+  int64_t cache_block_stride;
+  const int32_t* tables;
+  int64_t table_stride;
+  const int32_t* context_lens;
+  const int32_t* query_start_loc;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;
+  int block_size;
+  int window;  // 0: full causal attention
+  float scale;
+  T* out;
+};
+
+// Asks for the K and V of a block a few blocks ahead: blocks are scattered runs of bs * D
+// elements, the hardware prefetchers do not see the next one coming (memory latency, not
+// bandwidth, bounds the block loop otherwise).
+template <typename T>
+inline void prefetch_block(const Step<T>& st, int64_t block, int64_t head_offset) {
+  const int64_t ahead = block * st.cache_block_stride + head_offset;
+  const char* kn = reinterpret_cast<const char*>(st.key_cache + ahead);
+  const char* vn = reinterpret_cast<const char*>(st.value_cache + ahead);
+  const int block_bytes = static_cast<int>(st.block_size * st.head_dim * sizeof(T));
+  for (int line = 0; line < block_bytes; line += 64) {
+    __builtin_prefetch(kn + line);
+    __builtin_prefetch(vn + line);
+  }
+}
+
+// One work item: rows [row_begin, row_end) of a sequence's chunk against its blocks, for query
+// heads [head_begin, head_end) of one KV head's group. ND > 0: the vectorized path with
+// D = 16 * ND; 0: generic. Blocks run from the first one the item's first row needs (its
+// window's start) to its last row's position; each row skips the blocks before its own.
 template <typename T, int ND>
-void attend_item(const WorkItem& item, const T* query, int64_t query_row_stride,
-                 const T* key_cache, const T* value_cache, int64_t cache_block_stride,
-                 const int32_t* block_table, int32_t context_len, int32_t chunk_start,
-                 int32_t chunk_len, int num_heads, int num_kv_heads, int head_dim,
-                 int block_size, float scale, T* out, std::vector<float>& scratch) {
-  const int d = ND ? 16 * ND : head_dim;
-  const int bs = block_size;
-  const int group = num_heads / num_kv_heads;
+void attend_item(const WorkItem& item, const Step<T>& st, std::vector<float>& scratch) {
+  const int d = ND ? 16 * ND : st.head_dim;
+  const int bs = st.block_size;
+  const int group = st.num_heads / st.num_kv_heads;
+  const int heads = item.head_end - item.head_begin;
   const int rows = item.row_end - item.row_begin;
-  const int lanes = rows * group;  // (row, query head of the group) pairs
+  const int lanes = rows * heads;  // (row, query head) pairs
   scratch.resize(static_cast<size_t>(lanes) * (2 * d + 2) + bs);
   float* q = scratch.data();         // [lanes, D], scaled
   float* acc = q + lanes * d;        // [lanes, D]
@@ -139,66 +195,61 @@ void attend_item(const WorkItem& item, const T* query, int64_t query_row_stride,
   float* run_sum = run_max + lanes;  // [lanes]
   float* s = run_sum + lanes;        // [bs], generic path's scores
 
-  const int first_pos = context_len - chunk_len;  // position of the chunk's first row
+  const int chunk_start = st.query_start_loc[item.seq];
+  const int chunk_len = st.query_start_loc[item.seq + 1] - chunk_start;
+  const int first_pos = st.context_lens[item.seq] - chunk_len;  // the chunk's first row's
+  const int64_t first_head = static_cast<int64_t>(item.kv_head) * group + item.head_begin;
   for (int r = 0; r < rows; ++r) {
-    const T* qrow = query + static_cast<int64_t>(item.row_begin + r) * query_row_stride +
-                    static_cast<int64_t>(item.kv_head) * group * d;
-    for (int i = 0; i < group * d; ++i) q[r * group * d + i] = to_float(qrow[i]) * scale;
+    const T* qrow = st.query + static_cast<int64_t>(item.row_begin + r) * st.query_row_stride +
+                    first_head * d;
+    for (int i = 0; i < heads * d; ++i) q[r * heads * d + i] = to_float(qrow[i]) * st.scale;
   }
   std::fill(acc, acc + lanes * d, 0.0f);
   std::fill(run_max, run_max + lanes, -std::numeric_limits<float>::infinity());
   std::fill(run_sum, run_sum + lanes, 0.0f);
 
+  const int row0_pos = first_pos + (item.row_begin - chunk_start);
   const int last_pos = first_pos + (item.row_end - 1 - chunk_start);
+  const int first_block = window_start(row0_pos, st.window) / bs;
   const int num_blocks = last_pos / bs + 1;
+  const int32_t* table = st.tables + item.seq * st.table_stride;
   const int64_t head_offset = static_cast<int64_t>(item.kv_head) * bs * d;
-  const int block_bytes = static_cast<int>(bs * d * sizeof(T));
-  for (int b = 0; b < num_blocks; ++b) {
-    const int64_t block = block_table[b];
-    const T* kb = key_cache + block * cache_block_stride + head_offset;
-    const T* vb = value_cache + block * cache_block_stride + head_offset;
-    if (b + kPrefetchBlocks < num_blocks) {
-      // Blocks are scattered runs of bs * D elements: the hardware prefetchers do not see the
-      // next one coming, so ask for it a few blocks ahead (memory latency, not bandwidth,
-      // bounds this loop otherwise).
-      const int64_t ahead = block_table[b + kPrefetchBlocks] * cache_block_stride + head_offset;
-      const char* kn = reinterpret_cast<const char*>(key_cache + ahead);
-      const char* vn = reinterpret_cast<const char*>(value_cache + ahead);
-      for (int line = 0; line < block_bytes; line += 64) {
-        __builtin_prefetch(kn + line);
-        __builtin_prefetch(vn + line);
-      }
-    }
+  for (int b = first_block; b < num_blocks; ++b) {
+    const int64_t block = table[b];
+    const T* kb = st.key_cache + block * st.cache_block_stride + head_offset;
+    const T* vb = st.value_cache + block * st.cache_block_stride + head_offset;
+    if (b + kPrefetchBlocks < num_blocks)
+      prefetch_block(st, table[b + kPrefetchBlocks], head_offset);
     for (int r = 0; r < rows; ++r) {
-      const int pos = first_pos + (item.row_begin + r - chunk_start);
+      const int pos = row0_pos + r;
       const int valid = std::min(bs, pos - b * bs + 1);  // keys of this block the row sees
-      if (valid <= 0) continue;
+      const int first = std::max(0, window_start(pos, st.window) - b * bs);
+      if (valid <= first) continue;  // past the row's position, or before its window
       if constexpr (ND == 0) {
-        for (int g = 0; g < group; ++g) {
-          const int lane = r * group + g;
+        for (int g = 0; g < heads; ++g) {
+          const int lane = r * heads + g;
           attend_block_generic(q + lane * d, acc + lane * d, run_max + lane, run_sum + lane,
-                               kb, vb, bs, d, valid, s);
+                               kb, vb, bs, d, first, valid, s);
         }
       } else {
-        for (int g = 0; g < group; g += 4) {
-          const int lane = r * group + g;
+        for (int g = 0; g < heads; g += 4) {
+          const int lane = r * heads + g;
           float *ql = q + lane * d, *al = acc + lane * d;
           float *mx = run_max + lane, *sm = run_sum + lane;
-          switch (std::min(4, group - g)) {
-            case 4: attend_block<T, ND, 4>(ql, al, mx, sm, kb, vb, bs, valid); break;
-            case 3: attend_block<T, ND, 3>(ql, al, mx, sm, kb, vb, bs, valid); break;
-            case 2: attend_block<T, ND, 2>(ql, al, mx, sm, kb, vb, bs, valid); break;
-            default: attend_block<T, ND, 1>(ql, al, mx, sm, kb, vb, bs, valid);
+          switch (std::min(4, heads - g)) {
+            case 4: attend_block<T, ND, 4>(ql, al, mx, sm, kb, vb, bs, first, valid); break;
+            case 3: attend_block<T, ND, 3>(ql, al, mx, sm, kb, vb, bs, first, valid); break;
+            case 2: attend_block<T, ND, 2>(ql, al, mx, sm, kb, vb, bs, first, valid); break;
+            default: attend_block<T, ND, 1>(ql, al, mx, sm, kb, vb, bs, first, valid);
           }
         }
       }
     }
   }
   for (int r = 0; r < rows; ++r) {
-    T* orow = out + (static_cast<int64_t>(item.row_begin + r) * num_heads +
-                     static_cast<int64_t>(item.kv_head) * group) * d;
-    for (int g = 0; g < group; ++g) {
-      const int lane = r * group + g;
+    T* orow = st.out + (static_cast<int64_t>(item.row_begin + r) * st.num_heads + first_head) * d;
+    for (int g = 0; g < heads; ++g) {
+      const int lane = r * heads + g;
       const float inv = 1.0f / run_sum[lane];
       const float* al = acc + lane * d;
       for (int i = 0; i < d; ++i) orow[g * d + i] = from_float<T>(al[i] * inv);
@@ -206,24 +257,14 @@ void attend_item(const WorkItem& item, const T* query, int64_t query_row_stride,
   }
 }
 
-template <typename T>
-void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                          const at::Tensor& block_tables, const at::Tensor& context_lens,
-                          const at::Tensor& query_start_loc, double scale) {
-  const int num_seqs = static_cast<int>(context_lens.size(0));
-  const int num_heads = static_cast<int>(query.size(1));
-  const int head_dim = static_cast<int>(query.size(2));
-  const int num_kv_heads = static_cast<int>(kv_cache.size(2));
-  const int block_size = static_cast<int>(kv_cache.size(3) / head_dim);
-  const int32_t* ctx = context_lens.data_ptr<int32_t>();
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t table_stride = block_tables.size(1);
-
-  const int64_t pool_blocks = kv_cache.size(1);
-  TORCH_CHECK(query_start_loc.numel() == num_seqs + 1 && block_tables.size(0) == num_seqs &&
-                  qsl[0] == 0 && qsl[num_seqs] == query.size(0),
-              "query_start_loc must be [S + 1] from 0 to T, block_tables [S, max_blocks]");
+// The step's work items, costliest first: per sequence, per tile of kRowTile rows, per KV head
+// (checking the tables on the way). With fewer items than `threads`, each item's group of query
+// heads is cut into up to `threads / items` parts (a decode of one sequence on a one-KV-head
+// model still keeps every core busy; the K/V blocks are then read once per part).
+std::vector<WorkItem> plan_items(const int32_t* ctx, const int32_t* qsl, const int32_t* tables,
+                                 int num_seqs, int64_t table_stride, int64_t pool_blocks,
+                                 int block_size, int num_kv_heads, int group, int window,
+                                 int threads) {
   std::vector<WorkItem> items;
   for (int s = 0; s < num_seqs; ++s) {
     const int chunk_len = qsl[s + 1] - qsl[s];
@@ -232,52 +273,88 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
     const int64_t used = (ctx[s] + block_size - 1) / block_size;
     TORCH_CHECK(used <= table_stride, "sequence ", s, ": ", ctx[s], " tokens need ", used,
                 " blocks, its table has ", table_stride);
-    for (int64_t b = 0; b < used; ++b) {
+    for (int64_t b = window_start(ctx[s] - chunk_len, window) / block_size; b < used; ++b) {
       const int32_t block = tables[s * table_stride + b];
       TORCH_CHECK(block >= 0 && block < pool_blocks, "sequence ", s, ": block ", block,
                   " outside the pool of ", pool_blocks);
     }
     for (int r = qsl[s]; r < qsl[s + 1]; r += kRowTile) {
       const int end = std::min(r + kRowTile, qsl[s + 1]);
+      const int first_pos = ctx[s] - chunk_len + (r - qsl[s]);
       const int last_pos = ctx[s] - chunk_len + (end - 1 - qsl[s]);
-      const int64_t cost = static_cast<int64_t>(end - r) * (last_pos / block_size + 1);
-      for (int h = 0; h < num_kv_heads; ++h) items.push_back({s, h, r, end, cost});
+      const int64_t blocks =
+          last_pos / block_size - window_start(first_pos, window) / block_size + 1;
+      const int64_t cost = static_cast<int64_t>(end - r) * group * blocks;
+      for (int h = 0; h < num_kv_heads; ++h) items.push_back({s, h, r, end, 0, group, cost});
     }
+  }
+  const int64_t parts =
+      std::min<int64_t>(group, threads / std::max<int64_t>(static_cast<int64_t>(items.size()), 1));
+  if (parts > 1) {
+    std::vector<WorkItem> split;
+    for (const WorkItem& it : items) {
+      for (int64_t p = 0; p < parts; ++p) {
+        WorkItem part = it;
+        part.head_begin = static_cast<int32_t>(group * p / parts);
+        part.head_end = static_cast<int32_t>(group * (p + 1) / parts);
+        part.cost = it.cost / group * (part.head_end - part.head_begin);
+        split.push_back(part);
+      }
+    }
+    items.swap(split);
   }
   std::stable_sort(items.begin(), items.end(),
                    [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return items;
+}
 
-  const T* q = query.data_ptr<T>();
-  const int64_t q_stride = query.stride(0);
-  const T* key_cache = kv_cache.data_ptr<T>();
-  const T* value_cache = key_cache + kv_cache.stride(0);
-  const int64_t block_stride = kv_cache.stride(1);
-  T* o = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
-  std::atomic<int64_t> next{0};
-  const int64_t n = static_cast<int64_t>(items.size());
-  using Attend = void (*)(const WorkItem&, const T*, int64_t, const T*, const T*, int64_t,
-                          const int32_t*, int32_t, int32_t, int32_t, int, int, int, int, float,
-                          T*, std::vector<float>&);
-  Attend attend = attend_item<T, 0>;
-  if (block_size % 16 == 0) {
-    switch (head_dim) {
+template <typename T>
+void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                          const at::Tensor& block_tables, const at::Tensor& context_lens,
+                          const at::Tensor& query_start_loc, double scale, int64_t window) {
+  const int num_seqs = static_cast<int>(context_lens.size(0));
+  Step<T> st;
+  st.num_heads = static_cast<int>(query.size(1));
+  st.head_dim = static_cast<int>(query.size(2));
+  st.num_kv_heads = static_cast<int>(kv_cache.size(2));
+  st.block_size = static_cast<int>(kv_cache.size(3) / st.head_dim);
+  st.context_lens = context_lens.data_ptr<int32_t>();
+  st.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  st.tables = block_tables.data_ptr<int32_t>();
+  st.table_stride = block_tables.size(1);
+  st.window = static_cast<int>(std::min<int64_t>(window, std::numeric_limits<int>::max()));
+  const int32_t* qsl = st.query_start_loc;
+  TORCH_CHECK(query_start_loc.numel() == num_seqs + 1 && block_tables.size(0) == num_seqs &&
+                  qsl[0] == 0 && qsl[num_seqs] == query.size(0),
+              "query_start_loc must be [S + 1] from 0 to T, block_tables [S, max_blocks]");
+  const int threads = at::get_num_threads();
+  const std::vector<WorkItem> items = plan_items(
+      st.context_lens, qsl, st.tables, num_seqs, st.table_stride, kv_cache.size(1),
+      st.block_size, st.num_kv_heads, st.num_heads / st.num_kv_heads, st.window, threads);
+
+  st.query = query.data_ptr<T>();
+  st.query_row_stride = query.stride(0);
+  st.key_cache = kv_cache.data_ptr<T>();
+  st.value_cache = st.key_cache + kv_cache.stride(0);
+  st.cache_block_stride = kv_cache.stride(1);
+  st.out = out.data_ptr<T>();
+  st.scale = static_cast<float>(scale);
+  void (*attend)(const WorkItem&, const Step<T>&, std::vector<float>&) = attend_item<T, 0>;
+  if (st.block_size % 16 == 0) {
+    switch (st.head_dim) {
       case 32: attend = attend_item<T, 2>; break;
       case 64: attend = attend_item<T, 4>; break;
       case 96: attend = attend_item<T, 6>; break;
       case 128: attend = attend_item<T, 8>; break;
+      case 256: attend = attend_item<T, 16>; break;
       default: break;
     }
   }
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(items.size());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      const WorkItem& it = items[i];
-      attend(it, q, q_stride, key_cache, value_cache, block_stride,
-             tables + it.seq * table_stride, ctx[it.seq], qsl[it.seq],
-             qsl[it.seq + 1] - qsl[it.seq], num_heads, num_kv_heads, head_dim, block_size,
-             fscale, o, scratch);
-    }
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) attend(items[i], st, scratch);
   });
 }
 
@@ -285,7 +362,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& context_lens,
-                     const at::Tensor& query_start_loc, double scale) {
+                     const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be positive, or 0 for none");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [T, Hq, D] with contiguous heads");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be [T, Hq, D]");
@@ -306,7 +384,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
               "kv_cache width must be block_size * D");
   SLUICEWAY_DISPATCH(query.scalar_type(), "paged_attention",
                      paged_attention_impl<scalar_t>(out, query, kv_cache, block_tables,
-                                                    context_lens, query_start_loc, scale));
+                                                    context_lens, query_start_loc, scale,
+                                                    sliding_window));
 }
 
 }  // namespace sluiceway

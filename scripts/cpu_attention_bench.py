@@ -1,0 +1,71 @@
+"""Time the C++ paged attention (kernels/csrc/paged_attention.cpp) at Gemma 3 270M's shapes.
+
+4 query heads on 1 KV head of dim 256, block 16, bfloat16: decodes of batch 1/32/128 at
+contexts 320 and 2,000, and a 512-token prefill chunk, full attention and, with ``--window``,
+a sliding window. Prints one JSON line: microseconds per call, the minimum and the median of
+the calls made in ``--seconds`` per case (on a shared machine quote the minimum).
+
+Before/after: run it with ``PYTHONPATH`` on each tree in turn (each builds its own kernels);
+``--window`` needs a tree whose kernel takes one. Threads: ``OMP_NUM_THREADS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from sluiceway.kernels import cpu_ops
+
+HQ, HKV, D, BLOCK = 4, 1, 256, 16
+CASES = [(1, 320, 1), (32, 320, 1), (128, 320, 1), (1, 2000, 1), (32, 2000, 1),
+         (128, 2000, 1), (1, 512, 512)]  # fmt: skip
+
+
+def time_case(batch: int, context: int, rows: int, window: int, seconds: float) -> list[float]:
+    """Seconds per call of a step of ``batch`` sequences of ``context`` tokens whose last
+    ``rows`` are the step's queries (shuffled block ids)."""
+    blocks = -(-context // BLOCK)
+    pool = torch.randn(2, batch * blocks, HKV, BLOCK * D).to(torch.bfloat16)
+    tables = torch.randperm(batch * blocks).view(batch, blocks).to(torch.int32)
+    context_lens = torch.full((batch,), context, dtype=torch.int32)
+    starts = torch.arange(batch + 1, dtype=torch.int32) * rows
+    query = torch.randn(batch * rows, HQ, D).to(torch.bfloat16)
+    kw = {"sliding_window": window} if window else {}
+
+    def call() -> None:
+        cpu_ops.paged_attention(query, pool, tables, context_lens, starts, D**-0.5, **kw)
+
+    for _ in range(3):
+        call()
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 10:
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--window", type=int, default=0, help="sliding window (0: none)")
+    parser.add_argument("--seconds", type=float, default=1.5, help="timing per case")
+    args = parser.parse_args()
+    cpu_ops.load()
+    torch.manual_seed(0)
+    result = {"threads": torch.get_num_threads(), "window": args.window}
+    for batch, context, rows in CASES:
+        times = time_case(batch, context, rows, args.window, args.seconds)
+        result[f"b{batch}_ctx{context}_q{rows}"] = {
+            "min_us": round(min(times) * 1e6, 1),
+            "median_us": round(statistics.median(times) * 1e6, 1),
+        }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
