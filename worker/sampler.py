@@ -409,7 +409,8 @@ def sample(
 
     _process(logits, options, seen_token_ids, output_of)
     # the chosen tokens' logprobs come from one formula whatever else the batch asks (top
-    # logprobs for some rows, say): (logit - max) - log(sum(exp(row - max)))
+    # logprobs for some rows, say): with the C++ kernels (logit - max) - log(sum(exp(row -
+    # max))), else logit - logsumexp(row)
     normalizer: tuple[torch.Tensor, torch.Tensor] | None = None
     argmax: torch.Tensor | None = None
     if cpu_kernels:
@@ -420,13 +421,11 @@ def sample(
     if normalizer is not None:
         row_max, shifted = normalizer
         chosen_lp = (chosen - row_max) - shifted
-    elif not top_n:  # the chosen token's only: no [R, V] log_softmax written out
+    else:
         rows, vocab = logits.shape
         chosen_lp = chosen - _logsumexp(logits, buffers.scratch(rows, vocab, logits.device))
     # nothing reads the logits after this: the log-softmax goes over them
     log_probs = log_softmax_(_contiguous(logits)) if top_n else None
-    if log_probs is not None and normalizer is None:
-        chosen_lp = log_probs.gather(1, tokens[:, None]).squeeze(1)
     result = SampleResult(tokens, chosen_lp)
     if log_probs is not None:
         result.top_logprobs, result.top_ids = torch.topk(log_probs, top_n, dim=-1)
