@@ -87,7 +87,7 @@ def compute_prompt_logprobs(
     hidden states): logits through ``model.compute_logits`` (gathered to rank 0 with tensor
     parallelism: every rank calls this with the same plan) into the model's kept logits
     buffer, float32 log-softmax written over them, the ranks' comparisons in ``buffers``'
-    kept bool scratch (None: a new one). Returns one :class:`PromptLogprobs` per span on
+    kept scratch (None: a new one). Returns one :class:`PromptLogprobs` per span on
     rank 0, an empty list on the other ranks."""
     device = hidden.device
     buffers = SamplerBuffers() if buffers is None else buffers
@@ -107,8 +107,10 @@ def compute_prompt_logprobs(
         targets = torch.tensor(plan.targets[lo : lo + ROWS_PER_SLICE], device=device)
         lp = log_probs.gather(1, targets[:, None])  # [r, 1]
         chosen.append(lp[:, 0])
-        above = buffers.scratch(log_probs.shape[0], log_probs.shape[1], device, torch.bool)
-        ranks.append(torch.gt(log_probs, lp, out=above).sum(dim=-1) + 1)
+        # 1.0 where above the prompt token, counted in float32 (exact below 2**24): a bool
+        # tensor's sum would first widen it to an [r, V] int64 copy
+        above = buffers.scratch(log_probs.shape[0], log_probs.shape[1], device)
+        ranks.append(torch.gt(log_probs, lp, out=above).sum(dim=-1).long() + 1)
         if top_n:
             tops.append(torch.topk(log_probs, top_n, dim=-1))
     if not chosen:

@@ -326,24 +326,21 @@ def _plain_greedy(o: SamplingParams) -> bool:
 
 
 class SamplerBuffers:
-    """``[rows, V]`` scratch tensors kept between steps (one per dtype, grown as needed), so
-    that a step writes its scaled logits, softmax and CDF (float32), or prompt logprobs'
-    comparisons (bool), into memory already mapped. One per model runner; not thread safe
-    (one step at a time)."""
+    """A float32 ``[rows, V]`` scratch kept between steps (grown as needed), so that a step
+    writes its scaled logits, softmax and CDF (or prompt logprobs' comparisons) into memory
+    already mapped. One per model runner; not thread safe (one step at a time)."""
 
-    __slots__ = ("_kept",)
+    __slots__ = ("_scratch",)
 
     def __init__(self) -> None:
-        self._kept: dict[torch.dtype, torch.Tensor] = {}
+        self._scratch = torch.empty(0, 0)
 
-    def scratch(
-        self, rows: int, vocab: int, device: torch.device, dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
-        """A contiguous ``[rows, vocab]`` view of the kept ``dtype`` buffer (contents
-        undefined; the next call with that dtype may return the same memory)."""
-        buf = self._kept.get(dtype)
-        if buf is None or buf.device != device or buf.shape[1] != vocab or buf.shape[0] < rows:
-            buf = self._kept[dtype] = torch.empty(rows, vocab, dtype=dtype, device=device)
+    def scratch(self, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """A contiguous ``[rows, vocab]`` float32 view of the kept buffer (contents undefined;
+        the next call may return the same memory)."""
+        buf = self._scratch
+        if buf.device != device or buf.shape[1] != vocab or buf.shape[0] < rows:
+            self._scratch = buf = torch.empty(rows, vocab, dtype=torch.float32, device=device)
         return buf[:rows]
 
 
