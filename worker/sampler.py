@@ -212,14 +212,21 @@ def truncated_candidates(
 
 
 def _softmax_(x: torch.Tensor) -> torch.Tensor:
-    """``torch.softmax(x, -1)`` written over ``x`` (``[R, V]`` float32, contiguous): the
-    kernel reads a row's max and sum before it writes the row (tests check the values equal)."""
+    """``torch.softmax(x, -1)`` written over ``x`` (``[R, V]`` float32, contiguous) and
+    returned. On the CPU the kernel writes over its input (it reads a row's max and sum
+    before it writes the row; tests check the values equal torch's); elsewhere through a
+    temporary, which the CUDA caching allocator serves without new pages."""
+    if x.device.type != "cpu":
+        return x.copy_(torch.softmax(x, dim=-1))
     return torch.ops.aten._softmax.out(x, -1, False, out=x)
 
 
 def log_softmax_(x: torch.Tensor) -> torch.Tensor:
     """``torch.log_softmax(x, -1)`` written over ``x`` (``[R, V]`` float32, contiguous) and
-    returned: the same values without a second ``[R, V]`` tensor (as :func:`_softmax_`)."""
+    returned, as :func:`_softmax_`: the same values without a second ``[R, V]`` tensor on the
+    CPU."""
+    if x.device.type != "cpu":
+        return x.copy_(torch.log_softmax(x, dim=-1))
     return torch.ops.aten._log_softmax.out(x, -1, False, out=x)
 
 
