@@ -230,16 +230,6 @@ def log_softmax_(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._log_softmax.out(x, -1, False, out=x)
 
 
-def _logsumexp(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """``torch.logsumexp(x, -1)`` of ``x [R, V]`` with ``scratch`` (``[R, V]`` float32) for the
-    exponentials torch would allocate: its formula, op for op (``ReduceOps.cpp``), so the same
-    values."""
-    row_max = x.amax(dim=-1)
-    row_max.masked_fill_(row_max.abs() == float("inf"), 0)
-    torch.sub(x, row_max[:, None], out=scratch).exp_()
-    return scratch.sum(dim=-1).log_().add_(row_max)
-
-
 def _inverse_cdf(
     weights: torch.Tensor, u: torch.Tensor, *, overwrite: bool = False
 ) -> torch.Tensor:
@@ -309,8 +299,9 @@ def _draw(
         if not bool(exact.all()):  # rare: the nucleus is wider than the candidates
             wide = (~exact).nonzero().squeeze(1)
             w = wide.tolist()
-            # the scaled rows again (their scratch holds the log-softmax now): the same values
-            part = torch.empty(len(w), logits.shape[1], device=device)
+            # the scaled rows again, into the scratch the candidates no longer need (it holds
+            # their log-softmax now): the same values
+            part = scaled[n_plain : n_plain + len(w)]
             part = _scale(logits, [rows[n_plain + j] for j in w], [trunc[j] for j in w], part)
             masked = top_k_top_p_mask(part, top_k[wide], top_p[wide])
             picked[wide] = _inverse_cdf(torch.softmax(masked, dim=-1), ur[wide])
@@ -414,24 +405,26 @@ def sample(
     _process(logits, options, seen_token_ids, output_of)
     # the chosen tokens' logprobs come from one formula whatever else the batch asks (top
     # logprobs for some rows, say): with the C++ kernels (logit - max) - log(sum(exp(row -
-    # max))), else logit - logsumexp(row)
+    # max))), else log_softmax's (its CPU kernel reduces each row alone; a sum over one row
+    # would split it across threads when the batch has one row)
     normalizer: tuple[torch.Tensor, torch.Tensor] | None = None
     argmax: torch.Tensor | None = None
     if cpu_kernels:
         argmax, row_max, shifted = cpu_ops.argmax_log_normalizer(logits)
         normalizer = (row_max, shifted)
     tokens = _pick(logits, options, generators, argmax, buffers)
-    chosen = logits.gather(1, tokens[:, None]).squeeze(1)
+    chosen_lp = torch.empty(0)
     if normalizer is not None:
         row_max, shifted = normalizer
-        chosen_lp = (chosen - row_max) - shifted
-    else:
-        rows, vocab = logits.shape
-        chosen_lp = chosen - _logsumexp(logits, buffers.scratch(rows, vocab, logits.device))
+        chosen_lp = (logits.gather(1, tokens[:, None]).squeeze(1) - row_max) - shifted
     # nothing reads the logits after this: the log-softmax goes over them
-    log_probs = log_softmax_(_contiguous(logits)) if top_n else None
+    log_probs = None
+    if top_n or normalizer is None:
+        log_probs = log_softmax_(_contiguous(logits))
+    if log_probs is not None and normalizer is None:
+        chosen_lp = log_probs.gather(1, tokens[:, None]).squeeze(1)
     result = SampleResult(tokens, chosen_lp)
-    if log_probs is not None:
+    if log_probs is not None and top_n:
         result.top_logprobs, result.top_ids = torch.topk(log_probs, top_n, dim=-1)
     return result
 
