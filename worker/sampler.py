@@ -242,6 +242,7 @@ def _inverse_cdf(
 
 
 def _truncates(o: SamplingParams) -> bool:
+    """Whether the row draws after top-k or top-p (among candidates, or a sorted row)."""
     return o.top_p < 1.0 or o.top_k > 0
 
 
@@ -368,7 +369,8 @@ def sample(
 
     Args:
         logits: ``[R, V]`` raw model logits, float32 (overwritten: the bias and the penalties,
-            and the log-softmax when a row asks for logprobs), or in the model's dtype:
+            then the log-softmax when a row asks for logprobs or without ``cpu_kernels``; the
+            model's kept logits buffer is meant to be used so), or in the model's dtype:
             converted to float32 first unless every row
             is greedy without bias, penalties or logprobs, ``cpu_kernels`` is set and they are
             bfloat16 (then read as they are).
