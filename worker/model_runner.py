@@ -46,7 +46,7 @@ from sluiceway.worker.prompt_logprobs import (
     compute_prompt_logprobs,
     plan_prompt_logprobs,
 )
-from sluiceway.worker.sampler import sample
+from sluiceway.worker.sampler import SamplerBuffers, sample
 from sluiceway.worker.step_inputs import (
     ScheduledChunk,
     SequenceData,
@@ -165,6 +165,9 @@ class ModelRunner:
         self._device = resolve_device(device)
         self.last_timings = StepTimings()
         self.last_prompt_logprobs: list[PromptLogprobs] = []
+        # kept between steps: a [B, V] scratch and bitmask are not made again every step
+        self._sampler_buffers = SamplerBuffers()
+        self._bitmask = torch.empty(0, 0, dtype=torch.int32)
         self.config: ModelConfig = load_config(model_dir) if model is None else model.config
         check_tensor_parallel(self.config, tensor_parallel_size)
         self.tp = joined_group(tensor_parallel_rank, tensor_parallel_size)
@@ -434,7 +437,9 @@ class ModelRunner:
                 hidden = self._forward(inputs)
                 plan = plan_prompt_logprobs(chunks, inputs.row_start)
                 if plan is not None:  # a prompt's own logits, before the sampling rows'
-                    prompt = compute_prompt_logprobs(self.model, hidden, plan)
+                    prompt = compute_prompt_logprobs(
+                        self.model, hidden, plan, self._sampler_buffers
+                    )
                     self.last_prompt_logprobs.extend(prompt)
                 if not sampling:
                     timings.prepare_s += t1 - t0
@@ -463,6 +468,7 @@ class ModelRunner:
                 [s.token_ids for s in seqs],
                 [s.num_prompt_tokens for s in seqs],
                 cpu_kernels=fused,
+                buffers=self._sampler_buffers,
             )
             out = [
                 SampledToken(s.seq_id, t, lp)
@@ -486,14 +492,17 @@ class ModelRunner:
         self, logits: torch.Tensor, seqs: list[SequenceData], constrained: list[int]
     ) -> torch.Tensor:
         """``logits`` (``[R, V]``) as float32 with every token the grammar of row ``j`` (for
-        ``j`` in ``constrained``) does not allow next set to ``-inf``."""
+        ``j`` in ``constrained``) does not allow next set to ``-inf``. The bitmask is kept
+        between steps: a matcher writes its whole row, the other rows are not read."""
         logits = logits.float()
-        bitmask = allow_all_bitmask(logits.shape[0], logits.shape[1])
+        rows, vocab = logits.shape
+        if self._bitmask.shape[0] < rows or self._bitmask.shape[1] != (vocab + 31) // 32:
+            self._bitmask = allow_all_bitmask(rows, vocab)
         for j in constrained:
             matcher = seqs[j].constraint
             assert matcher is not None
-            matcher.fill(bitmask, j)
-        apply_token_bitmask(logits, bitmask, constrained)
+            matcher.fill(self._bitmask, j)
+        apply_token_bitmask(logits, self._bitmask[:rows], constrained)
         return logits
 
     def _is_graph_decode(self, chunks: list[ScheduledChunk], graph: DecodeCudaGraphs) -> bool:

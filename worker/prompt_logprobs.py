@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sluiceway.worker.model import LlamaForCausalLM
+from sluiceway.worker.sampler import SamplerBuffers, log_softmax_
 from sluiceway.worker.step_inputs import ScheduledChunk
 
 __all__ = ["PromptLogprobs", "PromptPlan", "compute_prompt_logprobs", "plan_prompt_logprobs"]
@@ -77,27 +78,39 @@ def plan_prompt_logprobs(
 
 
 def compute_prompt_logprobs(
-    model: LlamaForCausalLM, hidden: torch.Tensor, plan: PromptPlan
+    model: LlamaForCausalLM,
+    hidden: torch.Tensor,
+    plan: PromptPlan,
+    buffers: SamplerBuffers | None = None,
 ) -> list[PromptLogprobs]:
     """The prompt logprobs of ``plan``'s rows of ``hidden`` (``[T, H]``, the step's final
     hidden states): logits through ``model.compute_logits`` (gathered to rank 0 with tensor
-    parallelism: every rank calls this with the same plan), float32 log-softmax. Returns one
-    :class:`PromptLogprobs` per span on rank 0, an empty list on the other ranks."""
+    parallelism: every rank calls this with the same plan) into the model's kept logits
+    buffer, float32 log-softmax written over them, the ranks' comparisons in ``buffers``'
+    kept scratch (None: a new one). Returns one :class:`PromptLogprobs` per span on
+    rank 0, an empty list on the other ranks."""
     device = hidden.device
+    buffers = SamplerBuffers() if buffers is None else buffers
     top_n = max(span[3] for span in plan.spans)
     chosen: list[torch.Tensor] = []
     ranks: list[torch.Tensor] = []
     tops: list[tuple[torch.Tensor, torch.Tensor]] = []
     for lo in range(0, len(plan.rows), ROWS_PER_SLICE):
         rows = torch.tensor(plan.rows[lo : lo + ROWS_PER_SLICE], dtype=torch.int64, device=device)
-        logits = model.compute_logits(hidden.index_select(0, rows), dst=0, float32=True)
+        logits = model.compute_logits(
+            hidden.index_select(0, rows), dst=0, float32=True, reuse_buffer=True
+        )
         if logits is None:  # a tensor-parallel rank other than 0
             continue
-        log_probs = torch.log_softmax(logits.float(), dim=-1)  # [r, V] float32
+        # [r, V] float32 over the logits (a copy only of a tensor-parallel gather's slice)
+        log_probs = log_softmax_(logits if logits.is_contiguous() else logits.contiguous())
         targets = torch.tensor(plan.targets[lo : lo + ROWS_PER_SLICE], device=device)
         lp = log_probs.gather(1, targets[:, None])  # [r, 1]
         chosen.append(lp[:, 0])
-        ranks.append((log_probs > lp).sum(dim=-1) + 1)
+        # 1.0 where above the prompt token, counted in float32 (exact below 2**24): a bool
+        # tensor's sum would first widen it to an [r, V] int64 copy
+        above = buffers.scratch(log_probs.shape[0], log_probs.shape[1], device)
+        ranks.append(torch.gt(log_probs, lp, out=above).sum(dim=-1).long() + 1)
         if top_n:
             tops.append(torch.topk(log_probs, top_n, dim=-1))
     if not chosen:

@@ -18,10 +18,19 @@ one inverse-CDF draw for all sampled rows; rows with top-k/top-p draw among thei
 is wider than that. A row with a seed draws its uniform number from its
 own ``torch.Generator`` (the only per-row loop), so its tokens do not depend on the rest of the
 batch.
+
+No ``[R, V]`` tensor is made per step where one can be kept (a 262,144-token vocabulary makes
+each 1 MiB a row, and a fresh one costs its page faults every step): the sampled rows'
+temperature-scaled logits go into a :class:`SamplerBuffers` scratch kept between steps (sampled
+rows first, then top-k/top-p rows, so each group is a slice), their softmax, CDF and
+log-softmax are written over it, the logprobs' log-softmax over the logits once nothing else
+reads them, and the penalties touch only the seen tokens. These are the same operations on
+the same values as with fresh tensors: the results are bitwise those of the allocating code.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,8 +41,10 @@ from sluiceway.sampling_params import FLOAT32_MAX, SamplingParams
 
 __all__ = [
     "SampleResult",
+    "SamplerBuffers",
     "apply_output_penalties",
     "apply_repetition_penalty",
+    "log_softmax_",
     "min_p_mask",
     "sample",
     "top_k_top_p_mask",
@@ -42,24 +53,33 @@ __all__ = [
 
 
 def apply_repetition_penalty(
-    logits: torch.Tensor, token_ids: torch.Tensor, penalty: torch.Tensor
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    penalty: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CTRL / HF repetition penalty, in place: for every id seen, ``logit > 0 -> logit / p``,
-    else ``logit * p``.
+    else ``logit * p``. Only the seen tokens are read and written.
 
     Args:
         logits: ``[R, V]`` float32.
-        token_ids: ``[R, N]`` int64 ids seen per row (pad by repeating an id of the row).
-        penalty: ``[R]`` float32.
+        token_ids: ``[P, N]`` int64 ids seen per penalized row (pad by repeating an id of the
+            row).
+        penalty: ``[P]`` float32.
+        rows: ``[P]`` int64, the row of ``logits`` of each penalized row (default: ``P == R``,
+            row ``i`` is row ``i``).
 
     Returns:
         ``logits`` (modified in place).
     """
-    score = torch.gather(logits, 1, token_ids)
+    if rows is None:
+        rows = torch.arange(token_ids.shape[0], device=logits.device)
+    where = (rows[:, None].expand_as(token_ids), token_ids)
+    score = logits[where]
     p = penalty[:, None]
     # a penalty near 0 divides past float32's range: +inf would make the row's softmax NaN
     score = torch.where(score < 0, score * p, score / p).clamp_(max=FLOAT32_MAX)
-    return logits.scatter_(1, token_ids, score)
+    return logits.index_put_(where, score)
 
 
 def apply_output_penalties(
@@ -67,28 +87,40 @@ def apply_output_penalties(
     output_ids: Sequence[Sequence[int]],
     presence: Sequence[float],
     frequency: Sequence[float],
+    rows: Sequence[int] | None = None,
 ) -> None:
     """OpenAI / vLLM presence and frequency penalties, in place, over each row's output tokens:
-    ``logit[t] -= frequency * count(t) + presence * (count(t) > 0)``.
+    ``logit[t] -= frequency * count(t) + presence * (count(t) > 0)``. Only the tokens seen are
+    read and written (no ``[R, V]`` count table).
 
     Args:
         logits: ``[R, V]`` float32.
-        output_ids: per row, the tokens generated so far.
-        presence, frequency: per row.
+        output_ids: per penalized row, the tokens generated so far.
+        presence, frequency: per penalized row.
+        rows: the row of ``logits`` of each entry (default ``0 .. len(output_ids) - 1``).
     """
-    rows = len(output_ids)
-    counts = torch.zeros_like(logits)
-    width = max((len(x) for x in output_ids), default=0)
-    if width == 0:
+    rows = range(len(output_ids)) if rows is None else rows
+    r_idx: list[int] = []
+    t_idx: list[int] = []
+    count: list[float] = []
+    freq: list[float] = []
+    pres: list[float] = []
+    for j, (row, ids) in enumerate(zip(rows, output_ids, strict=True)):
+        for t, n in Counter(ids).items():
+            r_idx.append(row)
+            t_idx.append(t)
+            count.append(float(n))
+            freq.append(frequency[j])
+            pres.append(presence[j])
+    if not r_idx:
         return
-    ids = torch.tensor([list(x) + [0] * (width - len(x)) for x in output_ids], device=logits.device)
-    ones = torch.tensor(
-        [[1.0] * len(x) + [0.0] * (width - len(x)) for x in output_ids], device=logits.device
-    )
-    counts.scatter_add_(1, ids, ones)
-    freq = torch.tensor(frequency, dtype=torch.float32, device=logits.device)[:rows, None]
-    pres = torch.tensor(presence, dtype=torch.float32, device=logits.device)[:rows, None]
-    logits -= freq * counts + pres * (counts > 0).float()
+    device = logits.device
+    where = (torch.tensor(r_idx, device=device), torch.tensor(t_idx, device=device))
+    counts = torch.tensor(count, dtype=torch.float32, device=device)
+    f = torch.tensor(freq, dtype=torch.float32, device=device)
+    p = torch.tensor(pres, dtype=torch.float32, device=device)
+    # the same float32 operations, element by element, as over a dense count table
+    logits.index_put_(where, logits[where] - (f * counts + p * (counts > 0).float()))
 
 
 def min_p_mask(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -128,11 +160,17 @@ def top_k_top_p_mask(
 
 
 # rows with top-k/top-p look at this many most likely tokens before falling back to a full sort
+# rows with top-k/top-p look at this many most likely tokens before falling back to a full sort
 CANDIDATES = 128
 
 
 def truncated_candidates(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int = CANDIDATES
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    candidates: int = CANDIDATES,
+    *,
+    overwrite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k then top-p without sorting the vocabulary: the same kept set as HF's warpers,
     found among the row's ``top_k`` (with top-k) or ``candidates`` (without) most likely
@@ -143,6 +181,8 @@ def truncated_candidates(
         top_k: ``[R]`` int64, ``0`` = off.
         top_p: ``[R]`` float32 in ``(0, 1]``.
         candidates: candidate count for rows without top-k.
+        overwrite: write the log-softmax over ``logits`` (rows contiguous) instead of a new
+            ``[R, V]`` tensor; the same values.
 
     Returns:
         ``(ids [R, K] int64, probs [R, K] float32, exact [R] bool)``: candidate token ids,
@@ -155,7 +195,8 @@ def truncated_candidates(
     # a row without top-k looks at the first `candidates` only, however many the batch
     # fetched for the others: its kept set and its draw do not depend on the other rows
     # log_softmax is one fused pass (logsumexp is several); candidates come sorted descending
-    logp, ids = torch.topk(torch.log_softmax(logits, dim=-1), k0, dim=-1)
+    log_probs = log_softmax_(logits) if overwrite else torch.log_softmax(logits, dim=-1)
+    logp, ids = torch.topk(log_probs, k0, dim=-1)
     probs = logp.exp_()
     has_k = top_k > 0
     kk = torch.where(has_k, top_k.clamp(max=k0), min(candidates, vocab))
@@ -170,38 +211,102 @@ def truncated_candidates(
     return ids, probs.masked_fill_(~keep, 0.0), exact
 
 
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _softmax_(x: torch.Tensor) -> torch.Tensor:
+    """``torch.softmax(x, -1)`` written over ``x`` (``[R, V]`` float32, contiguous) and
+    returned. On the CPU the kernel writes over its input (it reads a row's max and sum
+    before it writes the row; tests check the values equal torch's); elsewhere through a
+    temporary, which the CUDA caching allocator serves without new pages."""
+    if x.device.type != "cpu":
+        return x.copy_(torch.softmax(x, dim=-1))
+    return torch.ops.aten._softmax.out(x, -1, False, out=x)
+
+
+def log_softmax_(x: torch.Tensor) -> torch.Tensor:
+    """``torch.log_softmax(x, -1)`` written over ``x`` (``[R, V]`` float32, contiguous) and
+    returned, as :func:`_softmax_`: the same values without a second ``[R, V]`` tensor on the
+    CPU."""
+    if x.device.type != "cpu":
+        return x.copy_(torch.log_softmax(x, dim=-1))
+    return torch.ops.aten._log_softmax.out(x, -1, False, out=x)
+
+
+def _inverse_cdf(
+    weights: torch.Tensor, u: torch.Tensor, *, overwrite: bool = False
+) -> torch.Tensor:
     """Index drawn from each row of non-negative ``weights`` ``[R, N]`` with uniforms ``u``
-    ``[R]``; never an index of weight 0."""
-    cdf = weights.cumsum(dim=-1)
+    ``[R]``; never an index of weight 0. ``overwrite``: the CDF is written over ``weights``."""
+    cdf = weights.cumsum_(dim=-1) if overwrite else weights.cumsum(dim=-1)
     total = cdf[:, -1]
     x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, x[:, None], right=True).squeeze(1)
 
 
-def _draw(scaled: torch.Tensor, opts: Sequence[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-    """One token per row of temperature-scaled logits ``[R, V]`` with uniforms ``u`` ``[R]``."""
-    device = scaled.device
-    trunc = [r for r, o in enumerate(opts) if o.top_p < 1.0 or o.top_k > 0]
-    plain = [r for r, o in enumerate(opts) if not (o.top_p < 1.0 or o.top_k > 0)]
-    draw = torch.empty(len(opts), dtype=torch.int64, device=device)
-    if plain:
-        rows = torch.tensor(plain, device=device)
-        part = scaled if len(plain) == len(opts) else scaled[rows]
-        draw[rows] = _inverse_cdf(torch.softmax(part, dim=-1), u[rows])
-    if trunc:
-        rows = torch.tensor(trunc, device=device)
-        top_k = torch.tensor([opts[r].top_k for r in trunc], device=device)
-        top_p = torch.tensor([opts[r].top_p for r in trunc], dtype=torch.float32, device=device)
-        part = scaled if len(trunc) == len(opts) else scaled[rows]
-        ur = u[rows]
-        ids, probs, exact = truncated_candidates(part, top_k, top_p, CANDIDATES)
+def _truncates(o: SamplingParams) -> bool:
+    """Whether the row draws after top-k or top-p (among candidates, or a sorted row)."""
+    return o.top_p < 1.0 or o.top_k > 0
+
+
+def _scale(
+    logits: torch.Tensor, rows: Sequence[int], opts: Sequence[SamplingParams], out: torch.Tensor
+) -> torch.Tensor:
+    """``out`` (``[len(rows), V]`` float32) = ``logits[rows]`` divided by each row's
+    temperature, then its min-p mask (:func:`min_p_mask`). Returns ``out``."""
+    device = logits.device
+    temps = torch.tensor([o.temperature for o in opts], dtype=torch.float32, device=device)
+    if list(rows) == list(range(logits.shape[0])):
+        torch.div(logits, temps[:, None], out=out)
+    else:
+        torch.index_select(logits, 0, torch.tensor(list(rows), device=device), out=out)
+        out.div_(temps[:, None])
+    # a temperature near 0 (or a logit near float32's top) divides past the range: +inf
+    # would make the row's softmax NaN; the largest finite value keeps its limit, argmax
+    out.clamp_(max=FLOAT32_MAX)
+    min_p_rows = [j for j, o in enumerate(opts) if o.min_p > 0]
+    if min_p_rows:
+        mp = torch.tensor(min_p_rows, device=device)
+        threshold = torch.tensor(
+            [opts[j].min_p for j in min_p_rows], dtype=torch.float32, device=device
+        )
+        out[mp] = min_p_mask(out[mp], threshold)
+    return out
+
+
+def _draw(
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    opts: Sequence[SamplingParams],
+    u: torch.Tensor,
+    scratch: torch.Tensor,
+) -> torch.Tensor:
+    """One token for each of ``rows`` of processed float32 ``logits [R, V]``, each row with its
+    options ``opts`` (temperature > 0) and uniform ``u``; ``rows`` lists the rows without
+    top-k/top-p first. ``scratch`` (``[len(rows), V]`` float32) is overwritten."""
+    device = logits.device
+    n_plain = sum(1 for o in opts if not _truncates(o))
+    scaled = _scale(logits, rows, opts, scratch)
+    draw = torch.empty(len(rows), dtype=torch.int64, device=device)
+    if n_plain:
+        probs = _softmax_(scaled[:n_plain])
+        draw[:n_plain] = _inverse_cdf(probs, u[:n_plain], overwrite=True)
+    if n_plain < len(rows):
+        trunc = opts[n_plain:]
+        top_k = torch.tensor([o.top_k for o in trunc], device=device)
+        top_p = torch.tensor([o.top_p for o in trunc], dtype=torch.float32, device=device)
+        ur = u[n_plain:]
+        ids, probs, exact = truncated_candidates(
+            scaled[n_plain:], top_k, top_p, CANDIDATES, overwrite=True
+        )
         picked = ids.gather(1, _inverse_cdf(probs, ur)[:, None]).squeeze(1)
         if not bool(exact.all()):  # rare: the nucleus is wider than the candidates
             wide = (~exact).nonzero().squeeze(1)
-            masked = top_k_top_p_mask(part[wide], top_k[wide], top_p[wide])
+            w = wide.tolist()
+            # the scaled rows again, into the scratch the candidates no longer need (it holds
+            # their log-softmax now): the same values
+            part = scaled[n_plain : n_plain + len(w)]
+            part = _scale(logits, [rows[n_plain + j] for j in w], [trunc[j] for j in w], part)
+            masked = top_k_top_p_mask(part, top_k[wide], top_p[wide])
             picked[wide] = _inverse_cdf(torch.softmax(masked, dim=-1), ur[wide])
-        draw[rows] = picked
+        draw[n_plain:] = picked
     return draw
 
 
@@ -217,6 +322,25 @@ def _plain_greedy(o: SamplingParams) -> bool:
         and not o.allowed_token_ids
         and not (o.min_tokens and o.stop_token_ids)
     )
+
+
+class SamplerBuffers:
+    """A float32 ``[rows, V]`` scratch kept between steps (grown as needed), so that a step
+    writes its scaled logits, softmax and CDF (or prompt logprobs' comparisons) into memory
+    already mapped. One per model runner; not thread safe (one step at a time)."""
+
+    __slots__ = ("_scratch",)
+
+    def __init__(self) -> None:
+        self._scratch = torch.empty(0, 0)
+
+    def scratch(self, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """A contiguous ``[rows, vocab]`` float32 view of the kept buffer (contents undefined;
+        the next call may return the same memory)."""
+        buf = self._scratch
+        if buf.device != device or buf.shape[1] != vocab or buf.shape[0] < rows:
+            self._scratch = buf = torch.empty(rows, vocab, dtype=torch.float32, device=device)
+        return buf[:rows]
 
 
 @dataclass(slots=True)
@@ -239,12 +363,15 @@ def sample(
     num_prompt_tokens: Sequence[int] | None = None,
     *,
     cpu_kernels: bool = False,
+    buffers: SamplerBuffers | None = None,
 ) -> SampleResult:
     """Pick one token per row.
 
     Args:
-        logits: ``[R, V]`` raw model logits, float32 (modified in place by the bias and the
-            penalties), or in the model's dtype: converted to float32 first unless every row
+        logits: ``[R, V]`` raw model logits, float32 (overwritten: the bias and the penalties,
+            then the log-softmax when a row asks for logprobs or without ``cpu_kernels``; the
+            model's kept logits buffer is meant to be used so), or in the model's dtype:
+            converted to float32 first unless every row
             is greedy without bias, penalties or logprobs, ``cpu_kernels`` is set and they are
             bfloat16 (then read as they are).
         options: per-row parameters (``R`` entries).
@@ -257,6 +384,8 @@ def sample(
         cpu_kernels: CPU logits and the C++ kernels loaded (:mod:`kernels.cpu_ops`): the
             argmax and the log-sum-exp of every row in one pass
             (:func:`kernels.cpu_ops.argmax_log_normalizer`), same tokens as ``torch.argmax``.
+        buffers: the caller's kept scratch (:class:`SamplerBuffers`); None: a new one for this
+            call (the same results).
 
     Returns:
         A :class:`SampleResult` on ``logits``' device.
@@ -269,6 +398,7 @@ def sample(
         first_max, _, shifted = cpu_ops.argmax_log_normalizer(logits)
         return SampleResult(first_max, -shifted)
     logits = logits.float()
+    buffers = SamplerBuffers() if buffers is None else buffers
 
     def output_of(i: int) -> Sequence[int]:
         start = num_prompt_tokens[i] if num_prompt_tokens is not None else len(seen_token_ids[i])
@@ -276,25 +406,35 @@ def sample(
 
     _process(logits, options, seen_token_ids, output_of)
     # the chosen tokens' logprobs come from one formula whatever else the batch asks (top
-    # logprobs for some rows, say): (logit - max) - log(sum(exp(row - max)))
+    # logprobs for some rows, say): with the C++ kernels (logit - max) - log(sum(exp(row -
+    # max))), else log_softmax's (its CPU kernel reduces each row alone; a sum over one row
+    # would split it across threads when the batch has one row)
     normalizer: tuple[torch.Tensor, torch.Tensor] | None = None
     argmax: torch.Tensor | None = None
     if cpu_kernels:
         argmax, row_max, shifted = cpu_ops.argmax_log_normalizer(logits)
         normalizer = (row_max, shifted)
-    tokens = _pick(logits, options, generators, argmax)
-    log_probs = torch.log_softmax(logits, dim=-1) if top_n else None
+    tokens = _pick(logits, options, generators, argmax, buffers)
+    chosen_lp = torch.empty(0)
     if normalizer is not None:
         row_max, shifted = normalizer
         chosen_lp = (logits.gather(1, tokens[:, None]).squeeze(1) - row_max) - shifted
-    elif log_probs is not None:
+    # nothing reads the logits after this: the log-softmax goes over them
+    log_probs = None
+    if top_n or normalizer is None:
+        log_probs = log_softmax_(_contiguous(logits))
+    if log_probs is not None and normalizer is None:
         chosen_lp = log_probs.gather(1, tokens[:, None]).squeeze(1)
-    else:  # the chosen token's only: no [R, V] log_softmax written out
-        chosen_lp = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
     result = SampleResult(tokens, chosen_lp)
-    if log_probs is not None:
+    if log_probs is not None and top_n:
         result.top_logprobs, result.top_ids = torch.topk(log_probs, top_n, dim=-1)
     return result
+
+
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` when contiguous (the in-place kernels' layout), else a copy (logits sliced from
+    a tensor-parallel gather's padded columns)."""
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def _process(
@@ -306,7 +446,8 @@ def _process(
     """In place on float32 ``logits [R, V]``: each row's ``allowed_token_ids`` (every other
     token masked), its ``logit_bias``, its repetition,
     presence and frequency penalties, and its stop ids masked while it is under
-    ``min_tokens`` (unless that would leave nothing: a grammar that allows only a stop id)."""
+    ``min_tokens`` (unless that would leave nothing: a grammar that allows only a stop id).
+    The penalties read and write the seen tokens only."""
     device = logits.device
     for i, o in enumerate(options):
         if o.allowed_token_ids:
@@ -323,22 +464,19 @@ def _process(
         ids_list = [list(seen_token_ids[i]) or [0] for i in pen_rows]
         width = max(len(x) for x in ids_list)
         padded = torch.tensor([x + [x[0]] * (width - len(x)) for x in ids_list], device=device)
-        idx = torch.tensor(pen_rows, device=device)
         penalty = torch.tensor(
             [options[i].repetition_penalty for i in pen_rows], dtype=torch.float32, device=device
         )
-        logits[idx] = apply_repetition_penalty(logits[idx], padded, penalty)
+        apply_repetition_penalty(logits, padded, penalty, torch.tensor(pen_rows, device=device))
     out_rows = [i for i, o in enumerate(options) if o.presence_penalty or o.frequency_penalty]
     if out_rows:
-        idx = torch.tensor(out_rows, device=device)
-        part = logits[idx]
         apply_output_penalties(
-            part,
+            logits,
             [output_of(i) for i in out_rows],
             [options[i].presence_penalty for i in out_rows],
             [options[i].frequency_penalty for i in out_rows],
+            rows=out_rows,
         )
-        logits[idx] = part
     for i, o in enumerate(options):
         if o.min_tokens and o.stop_token_ids and len(output_of(i)) < o.min_tokens:
             stop_ids = torch.tensor(o.stop_token_ids, device=device)
@@ -353,44 +491,35 @@ def _pick(
     options: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     argmax: torch.Tensor | None,
+    buffers: SamplerBuffers,
 ) -> torch.Tensor:
     """One token per row of processed float32 ``logits [R, V]``: the argmax of greedy rows
     (``argmax [R]`` when the caller has it), a draw for the others (temperature, min-p,
-    top-k/top-p; a seeded row's uniform from its own generator). Returns ``[R]`` int64."""
+    top-k/top-p; a seeded row's uniform from its own generator) in ``buffers``' scratch.
+    Returns ``[R]`` int64."""
     rows = logits.shape[0]
     device = logits.device
     greedy = [i for i, o in enumerate(options) if o.temperature == 0]
     sampled = [i for i, o in enumerate(options) if o.temperature != 0]
-    if argmax is None and len(greedy) == rows:
+    if greedy and argmax is None:  # every row's: cheaper than copying out the greedy ones
         argmax = logits.argmax(dim=-1)
     if argmax is not None and len(greedy) == rows:
         return argmax
     tokens = torch.empty(rows, dtype=torch.int64, device=device)
     if greedy:
         g = torch.tensor(greedy, device=device)
-        tokens[g] = logits[g].argmax(dim=-1) if argmax is None else argmax[g]
-    s_idx = None if len(sampled) == rows else torch.tensor(sampled, device=device)
-    sub = logits if s_idx is None else logits[s_idx]
-    temps = torch.tensor(
-        [options[i].temperature for i in sampled], dtype=torch.float32, device=device
-    )
-    # a temperature near 0 (or a logit near float32's top) divides past the range: +inf
-    # would make the row's softmax NaN; the largest finite value keeps its limit, argmax
-    sub = (sub / temps[:, None]).clamp_(max=FLOAT32_MAX)
-    min_p_rows = [j for j, i in enumerate(sampled) if options[i].min_p > 0]
-    if min_p_rows:
-        mp = torch.tensor(min_p_rows, device=device)
-        threshold = torch.tensor(
-            [options[sampled[j]].min_p for j in min_p_rows], dtype=torch.float32, device=device
-        )
-        sub[mp] = min_p_mask(sub[mp], threshold)
+        assert argmax is not None
+        tokens[g] = argmax[g]
     u = torch.rand(len(sampled), device=device)
     for j, i in enumerate(sampled):
         gen = generators[i]
         if gen is not None:
             u[j] = torch.rand(1, generator=gen, device=device)[0]
-    draw = _draw(sub, [options[i] for i in sampled], u)
-    if s_idx is None:
-        return draw
-    tokens[s_idx] = draw
+    # rows without top-k/top-p first: each group a slice of the scratch
+    order = sorted(range(len(sampled)), key=lambda j: _truncates(options[sampled[j]]))
+    rows_in_order = [sampled[j] for j in order]
+    u_in_order = u[torch.tensor(order, device=device)]
+    scratch = buffers.scratch(len(sampled), logits.shape[1], device)
+    draw = _draw(logits, rows_in_order, [options[i] for i in rows_in_order], u_in_order, scratch)
+    tokens[torch.tensor(rows_in_order, device=device)] = draw
     return tokens

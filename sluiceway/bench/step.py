@@ -7,7 +7,7 @@ tensors, forward, sampling). Their context lengths are drawn like the ShareGPT b
 
 Without `--random-model` the model is a folder or GGUF (default: the embedded SmolLM2) and the
 prompt lengths come from the ShareGPT dataset itself. With `--random-model NAME` the model is
-a built-in config (:data:`RANDOM_MODELS`: `llama-2-7b`, `tiny`) with random weights made
+a built-in config (:data:`RANDOM_MODELS`: `llama-2-7b`, `tiny`, `tiny-262k`) with random weights made
 directly on the device (no files, nothing in host memory), and the prompt lengths come from a
 lognormal fitted to ShareGPT (:func:`synthetic_context_lengths`), so no dataset is needed.
 
@@ -74,6 +74,13 @@ RANDOM_MODELS: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+}
+# `tiny` with Gemma 3's 262,144-token vocabulary, tied: the logits and sampling of a large
+# vocabulary dominate its step.
+RANDOM_MODELS["tiny-262k"] = {
+    **RANDOM_MODELS["tiny"],
+    "vocab_size": 262_144,
+    "tie_word_embeddings": True,
 }
 
 # ShareGPT-shaped prompt lengths without the dataset: a lognormal whose log-space mean and
