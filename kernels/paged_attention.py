@@ -36,13 +36,21 @@ to the bucket's longest, then one ``embedding_bag`` that sums V rows weighted by
 probabilities. Prefill chunks (several query tokens) gather their blocks and run one
 ``scaled_dot_product_attention`` each. :func:`build_attention_metadata` precomputes every index
 once per step; all layers share it.
+
+Sliding window
+--------------
+A layer with a window ``W`` (``sliding_window``) lets a query at position ``p`` see keys
+``p - W < k <= p`` only (transformers' ``sliding_window_overlay``). Its sequences read from the
+block holding their first visible key on: blocks wholly before it are not read. The windowed
+buckets and chunks are built from the step's indices on first use per window and kept in the
+metadata (:meth:`AttentionMetadata.for_window`), so the layers of one window share them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -87,10 +95,11 @@ class PrefillChunk:
 
     Attributes:
         start, end: its rows ``[start, end)`` in the flattened batch.
-        context_len: tokens it attends to (cached prefix + this chunk).
-        blocks: ``[ceil(context_len / block_size)]`` int64, its block ids.
+        context_len: keys it reads: the cached prefix + this chunk, from its first block on
+            (with a window, the block holding the first query's first visible key).
+        blocks: ``[ceil(context_len / block_size)]`` int64, its block ids from that block on.
         mask: ``[1, 1, q_len, context_len]`` bool (True = may attend), or ``None`` when the chunk
-            is the whole context so far (plain causal attention).
+            is the whole context so far and no window cuts it (plain causal attention).
     """
 
     start: int
@@ -210,11 +219,82 @@ class AttentionMetadata:
     num_heads: int
     decode_buckets: list[DecodeBucket]
     prefills: list[PrefillChunk]
+    step: _StepIndices | None = None
+    windows: dict[int, tuple[list[DecodeBucket], list[PrefillChunk]]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
         """Rows of the flattened batch (``T``)."""
         return int(self.slot_mapping.shape[0])
+
+    def for_window(
+        self, sliding_window: int | None
+    ) -> tuple[list[DecodeBucket], list[PrefillChunk]]:
+        """The decode buckets and prefill chunks of a layer with ``sliding_window`` (None: the
+        full ones): each sequence's blocks from the one holding its first visible key on,
+        masks that hide keys outside the window. Built on first use per window, then kept.
+
+        Raises:
+            ValueError: a window < 1.
+        """
+        if sliding_window is None:
+            return self.decode_buckets, self.prefills
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        cached = self.windows.get(sliding_window)
+        if cached is None:
+            assert self.step is not None, "metadata built without its step indices"
+            cached = self.step.build(sliding_window)
+            self.windows[sliding_window] = cached
+        return cached
+
+
+@dataclass(slots=True)
+class _StepIndices:
+    """A step's host index tensors, kept to build windowed buckets and chunks on demand."""
+
+    query_lens: list[int]
+    context_lens: list[int]
+    qsl: torch.Tensor
+    tables: torch.Tensor
+    used: list[int]
+    block_size: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    device: torch.device | str
+
+    def build(self, window: int | None) -> tuple[list[DecodeBucket], list[PrefillChunk]]:
+        """The decode buckets and prefill chunks for ``window`` (None: full attention)."""
+        # each sequence's first visible key: that of its chunk's first query
+        first_keys = [
+            0 if window is None else max(0, c - q - window + 1)
+            for q, c in zip(self.query_lens, self.context_lens, strict=True)
+        ]
+        buckets = _decode_buckets(
+            self.query_lens,
+            self.qsl,
+            self.tables,
+            torch.tensor(self.context_lens, dtype=torch.int64),
+            self.used,
+            first_keys,
+            block_size=self.block_size,
+            num_kv_heads=self.num_kv_heads,
+            group=self.group,
+            head_dim=self.head_dim,
+            device=self.device,
+        )
+        prefills = _prefill_chunks(
+            self.query_lens,
+            self.context_lens,
+            self.qsl,
+            self.tables,
+            self.used,
+            self.device,
+            window,
+            self.block_size,
+        )
+        return buckets, prefills
 
 
 def check_step(
@@ -299,19 +379,19 @@ def build_attention_metadata(
     tables, ctx, qsl, slot_mapping = _step_indices(
         query_lens, context_lens, block_tables, used, block_size
     )
-    decode_buckets = _decode_buckets(
-        query_lens,
+    step = _StepIndices(
+        list(query_lens),
+        list(context_lens),
         qsl,
         tables,
-        ctx,
         used,
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        group=num_heads // num_kv_heads,
-        head_dim=head_dim,
-        device=device,
+        block_size,
+        num_kv_heads,
+        num_heads // num_kv_heads,
+        head_dim,
+        device,
     )
-    prefills = _prefill_chunks(query_lens, context_lens, qsl, tables, used, device)
+    decode_buckets, prefills = step.build(None)
     return AttentionMetadata(
         query_start_loc=qsl.to(device),
         context_lens=ctx.to(device),
@@ -322,6 +402,7 @@ def build_attention_metadata(
         num_heads=num_heads,
         decode_buckets=decode_buckets,
         prefills=prefills,
+        step=step,
     )
 
 
@@ -368,6 +449,7 @@ def _decode_buckets(
     tables: torch.Tensor,
     ctx: torch.Tensor,
     used: list[int],
+    first_keys: list[int],
     *,
     block_size: int,
     num_kv_heads: int,
@@ -375,9 +457,11 @@ def _decode_buckets(
     head_dim: int,
     device: torch.device | str,
 ) -> list[DecodeBucket]:
-    """The decode sequences (one query token) in buckets of similar context length
-    (:func:`split_decode_buckets`), each with its bag indices on ``device``."""
+    """The decode sequences (one query token) in buckets of similar length read (from the
+    block of ``first_keys[i]``, each sequence's first visible key, on;
+    :func:`split_decode_buckets`), each with its bag indices on ``device``."""
     decode_idx = [i for i, q in enumerate(query_lens) if q == 1]
+    first_blocks = [k // block_size for k in first_keys]
     return [
         _decode_bucket(
             [decode_idx[b] for b in bucket],
@@ -385,13 +469,15 @@ def _decode_buckets(
             tables,
             ctx,
             used,
+            head_dim,
+            device,
+            first_blocks=first_blocks,
+            first_keys=first_keys,
             block_size=block_size,
             num_kv_heads=num_kv_heads,
             group=group,
-            head_dim=head_dim,
-            device=device,
         )
-        for bucket in split_decode_buckets([used[i] for i in decode_idx])
+        for bucket in split_decode_buckets([used[i] - first_blocks[i] for i in decode_idx])
     ]
 
 
@@ -402,25 +488,32 @@ def _prefill_chunks(
     tables: torch.Tensor,
     used: list[int],
     device: torch.device | str,
+    window: int | None = None,
+    block_size: int = 1,
 ) -> list[PrefillChunk]:
     """The sequences with more than one query token, in batch order, their block ids and
-    masks on ``device`` (no mask where the chunk is the whole context: plain causal)."""
+    masks on ``device`` (no mask where the chunk is the whole context and no window cuts it:
+    plain causal). With ``window``, each reads from the block of its first query's first
+    visible key on."""
     cpu = torch.device("cpu")
     prefills: list[PrefillChunk] = []
     for i, q in enumerate(query_lens):
         if q == 1:
             continue
         c = context_lens[i]
+        # the window cuts the chunk when its last query (position c - 1) misses key 0
+        cut = window if window is not None and c - 1 >= window else None
+        first = 0 if cut is None else max(0, c - q - cut + 1) // block_size * block_size
         chunk_mask = None
-        if c != q:
-            kpos = torch.arange(c, device=cpu)
+        if c != q or cut is not None:
+            kpos = torch.arange(first, c, device=cpu)
             qpos = torch.arange(c - q, c, device=cpu)
-            chunk_mask = (kpos[None, :] <= qpos[:, None]).view(1, 1, q, c).to(device)
-        prefills.append(
-            PrefillChunk(
-                int(qsl[i]), int(qsl[i + 1]), c, tables[i, : used[i]].to(device), chunk_mask
-            )
-        )
+            visible = kpos[None, :] <= qpos[:, None]
+            if cut is not None:
+                visible &= kpos[None, :] > qpos[:, None] - cut
+            chunk_mask = visible.view(1, 1, q, c - first).to(device)
+        blocks = tables[i, first // block_size : used[i]].to(device)
+        prefills.append(PrefillChunk(int(qsl[i]), int(qsl[i + 1]), c - first, blocks, chunk_mask))
     return prefills
 
 
@@ -433,11 +526,14 @@ def _decode_bucket(
     head_dim: int,
     device: torch.device | str,
     *,
+    first_blocks: list[int],
+    first_keys: list[int],
     block_size: int,
     num_kv_heads: int,
     group: int,
 ) -> DecodeBucket:
-    """The bag indices of the decode sequences `members` (indices into the step's sequences)."""
+    """The bag indices of the decode sequences `members` (indices into the step's sequences),
+    each read from its block ``first_blocks[i]`` on, keys before ``first_keys[i]`` masked."""
     cpu = torch.device("cpu")
     starts = [int(qsl[i]) for i in members]
     rows: slice | torch.Tensor
@@ -447,8 +543,12 @@ def _decode_bucket(
         rows = torch.tensor(starts, dtype=torch.int64, device=device)
     sel = torch.tensor(members, dtype=torch.int64, device=cpu)
     sd = len(members)
-    nb = max(used[i] for i in members)
-    blocks = tables[sel, :nb]  # [Sd, Nb]
+    nb = max(used[i] - first_blocks[i] for i in members)
+    start = torch.tensor([first_blocks[i] for i in members], dtype=torch.int64, device=cpu)
+    last = torch.tensor([used[i] - 1 for i in members], dtype=torch.int64, device=cpu)
+    # each sequence's blocks from its first read on; past its last, its last again (masked)
+    cols = torch.minimum(start[:, None] + torch.arange(nb, device=cpu)[None, :], last[:, None])
+    blocks = tables[sel[:, None], cols]  # [Sd, Nb]
     heads = torch.arange(num_kv_heads, dtype=torch.int64, device=cpu)
     # (block, head) pair ids: [Sd, Hkv, Nb]
     pairs = blocks[:, None, :] * num_kv_heads + heads[None, :, None]
@@ -461,8 +561,10 @@ def _decode_bucket(
     )
     lp = nb * block_size
     positions = torch.arange(lp, dtype=torch.int64, device=cpu)
-    valid = positions[None, :] < ctx[sel][:, None]  # [Sd, Lp]
-    pos = torch.where(valid, positions[None, :], 0)  # padding re-reads position 0
+    absolute = start[:, None] * block_size + positions[None, :]
+    first_key = torch.tensor([first_keys[i] for i in members], dtype=torch.int64, device=cpu)
+    valid = (absolute < ctx[sel][:, None]) & (absolute >= first_key[:, None])  # [Sd, Lp]
+    pos = torch.where(valid, positions[None, :], 0)  # padding re-reads the first read slot
     value_rows = (
         pairs.gather(2, (pos // block_size)[:, None, :].expand(-1, num_kv_heads, -1)) * block_size
         + (pos % block_size)[:, None, :]
@@ -501,6 +603,7 @@ def paged_attention(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of a flattened varlen batch over the paged KV pool (see the module docstring).
 
@@ -509,6 +612,8 @@ def paged_attention(
         kv_cache: ``[2, num_blocks, Hkv, block_size * D]``, already holding this step's K/V.
         metadata: from :func:`build_attention_metadata` for this batch.
         scale: softmax scale; ``1 / sqrt(D)`` when ``None``.
+        sliding_window: the layer's window ``W`` (a query at ``p`` sees keys ``p - W < k <=
+            p``; blocks wholly before that are not read); None: full causal attention.
 
     Returns:
         ``[T, Hq, D]`` in ``query``'s dtype. Softmax runs in float32.
@@ -521,8 +626,9 @@ def paged_attention(
     out = torch.empty_like(query)
     keys = key_blocks(kv_cache, d)
     values = value_blocks(kv_cache, d)
+    buckets, prefills = metadata.for_window(sliding_window)
 
-    for bucket in metadata.decode_buckets:
+    for bucket in buckets:
         q = query[bucket.rows]  # [Sb, Hq, D]
         sd = q.shape[0]
         nb = bucket.num_blocks
@@ -538,7 +644,7 @@ def paged_attention(
         )
         out[bucket.rows] = o.view(sd, hq, d)
 
-    for chunk in metadata.prefills:
+    for chunk in prefills:
         c = chunk.context_len
         q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         k = keys.index_select(0, chunk.blocks).permute(1, 0, 3, 2).reshape(hkv, -1, d)[:, :c]
