@@ -69,11 +69,12 @@ def make_tiny_model(
     return path
 
 
-def make_tiny_gemma3(path: pathlib.Path, seed: int = 0) -> pathlib.Path:
+def make_tiny_gemma3(path: pathlib.Path, seed: int = 0, **overrides: Any) -> pathlib.Path:
     """Write a random 4-layer Gemma 3 to ``path``: hidden 64, 4 query heads on 1 KV head of
     head_dim 32, vocab 256, layers sliding (window 8) / full / sliding / full, the local rope
     base 10,000 beside the global 1e6, ``query_pre_attn_scalar`` 48 (not the head dim), and
-    norms drawn around 0 (Gemma's norm multiplies by ``1 + w``)."""
+    norms drawn around 0 (Gemma's norm multiplies by ``1 + w``); ``overrides`` are config
+    fields (e.g. ``final_logit_softcapping``)."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
@@ -98,6 +99,7 @@ def make_tiny_gemma3(path: pathlib.Path, seed: int = 0) -> pathlib.Path:
         eos_token_id=1,
         pad_token_id=0,
         tie_word_embeddings=True,
+        **overrides,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
