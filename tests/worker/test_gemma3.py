@@ -148,6 +148,47 @@ def test_final_logit_softcapping(tmp_path: pathlib.Path) -> None:
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_fused_gemma_forward_is_batch_invariant_in_bfloat16(tmp_path: pathlib.Path) -> None:
+    """The C++ backend end to end (packed bf16 GEMMs, q/k norm, RoPE, the (1 + w) norms,
+    GELU-tanh, tied logits) on a tiny Gemma 3 whose layers are all global (the C++ attention
+    has no window yet): a prompt's logits are bitwise the same alone, beside decodes and
+    another prefill, and in three chunks."""
+    from sluiceway.kernels import cpu_ops
+
+    if not cpu_ops.bf16_gemm_supported():
+        pytest.skip("batch invariance needs the C++ kernels on a CPU with AVX512-BF16")
+    model_dir = make_tiny_gemma3(tmp_path / "global", layer_types=["full_attention"] * 4)
+    runner = ModelRunner(model_dir, dtype="bfloat16", block_size=BLOCK, kv_cache_memory=1 << 20)
+    assert runner.batch_invariant and runner.attention_backend.name == "cpu"
+    free = list(range(runner.num_kv_blocks))
+    random.Random(3).shuffle(free)
+    prompt = [2, *random.Random(4).choices(range(3, 256), k=39)]
+
+    def fresh(seq_id: int, ids: list[int]) -> SequenceData:
+        seq = runner.make_sequence(seq_id, ids, SamplingParams())
+        _grow(seq, len(ids), free)
+        return seq
+
+    alone = step_logits(runner, [ScheduledChunk(fresh(0, prompt), 0, 40)])[0]
+    decodes = [fresh(10 + i, [2, *range(5, 5 + n)]) for i, n in enumerate((7, 30))]
+    for d in decodes:
+        step_logits(runner, [ScheduledChunk(d, 0, len(d.token_ids) - 1)])
+    mixed = step_logits(
+        runner,
+        [ScheduledChunk(d, len(d.token_ids) - 1, 1) for d in decodes]
+        + [ScheduledChunk(fresh(1, prompt), 0, 40), ScheduledChunk(fresh(2, prompt[:17]), 0, 17)],
+    )[2]
+    chunked_seq = fresh(3, prompt)
+    chunked = torch.cat(
+        [
+            step_logits(runner, [ScheduledChunk(chunked_seq, a, b - a)])[0]
+            for a, b in ((0, 9), (9, 33), (33, 40))
+        ]
+    )
+    assert torch.equal(mixed, alone)
+    assert torch.equal(chunked, alone)
+
+
 # -- the packaged Gemma 3 270M (Q4_K_M GGUF) ------------------------------------------------
 
 FRANCE = (

@@ -77,30 +77,30 @@ def make_tiny_gemma3(path: pathlib.Path, seed: int = 0, **overrides: Any) -> pat
     fields (e.g. ``final_logit_softcapping``)."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-    config = Gemma3TextConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=256,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        rope_parameters={
+    fields: dict[str, Any] = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "max_position_embeddings": 256,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "rope_parameters": {
             "full_attention": {"rope_type": "default", "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
-        query_pre_attn_scalar=48,
-        rms_norm_eps=1e-6,
-        initializer_range=0.2,
-        bos_token_id=2,
-        eos_token_id=1,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-        **overrides,
-    )
+        "query_pre_attn_scalar": 48,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.2,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+        "tie_word_embeddings": True,
+    }
+    config = Gemma3TextConfig(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
