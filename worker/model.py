@@ -173,7 +173,11 @@ class LlamaForCausalLM(nn.Module):
         and every RMSNorm on :mod:`kernels.triton_norm` (one tile config whatever the batch,
         one reduction order per row: with the batch-invariant Triton attention the forward
         is batch invariant; float32 logits straight from the float32 accumulator). For CUDA
-        (or CPU tensors in Triton's interpreter, tests); the weights stay as they are."""
+        (or CPU tensors in Triton's interpreter, tests); the weights stay as they are.
+        Not for Gemma 3: its (1 + w) norms have no Triton kernel yet, so it stays on torch's
+        ops (and the runner does not call itself batch invariant)."""
+        if self.gemma:
+            return
         ops = TritonOps.load()
         self.triton_ops = ops
         layers: list[AttentionBlock] = list(self.layers)  # type: ignore[arg-type]

@@ -62,6 +62,18 @@ def test_config_of_the_tiny_model(tiny_gemma: pathlib.Path) -> None:
     assert [c.layer_uses_local_rope(i) for i in range(4)] == [True, False, True, False]
     assert c.attention_scale == 48**-0.5
     assert (c.tie_word_embeddings, c.qkv_bias, c.final_logit_softcapping) == (True, False, None)
+    # transformers 4.x's layout (HF's gemma-3 configs): rope_theta, rope_local_base_freq and
+    # a rope_scaling of the global layers; no layer_types (every sliding_window_pattern-th full)
+    old = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "layer_types")}
+    old |= {"rope_theta": 1e6, "rope_local_base_freq": 10000.0, "sliding_window_pattern": 2}
+    old["rope_scaling"] = {"rope_type": "linear", "factor": 8.0}
+    c4 = ModelConfig.from_hf_dict(old)
+    assert (c4.layer_windows, c4.rope_theta, c4.local_rope_theta) == (c.layer_windows, 1e6, 1e4)
+    assert c4.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    from sluiceway.worker.model_config import rope_inv_freq
+
+    assert torch.equal(rope_inv_freq(c4) * 8, rope_inv_freq(c))  # the global layers scaled
+    assert torch.equal(rope_inv_freq(c4, local=True), rope_inv_freq(c, local=True))
     with pytest.raises(UnsupportedModelError) as e:
         ModelConfig.from_hf_dict({**cfg, "attn_logit_softcapping": 50.0})
     assert str(e.value) == "gemma3 attn_logit_softcapping is not implemented (the config sets 50.0)"
