@@ -6,7 +6,8 @@ A backend is three operations over the paged KV pool, with the layout of
 - ``build_metadata(query_lens, context_lens, block_tables, ...)`` once per step (all layers
   share what it returns),
 - ``write_kv(key, value, kv_cache, metadata)`` per layer: scatter the step's new K/V,
-- ``attention(query, kv_cache, metadata)`` per layer: attention of the flattened varlen batch.
+- ``attention(query, kv_cache, metadata, scale, sliding_window)`` per layer: attention of the
+  flattened varlen batch (within the layer's window when it has one).
 
 The worker chooses one at start (``--attention-backend auto|torch|cpu|triton``, see
 :func:`get_attention_backend`); ``auto`` is Triton on CUDA when Triton imports, the C++ kernels
@@ -68,9 +69,17 @@ class AttentionBackend(Protocol):
         ...
 
     def attention(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, scale: float | None = None
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        scale: float | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """``query`` ``[T, Hq, D]`` -> ``[T, Hq, D]`` over the paged pool."""
+        """``query`` ``[T, Hq, D]`` -> ``[T, Hq, D]`` over the paged pool. ``scale``: the
+        softmax scale (None: ``1 / sqrt(D)``). ``sliding_window`` ``W``: a query at ``p``
+        sees keys ``p - W < k <= p`` and no block wholly before ``p - W + 1`` is read; None:
+        full causal attention."""
         ...
 
 
@@ -121,8 +130,9 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: paged_attention.AttentionMetadata,
         scale: float | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        return paged_attention.paged_attention(query, kv_cache, metadata, scale)
+        return paged_attention.paged_attention(query, kv_cache, metadata, scale, sliding_window)
 
 
 def triton_available() -> bool:

@@ -16,7 +16,7 @@ they are given and return nothing):
 - ``paged_attention(out, query, kv_cache, block_tables, context_lens, query_start_loc, scale,
   sliding_window)`` (``sliding_window`` 0: none)
 - ``rms_norm(out, x, weight, eps)``, ``fused_add_rms_norm(x, residual, weight, eps)``
-- ``silu_and_mul(out, x)``
+- ``silu_and_mul(out, x)``, ``gelu_tanh_and_mul(out, x)``, ``qk_rms_norm(qkv, q_w, k_w, Hq, Hkv, eps)``
 - ``rotary_embedding_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, Hq, Hkv)``
 - ``argmax_logsumexp(argmax, shifted_logsumexp, logits)`` (log-sum-exp minus the max)
 - ``bf16_gemm(out, x, packed, bias)``, ``bf16_gemm_supported()``
@@ -42,9 +42,11 @@ __all__ = [
     "bf16_gemm_supported",
     "bf16_linear",
     "fused_add_rms_norm",
+    "gelu_tanh_and_mul",
     "load",
     "pack_bf16_pairs",
     "paged_attention",
+    "qk_rms_norm",
     "rms_norm",
     "rotary_embedding_write_kv",
     "silu_and_mul",
@@ -206,7 +208,8 @@ def paged_attention(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x`` ``[T, H]`` (rows contiguous) -> ``weight * x * rsqrt(mean(x^2) + eps)``, a new
-    ``[T, H]`` tensor: float32 arithmetic, one rounding to the dtype (as ``F.rms_norm``)."""
+    ``[T, H]`` tensor: float32 arithmetic, one rounding to the dtype (as ``F.rms_norm``);
+    ``weight`` in ``x``'s dtype or float32 (Gemma's ``1 + w``)."""
     out = torch.empty(x.shape, dtype=x.dtype)
     torch.ops.sluiceway.rms_norm(out, x, weight, eps)
     return out
@@ -226,6 +229,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
     torch.ops.sluiceway.silu_and_mul(out, x)
     return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, 2 I]`` contiguous (gate columns, then up) -> ``gelu_tanh(gate) * up``
+    ``[T, I]`` (transformers' ``gelu_pytorch_tanh``; Gemma's MLP), float32, rounded once."""
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    torch.ops.sluiceway.gelu_tanh_and_mul(out, x)
+    return out
+
+
+def qk_rms_norm(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+) -> None:
+    """In place, each q head of ``qkv`` ``[T, (Hq + 2 Hkv) D]`` (rows contiguous) normalized
+    with ``q_weight`` and each k head with ``k_weight`` (float32 ``[D]``; Gemma's ``1 + w``),
+    as :func:`rms_norm` per head (Qwen3/Gemma 3's q/k norm, before RoPE); v untouched."""
+    torch.ops.sluiceway.qk_rms_norm(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
 
 
 def rotary_embedding_write_kv(

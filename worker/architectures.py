@@ -14,11 +14,15 @@ __all__ = ["ARCHITECTURES", "UnsupportedModelError", "model_type_of"]
 
 # HF ``architectures[0]`` -> the model_type the decoder is built for
 ARCHITECTURES = {
+    "Gemma3ForCausalLM": "gemma3",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
+# config.json ``model_type`` values that name one of ours differently (no ``architectures``)
+_MODEL_TYPES = {"gemma3_text": "gemma3"}
 
 
 class UnsupportedModelError(ValueError):
@@ -39,8 +43,9 @@ def model_type_of(cfg: Mapping[str, Any]) -> str:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
     model_type = cfg.get("model_type")
-    if not archs and model_type in ARCHITECTURES.values():
-        return str(model_type)
+    ours = _MODEL_TYPES.get(str(model_type), model_type)
+    if not archs and ours in ARCHITECTURES.values():
+        return str(ours)
     supported = ", ".join(ARCHITECTURES)
     if not archs and model_type is None:
         raise UnsupportedModelError(

@@ -91,6 +91,17 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
+# an HF norm -> (our parameter in the Llama block, in the Gemma 3 block)
+_NORMS = {
+    "input_layernorm": ("input_norm", "input_norm"),
+    "post_attention_layernorm": ("post_norm", "post_attn_norm"),
+    "pre_feedforward_layernorm": ("", "pre_mlp_norm"),
+    "post_feedforward_layernorm": ("", "post_mlp_norm"),
+    "self_attn.q_norm": ("q_norm", "q_norm"),
+    "self_attn.k_norm": ("k_norm", "k_norm"),
+}
+
+
 @dataclass(frozen=True, slots=True)
 class _Target:
     """Where one checkpoint tensor lands.
@@ -164,9 +175,10 @@ def _targets(model: LlamaForCausalLM, name: str) -> _Target | None:
     plain = {
         "self_attn.o_proj": ("o", c.num_heads * d),
         "mlp.down_proj": ("down", c.intermediate_size),
-        "input_layernorm": ("input_norm", 0),
-        "post_attention_layernorm": ("post_norm", 0),
     }
+    if part in _NORMS and kind == "weight":  # whole on every rank
+        target = getattr(layer, _NORMS[part][c.model_type == "gemma3"], None)
+        return None if target is None else _Target(target)
     if part in fused:
         prefix, rows, full = fused[part]
         target = getattr(layer, f"{prefix}_{kind}", None)
@@ -178,13 +190,10 @@ def _targets(model: LlamaForCausalLM, name: str) -> _Target | None:
         return _Target(target, rows, dim=0, start=tp.rank * n, full=full)
     if part in plain:
         prefix, cols = plain[part]
-        attr = prefix if part.endswith("layernorm") else f"{prefix}_{kind}"
-        if part.endswith("layernorm") and kind != "weight":
-            return None
-        target = getattr(layer, attr, None)
+        target = getattr(layer, f"{prefix}_{kind}", None)
         if target is None:
             return None
-        if not sharded or not cols or kind != "weight":  # norms, o/down biases: whole
+        if not sharded or kind != "weight":  # o/down biases: whole
             return _Target(target)
         n = cols // tp.world_size
         return _Target(target, dim=1, start=tp.rank * n, full=cols)

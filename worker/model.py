@@ -1,8 +1,11 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Phi-3, SmolLM) in plain torch over the paged KV pool.
+"""The decoder in plain torch over the paged KV pool: Llama 2/3, Mistral, Qwen2/3, Phi-3, SmolLM (the
+Llama block, :class:`DecoderLayer`) and Gemma 3 (:class:`worker.gemma3.Gemma3DecoderLayer`).
 
 One forward runs a flattened varlen batch (prefill chunks and decode tokens back to back, no
 padding in the linear layers). Q/K/V are one fused matmul, gate/up another. Parameter names are
 our own (``qkv_weight``, ``gate_up_weight`` ...); :mod:`worker.loader` maps HF checkpoints onto them.
+The block's shared half (linear kernels, q/k norm, RoPE, paged attention with the layer's
+window) is :class:`worker.layers.AttentionBlock`; the config is :mod:`worker.model_config`.
 
 With tensor parallelism (:mod:`worker.parallel`, Megatron-LM sharding, Shoeybi et al. 2019) a
 model holds only its rank's shard of ``N``: ``Hq / N`` query and ``Hkv / N`` KV heads, ``I / N``
@@ -13,9 +16,7 @@ embedding end in an all-reduce, the logits in a gather. Shapes below are per ran
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, overload
 
 import torch
@@ -24,236 +25,45 @@ from torch import nn
 
 from sluiceway.kernels import cpu_ops, onednn_linear
 from sluiceway.kernels.backend import AttentionBackend, TorchAttentionBackend
-from sluiceway.model_files import context_window
-from sluiceway.worker.architectures import UnsupportedModelError, model_type_of
+from sluiceway.worker.layers import (
+    LINEAR_WEIGHTS,
+    AttentionBlock,
+    RopeInputs,
+    TritonOps,
+    add_rms_norm,
+    param,
+)
+from sluiceway.worker.layers import apply_rope as _apply_rope
+from sluiceway.worker.layers import rms_norm as _rms_norm
+from sluiceway.worker.model_config import ModelConfig, UnsupportedModelError, rope_inv_freq
 from sluiceway.worker.parallel import TensorParallelGroup
 
-__all__ = ["DecoderLayer", "LlamaForCausalLM", "ModelConfig", "UnsupportedModelError"]
-
-LINEAR_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """The subset of an HF ``config.json`` the decoder needs (see :meth:`from_hf_dict`)."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    rope_scaling: Mapping[str, Any] | None = None
-    sliding_window: int | None = None
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-
-    @classmethod
-    def from_hf_dict(cls, cfg: Mapping[str, Any]) -> ModelConfig:
-        """Read an HF ``config.json`` dict (transformers 4.x or 5.x layout).
-
-        Raises:
-            UnsupportedModelError: an architecture not in
-                :data:`worker.architectures.ARCHITECTURES`, a non-SiLU activation, a rope
-                scaling other than default/linear/llama3 (Phi-3's longrope among them), or a
-                partial rotary factor (rotary over part of each head).
-        """
-        model_type = model_type_of(cfg)
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"unsupported hidden_act {act!r} (only 'silu')")
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or hidden // heads
-        rope_params = dict(cfg.get("rope_parameters") or {})
-        rope_theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = cfg.get("rope_scaling") or rope_params or None
-        if scaling is not None:
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            if rope_type not in ("default", "linear", "llama3"):
-                raise UnsupportedModelError(
-                    f"rope scaling {rope_type!r} is not implemented (supported: default, "
-                    "linear, llama3)"
-                )
-            scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
-        partial = float(
-            rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1))
-        )
-        if partial != 1:
-            raise UnsupportedModelError(
-                f"partial_rotary_factor {partial} is not implemented (rotary over whole heads only)"
-            )
-        attention_bias = bool(cfg.get("attention_bias", False))
-        max_positions, sliding = context_window({**cfg, "model_type": model_type})
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
-            model_type=model_type,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or (model_type == "llama" and attention_bias),
-            o_bias=model_type == "llama" and attention_bias,
-            mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
-            rope_scaling=scaling,
-            sliding_window=sliding,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+__all__ = [
+    "LINEAR_WEIGHTS",
+    "DecoderLayer",
+    "LlamaForCausalLM",
+    "ModelConfig",
+    "RopeInputs",
+    "UnsupportedModelError",
+    "rope_inv_freq",
+]
+_ = (_apply_rope, _rms_norm)  # re-exported for the kernel tests
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Rotary inverse frequencies ``[head_dim // 2]`` float32, with linear/llama3 scaling applied
-    exactly as transformers' ``ROPE_INIT_FUNCTIONS`` do."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = float(scaling["factor"])
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    low = float(scaling["low_freq_factor"])
-    high = float(scaling["high_freq_factor"])
-    old_ctx = float(scaling["original_max_position_embeddings"])
-    low_freq_wavelen = old_ctx / low
-    high_freq_wavelen = old_ctx / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-@dataclass(frozen=True, slots=True)
-class TritonOps:
-    """The batch-invariant Triton kernels the decoder runs instead of cuBLAS and torch's
-    RMSNorm (:meth:`LlamaForCausalLM.use_triton_ops`): ``linear`` is
-    :func:`kernels.triton_matmul.triton_linear`, ``rms_norm`` and ``fused_add_rms_norm``
-    those of :mod:`kernels.triton_norm`."""
-
-    linear: Callable[..., torch.Tensor]
-    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    fused_add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
-
-    @classmethod
-    def load(cls) -> TritonOps:
-        """Import the kernels (Triton is optional: imported only here)."""
-        from sluiceway.kernels.triton_matmul import triton_linear
-        from sluiceway.kernels.triton_norm import triton_fused_add_rms_norm, triton_rms_norm
-
-        return cls(triton_linear, triton_rms_norm, triton_fused_add_rms_norm)
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP block.
-
-    Parameters (``H`` hidden, ``Hq``/``Hkv`` heads, ``D`` head dim, ``I`` intermediate, all
-    heads and ``I`` the rank's share, e.g. ``Hq = num_heads / N``): ``input_norm`` ``[H]``,
-    ``qkv_weight`` ``[(Hq + 2 Hkv) D, H]`` (the rank's q rows, then its k, then its v),
-    ``qkv_bias`` ``[(Hq + 2 Hkv) D]`` or None, ``o_weight`` ``[H, Hq D]`` (the input columns
-    of the rank's heads), ``o_bias`` ``[H]`` or None (whole on every rank), ``post_norm``
-    ``[H]``, ``gate_up_weight`` ``[2 I, H]`` (the rank's gate rows, then its up rows),
-    ``gate_up_bias`` ``[2 I]`` / ``down_bias`` ``[H]`` or None, ``down_weight`` ``[H, I]``.
+class DecoderLayer(AttentionBlock):
+    """Pre-norm attention + SwiGLU MLP block (Llama, Mistral, Qwen2/3): the parameters of
+    :class:`worker.layers.AttentionBlock` and ``input_norm``/``post_norm`` ``[H]``.
 
     Raises:
         ValueError: ``tp.world_size`` does not divide the heads or the intermediate size.
     """
 
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
-        super().__init__()
-        c = config
-        self.tp = tp = tp or TensorParallelGroup()
-        self.num_kv_heads = tp.shard(c.num_kv_heads, "KV heads (num_key_value_heads)")
-        self.num_heads = tp.shard(c.num_heads, "attention heads (num_attention_heads)")
-        self.head_dim = c.head_dim
-        self.eps = c.rms_norm_eps
-        self.intermediate = tp.shard(
-            c.intermediate_size, "MLP intermediate size (intermediate_size)"
-        )
-        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * c.head_dim
-        self.input_norm = _param(c.hidden_size)
-        self.qkv_weight = _param(qkv_out, c.hidden_size)
-        self.qkv_bias = _param(qkv_out) if c.qkv_bias else None
-        self.o_weight = _param(c.hidden_size, self.num_heads * c.head_dim)
-        self.o_bias = _param(c.hidden_size) if c.o_bias else None
-        self.post_norm = _param(c.hidden_size)
-        self.gate_up_weight = _param(2 * self.intermediate, c.hidden_size)
-        self.gate_up_bias = _param(2 * self.intermediate) if c.mlp_bias else None
-        self.down_weight = _param(c.hidden_size, self.intermediate)
-        self.down_bias = _param(c.hidden_size) if c.mlp_bias else None
-        # packed copies of the four weights, by name, once pack_linear_weights ran: oneDNN's
-        # blocked layout, or (bf16_pairs) the layout of kernels.cpu_ops.bf16_linear
-        self.packed: dict[str, torch.Tensor] = {}
-        self.packed_out_features: dict[str, int] = {}
-        self.bf16_pairs = False
-        self.triton_ops: TritonOps | None = None  # see LlamaForCausalLM.use_triton_ops
-
-    def pack_linear_weights(self, bf16_pairs: bool = False) -> int:
-        """Pack the four linear weights once and free the plain copies (the forward reads only
-        the packed ones). CPU only. ``bf16_pairs`` (bfloat16 weights, a CPU with AVX512-BF16):
-        for :func:`kernels.cpu_ops.bf16_linear`, whose rows do not depend on the batch; else
-        reordered for oneDNN (:mod:`kernels.onednn_linear`).
-
-        Returns:
-            Bytes the plain weights held.
-        """
-        packed_bytes = 0
-        self.bf16_pairs = bf16_pairs
-        pack = cpu_ops.pack_bf16_pairs if bf16_pairs else onednn_linear.pack
-        for name in LINEAR_WEIGHTS:
-            weight = getattr(self, name)
-            self.packed[name] = pack(weight.data)
-            self.packed_out_features[name] = weight.shape[0]
-            packed_bytes += weight.numel() * weight.element_size()
-            weight.data = torch.empty(0, dtype=weight.dtype)
-        return packed_bytes
-
-    def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.triton_ops is not None:
-            return self.triton_ops.linear(x, getattr(self, name), bias)
-        packed = self.packed.get(name)
-        if packed is None:
-            return F.linear(x, getattr(self, name), bias)
-        if self.bf16_pairs:
-            return cpu_ops.bf16_linear(x, packed, self.packed_out_features[name], bias)
-        return onednn_linear.linear(x, packed, bias)
-
-    def _row_parallel_linear(
-        self, x: torch.Tensor, name: str, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """``x`` ``[T, K / N]`` (the rank's input columns) -> ``[T, M]``: the rank's partial
-        product summed over the ranks, then the (replicated) bias added once."""
-        if not self.tp.enabled:
-            return self._linear(x, name, bias)
-        out = self.tp.all_reduce(self._linear(x, name, None))
-        return out if bias is None else out + bias
+    def __init__(
+        self, config: ModelConfig, tp: TensorParallelGroup | None = None, layer: int = 0
+    ) -> None:
+        super().__init__(config, layer, tp)
+        self.input_norm = param(config.hidden_size)
+        self.post_norm = param(config.hidden_size)
 
     def forward(
         self,
@@ -275,80 +85,26 @@ class DecoderLayer(nn.Module):
         may overwrite ``hidden`` and ``residual`` in place. With ``N > 1`` all ranks must
         call it together (two all-reduces).
         """
-        t = hidden.shape[0]
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         fused = backend.fused_layer_ops
         ops = self.triton_ops
-        x, residual = _add_rms_norm(hidden, residual, self.input_norm, self.eps, fused, ops)
-        qkv = self._linear(x, "qkv_weight", self.qkv_bias)
-        if fused:
-            cpu_ops.rotary_embedding_write_kv(
-                qkv, rope.positions, rope.cos_table, rope.sin_table, kv_cache,
-                metadata.slot_mapping, hq, hkv,
-            )  # fmt: skip
-            q = qkv[:, : hq * d].view(t, hq, d)
-        else:
-            assert rope.cos is not None and rope.sin is not None
-            qk = _apply_rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), rope.cos, rope.sin)
-            v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-            backend.write_kv(qk[:, hq:], v, kv_cache, metadata)
-            q = qk[:, :hq]
-        attn = backend.attention(q, kv_cache, metadata)
-        hidden = self._row_parallel_linear(attn.view(t, hq * d), "o_weight", self.o_bias)
-        x, residual = _add_rms_norm(hidden, residual, self.post_norm, self.eps, fused, ops)
-        gate_up = self._linear(x, "gate_up_weight", self.gate_up_bias)
+        x, residual = add_rms_norm(hidden, residual, self.input_norm, self.eps, fused, ops)
+        hidden = self.attention(x, rope, kv_cache, metadata, backend)
+        x, residual = add_rms_norm(hidden, residual, self.post_norm, self.eps, fused, ops)
+        gate_up = self.linear(x, "gate_up_weight", self.gate_up_bias)
         if fused:
             act = cpu_ops.silu_and_mul(gate_up)
         else:
             act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return self._row_parallel_linear(act, "down_weight", self.down_bias), residual
+        return self.row_parallel_linear(act, "down_weight", self.down_bias), residual
 
 
-@dataclass(slots=True)
-class RopeInputs:
-    """The step's rotary inputs: ``positions`` ``[T]`` int64 and the model's float32 tables
-    ``cos_table``/``sin_table`` ``[max_positions, D / 2]`` (what the fused op reads), and for
-    the torch path ``cos``/``sin`` ``[T, 1, D / 2]`` gathered in the model dtype (None with
-    fused ops)."""
+def _make_layer(config: ModelConfig, layer: int, tp: TensorParallelGroup) -> AttentionBlock:
+    """The block of ``config``'s family for layer ``layer``."""
+    if config.model_type == "gemma3":
+        from sluiceway.worker.gemma3 import Gemma3DecoderLayer
 
-    positions: torch.Tensor
-    cos_table: torch.Tensor
-    sin_table: torch.Tensor
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
-
-
-def _add_rms_norm(
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    fused: bool,
-    triton_ops: TritonOps | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(hidden + residual), hidden + residual)``; ``residual`` None: no addition.
-    Fused (the C++ ops, or ``triton_ops``): in place (``hidden`` becomes the normed rows,
-    ``residual`` the sum)."""
-    if triton_ops is not None:
-        if residual is None:
-            return triton_ops.rms_norm(hidden, weight, eps), hidden
-        triton_ops.fused_add_rms_norm(hidden, residual, weight, eps)
-        return hidden, residual
-    if residual is None:
-        normed = cpu_ops.rms_norm(hidden, weight, eps) if fused else _rms_norm(hidden, weight, eps)
-        return normed, hidden
-    if fused:
-        cpu_ops.fused_add_rms_norm(hidden, residual, weight, eps)
-        return hidden, residual
-    residual = hidden + residual
-    return _rms_norm(residual, weight, eps), residual
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding of ``x`` ``[T, heads, D]`` (HF/NeoX convention)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return Gemma3DecoderLayer(config, layer, tp)
+    return DecoderLayer(config, tp, layer)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -358,8 +114,11 @@ class LlamaForCausalLM(nn.Module):
     ``norm_weight`` ``[H]``, ``lm_head_weight`` ``[Vs, H]`` (None when tied: the logits use
     ``embed_weight``), where ``Vs = ceil(V / N)`` rows hold token ids
     ``tp.vocab_range(V)`` and zeros past ``V`` (``Vs = V`` without tensor parallelism).
-    Rotary tables ``rope_cos``/``rope_sin`` are plain float32 attributes (not buffers), so
-    ``.to(dtype)`` leaves them alone; see :meth:`init_rope`. ``num_heads``/``num_kv_heads``
+    Rotary tables ``rope_cos``/``rope_sin`` (and, for a model whose sliding layers have their
+    own base, ``rope_tables["local"]``) are plain float32 attributes (not buffers), so
+    ``.to(dtype)`` leaves them alone; see :meth:`init_rope`. Gemma 3 scales the embeddings by
+    ``sqrt(H)`` rounded to the model dtype (as transformers), and a config's
+    ``final_logit_softcapping`` caps the logits (``cap * tanh(logits / cap)``, float32). ``num_heads``/``num_kv_heads``
     are the rank's head counts (the KV pool's ``Hkv``), ``tp`` its
     :class:`worker.parallel.TensorParallelGroup`.
     """
@@ -385,15 +144,19 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = tp.shard(config.num_kv_heads, "KV heads (num_key_value_heads)")
         self.num_heads = tp.shard(config.num_heads, "attention heads (num_attention_heads)")
         vocab_rows = tp.vocab_shard_size(config.vocab_size)
-        self.embed_weight = _param(vocab_rows, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_layers))
-        self.norm_weight = _param(config.hidden_size)
+        self.embed_weight = param(vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(_make_layer(config, i, tp) for i in range(config.num_layers))
+        self.norm_weight = param(config.hidden_size)
         self.lm_head_weight = (
-            None if config.tie_word_embeddings else _param(vocab_rows, config.hidden_size)
+            None if config.tie_word_embeddings else param(vocab_rows, config.hidden_size)
         )
+        self.gemma = config.model_type == "gemma3"
         self.max_positions = max_positions or config.max_position_embeddings
         self.rope_cos = torch.empty(0)
         self.rope_sin = torch.empty(0)
+        # rope key ("global", "local") -> (cos, sin) tables; "global" is rope_cos/rope_sin
+        self.rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._final_norm_scale: torch.Tensor | None = None  # Gemma's 1 + w, float32
         self.init_rope()
         # Paged attention and the KV scatter; the worker sets the one it chose at start.
         self.attention_backend: AttentionBackend = TorchAttentionBackend()
@@ -410,10 +173,14 @@ class LlamaForCausalLM(nn.Module):
         and every RMSNorm on :mod:`kernels.triton_norm` (one tile config whatever the batch,
         one reduction order per row: with the batch-invariant Triton attention the forward
         is batch invariant; float32 logits straight from the float32 accumulator). For CUDA
-        (or CPU tensors in Triton's interpreter, tests); the weights stay as they are."""
+        (or CPU tensors in Triton's interpreter, tests); the weights stay as they are.
+        Not for Gemma 3: its (1 + w) norms have no Triton kernel yet, so it stays on torch's
+        ops (and the runner does not call itself batch invariant)."""
+        if self.gemma:
+            return
         ops = TritonOps.load()
         self.triton_ops = ops
-        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        layers: list[AttentionBlock] = list(self.layers)  # type: ignore[arg-type]
         for layer in layers:
             layer.triton_ops = ops
 
@@ -428,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         :func:`kernels.cpu_ops.bf16_linear` (float32 sums in a fixed order per row: the
         forward is batch invariant; ``bf16_pairs``); else oneDNN's reordered layout
         (:mod:`kernels.onednn_linear`), the logits from a float32 copy of the weight."""
-        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        layers: list[AttentionBlock] = list(self.layers)  # type: ignore[arg-type]
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
         self.bf16_pairs = weight.dtype == torch.bfloat16 and cpu_ops.bf16_gemm_supported()
         self.packed_weight_bytes = sum(
@@ -443,13 +210,17 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rope(self) -> None:
         """(Re)build the rotary tables ``rope_cos``/``rope_sin`` ``[max_positions, D / 2]`` float32
-        on the embedding's device (call after moving the model)."""
+        on the embedding's device (call after moving the model), and ``rope_tables`` with the
+        sliding layers' own when the model has a local rope base."""
         device = self.embed_weight.device
-        inv_freq = rope_inv_freq(self.config).to(device)
         pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
-        freqs = pos[:, None] * inv_freq[None]
-        self.rope_cos = freqs.cos()
-        self.rope_sin = freqs.sin()
+        self.rope_tables = {}
+        layers: list[AttentionBlock] = list(self.layers)  # type: ignore[arg-type]
+        for key in sorted({layer.rope_key for layer in layers} | {"global"}):
+            inv_freq = rope_inv_freq(self.config, local=key == "local").to(device)
+            freqs = pos[:, None] * inv_freq[None]
+            self.rope_tables[key] = (freqs.cos(), freqs.sin())
+        self.rope_cos, self.rope_sin = self.rope_tables["global"]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -476,21 +247,27 @@ class LlamaForCausalLM(nn.Module):
             every rank.
         """
         backend = self.attention_backend
-        rope = RopeInputs(positions, self.rope_cos, self.rope_sin)
-        if not backend.fused_layer_ops:
-            rope.cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)
-            rope.sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
+        ropes = {}
+        for key, (cos, sin) in self.rope_tables.items():
+            rope = ropes[key] = RopeInputs(positions, cos, sin)
+            if not backend.fused_layer_ops:
+                rope.cos = cos[positions].to(self.dtype).unsqueeze(1)
+                rope.sin = sin[positions].to(self.dtype).unsqueeze(1)
         hidden = self._embed(input_ids)
+        if self.gemma:  # transformers: the float32 sqrt(H) rounded to the dtype, then multiplied
+            hidden = hidden * torch.tensor(self.config.hidden_size**0.5).to(hidden.dtype)
         residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
+            rope = ropes[layer.rope_key]  # type: ignore[index]
             hidden, residual = layer(hidden, residual, rope, cache, metadata, backend)
-        normed, _ = _add_rms_norm(
-            hidden,
-            residual,
-            self.norm_weight,
-            self.config.rms_norm_eps,
-            backend.fused_layer_ops,
-            self.triton_ops,
+        fused = backend.fused_layer_ops
+        weight: torch.Tensor = self.norm_weight
+        if self.gemma and fused:
+            if self._final_norm_scale is None:
+                self._final_norm_scale = 1.0 + self.norm_weight.float()
+            weight = self._final_norm_scale
+        normed, _ = add_rms_norm(
+            hidden, residual, weight, self.config.rms_norm_eps, fused, self.triton_ops, self.gemma
         )
         return normed
 
@@ -566,7 +343,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             local = F.linear(hidden, weight)
         if not self.tp.enabled:
-            return local.float() if float32 else local
+            return self._softcap(local.float() if float32 else local)
         if dst is None:
             full: torch.Tensor | None = self.tp.all_gather_last_dim(local)
         else:
@@ -574,4 +351,12 @@ class LlamaForCausalLM(nn.Module):
         if full is None:
             return None
         full = full[:, : self.config.vocab_size]
-        return full.float() if float32 else full
+        return self._softcap(full.float() if float32 else full)
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """``cap * tanh(logits / cap)`` in place when the config sets
+        ``final_logit_softcapping`` (Gemma 2's; Gemma 3's configs leave it None)."""
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits

@@ -104,8 +104,8 @@ class ModelRunner:
         kv_cache_memory: bytes for the KV pool. On CPU the default is 4 GiB; on CUDA, when None,
             the pool takes ``gpu_memory_utilization * total - used`` after a profiling forward.
         gpu_memory_utilization: fraction of the GPU this worker may use (CUDA only).
-        max_model_len: cap on positions; None: the config's ``max_position_embeddings``, or its
-            sliding window when smaller (more than that is refused).
+        max_model_len: cap on positions; None: the config's ``max_position_embeddings`` (more
+            than that is refused; a sliding window is attention's, not a cap).
         max_num_batched_tokens: tokens of the CUDA profiling forward (beyond the base API).
         kv_pool_factory: ``(shape, dtype, device) -> tensor`` allocating the pool, e.g. in
             shared memory (beyond the base API); ``torch.empty`` when None.
@@ -174,7 +174,7 @@ class ModelRunner:
         self._dtype = resolve_dtype(dtype, self._device)
         self._block_size = block_size
         self._max_model_len = resolve_max_model_len(
-            max_model_len, self.config.max_position_embeddings, self.config.sliding_window
+            max_model_len, self.config.max_position_embeddings
         )
         self._model_id = served_model_name(model_dir)
         self.model: LlamaForCausalLM = load_or_check_model(

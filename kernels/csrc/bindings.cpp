@@ -14,6 +14,9 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps);
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x);
+void qk_rms_norm(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                 int64_t num_heads, int64_t num_kv_heads, double eps);
 void rotary_embedding_write_kv(at::Tensor& qkv, const at::Tensor& positions,
                                const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& kv_cache, const at::Tensor& slot_mapping,
@@ -33,6 +36,10 @@ TORCH_LIBRARY(sluiceway, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def(
+      "qk_rms_norm(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, int num_heads, "
+      "int num_kv_heads, float eps) -> ()");
   m.def(
       "rotary_embedding_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor(b!) kv_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
@@ -47,6 +54,8 @@ TORCH_LIBRARY_IMPL(sluiceway, CPU, m) {
   m.impl("rms_norm", &sluiceway::rms_norm);
   m.impl("fused_add_rms_norm", &sluiceway::fused_add_rms_norm);
   m.impl("silu_and_mul", &sluiceway::silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &sluiceway::gelu_tanh_and_mul);
+  m.impl("qk_rms_norm", &sluiceway::qk_rms_norm);
   m.impl("rotary_embedding_write_kv", &sluiceway::rotary_embedding_write_kv);
   m.impl("argmax_logsumexp", &sluiceway::argmax_logsumexp);
   m.impl("apply_token_bitmask", &sluiceway::apply_token_bitmask);

@@ -45,17 +45,19 @@ float inverse_rms(const T* x, int64_t n, float eps) {
 
 // weight * x * rsqrt(mean(x^2) + eps) in float32, rounded once (as torch's F.rms_norm; closer
 // to float32 than HF's two roundings: mean |logit error| 0.091 vs 0.112 on 24 ShareGPT prompts).
-template <typename T>
-void normalize_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
+// W is T, or float for Gemma's (1 + w) weights, which transformers keeps in float32. In place
+// (out == x) is fine: the row is read whole before it is written.
+template <typename T, typename W>
+void normalize_row(const T* x, const W* weight, T* out, int64_t n, float eps) {
   const float inv = inverse_rms(x, n, eps);
   for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(to_float(weight[i]) * (to_float(x[i]) * inv));
 }
 
-template <typename T>
+template <typename T, typename W>
 void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, float eps) {
   const int64_t rows = x.size(0), n = x.size(1);
   const T* xp = x.data_ptr<T>();
-  const T* w = weight.data_ptr<T>();
+  const W* w = weight.data_ptr<W>();
   T* o = out.data_ptr<T>();
   const int64_t xs = x.stride(0);
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
@@ -63,12 +65,12 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   });
 }
 
-template <typename T>
+template <typename T, typename W>
 void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, float eps) {
   const int64_t rows = x.size(0), n = x.size(1);
   T* xp = x.data_ptr<T>();
   T* rp = residual.data_ptr<T>();
-  const T* w = weight.data_ptr<T>();
+  const W* w = weight.data_ptr<W>();
   at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* xr = xp + r * n;
@@ -97,6 +99,34 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
       for (; i < n; ++i) {
         const float g = to_float(gate[i]);
         orow[i] = from_float<T>(g / (1.0f + fast_exp(-g)) * to_float(up[i]));
+      }
+    }
+  });
+}
+
+// gelu(gate, tanh approximation) * up (transformers' gelu_pytorch_tanh): 0.5 g (1 + tanh(y)),
+// y = sqrt(2 / pi) (g + 0.044715 g^3), with tanh(y) = 1 - 2 / (exp(2 y) + 1).
+inline v16f gelu_tanh16(v16f g) {
+  const v16f y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  const v16f y2 = y + y;
+  // exp overflows to inf past ~88: tanh is 1 there (2 / inf = 0); below -88 exp is 0: tanh -1
+  return 0.5f * g * (2.0f - 2.0f / (fast_exp16(y2) + 1.0f));
+}
+
+template <typename T>
+void gelu_tanh_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t rows = x.size(0), n = out.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(8 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xp + r * 2 * n;
+      const T* up = gate + n;
+      T* orow = o + r * n;
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16) store16(orow + i, gelu_tanh16(load16(gate + i)) * load16(up + i));
+      for (; i < n; ++i) {  // the same lane arithmetic as the vector body: one result per value
+        orow[i] = from_float<T>(gelu_tanh16(splat(to_float(gate[i])))[0] * to_float(up[i]));
       }
     }
   });
@@ -161,16 +191,67 @@ void check_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, " must be 2-D with contiguous rows");
 }
 
+void check_norm_weight(const at::Tensor& weight, const at::Tensor& x, int64_t n) {
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() &&
+                  (weight.scalar_type() == x.scalar_type() ||
+                   weight.scalar_type() == at::kFloat),
+              "weight must be a contiguous [", n, "] in x's dtype or float32");
+}
+
+template <typename T, typename W>
+void qk_rms_norm_impl(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                      int num_heads, int num_kv_heads, float eps) {
+  const int64_t tokens = qkv.size(0), d = q_weight.numel();
+  T* base = qkv.data_ptr<T>();
+  const int64_t row_stride = qkv.stride(0);
+  const W* qw = q_weight.data_ptr<W>();
+  const W* kw = k_weight.data_ptr<W>();
+  at::parallel_for(0, tokens, grain_rows(2 * row_stride), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = base + t * row_stride;
+      for (int h = 0; h < num_heads + num_kv_heads; ++h) {
+        normalize_row(row + h * d, h < num_heads ? qw : kw, row + h * d, d, eps);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes(), "out must be contiguous like x");
-  TORCH_CHECK(weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type() &&
-                  weight.is_contiguous(),
-              "weight must be a contiguous [H] in x's dtype");
+  check_norm_weight(weight, x, x.size(1));
+  const bool f32 = weight.scalar_type() == at::kFloat;
   SLUICEWAY_DISPATCH(x.scalar_type(), "rms_norm",
-                     rms_norm_impl<scalar_t>(out, x, weight, static_cast<float>(eps)));
+                     f32 ? rms_norm_impl<scalar_t, float>(out, x, weight, static_cast<float>(eps))
+                         : rms_norm_impl<scalar_t, scalar_t>(out, x, weight,
+                                                             static_cast<float>(eps)));
+}
+
+void qk_rms_norm(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                 int64_t num_heads, int64_t num_kv_heads, double eps) {
+  check_rows(qkv, "qkv");
+  const int64_t d = q_weight.numel();
+  TORCH_CHECK(d > 0 && qkv.size(1) >= (num_heads + num_kv_heads) * d,
+              "qkv must hold (Hq + Hkv) * D columns");
+  TORCH_CHECK(q_weight.scalar_type() == at::kFloat && k_weight.scalar_type() == at::kFloat &&
+                  q_weight.is_contiguous() && k_weight.is_contiguous() && k_weight.numel() == d,
+              "q_weight and k_weight must be contiguous float32 [D]");
+  SLUICEWAY_DISPATCH(qkv.scalar_type(), "qk_rms_norm",
+                     qk_rms_norm_impl<scalar_t, float>(qkv, q_weight, k_weight,
+                                                       static_cast<int>(num_heads),
+                                                       static_cast<int>(num_kv_heads),
+                                                       static_cast<float>(eps)));
+}
+
+void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2 I]");
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && 2 * out.size(1) == x.size(1) &&
+                  out.scalar_type() == x.scalar_type(),
+              "out must be [T, I] in x's dtype");
+  SLUICEWAY_DISPATCH(x.scalar_type(), "gelu_tanh_and_mul",
+                     gelu_tanh_and_mul_impl<scalar_t>(out, x));
 }
 
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
@@ -178,11 +259,12 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.dim() == 2 &&
                   x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
               "x and residual must be contiguous [T, H] of one dtype");
-  TORCH_CHECK(weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type() &&
-                  weight.is_contiguous(),
-              "weight must be a contiguous [H] in x's dtype");
+  check_norm_weight(weight, x, x.size(1));
+  const float e = static_cast<float>(eps);
+  const bool f32 = weight.scalar_type() == at::kFloat;
   SLUICEWAY_DISPATCH(x.scalar_type(), "fused_add_rms_norm",
-                     add_rms_norm_impl<scalar_t>(x, residual, weight, static_cast<float>(eps)));
+                     f32 ? add_rms_norm_impl<scalar_t, float>(x, residual, weight, e)
+                         : add_rms_norm_impl<scalar_t, scalar_t>(x, residual, weight, e));
 }
 
 void silu_and_mul(at::Tensor& out, const at::Tensor& x) {

