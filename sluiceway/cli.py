@@ -37,7 +37,8 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     convert.add_argument(
         "--model",
         default=None,
-        help="the .gguf file (default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF)",
+        help="the .gguf file, or a short name such as gemma3-270m (default: the embedded "
+        "SmolLM2-135M-Instruct Q4_1 GGUF)",
     )
     convert.add_argument(
         "--output", required=True, help="the folder to write; must not exist or be empty"

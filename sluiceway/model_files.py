@@ -37,6 +37,7 @@ __all__ = [
     "PACKAGED_MODELS",
     "ModelFilesError",
     "cache_dir",
+    "check_convertible",
     "context_window",
     "convert_gguf",
     "embedded_model_path",
@@ -148,7 +149,8 @@ def resolve_model(path: str | os.PathLike[str] | None) -> pathlib.Path:
             raise ModelFilesError(f"{p} is a folder without config.json: not an HF model folder")
         return p
     if not p.exists():
-        raise ModelFilesError(f"model path {p} does not exist")
+        hint = "" if os.sep in str(path) else f" (short names: {', '.join(PACKAGED_MODELS)})"
+        raise ModelFilesError(f"model path {p} does not exist{hint}")
     if p.suffix.lower() != ".gguf":
         raise ModelFilesError(f"{p} is neither an HF model folder nor a .gguf file")
     return convert_gguf(p)
@@ -252,7 +254,8 @@ def convert_gguf(gguf_path: pathlib.Path, cache: pathlib.Path | None = None) -> 
     (``model_id``, source path).
 
     Raises:
-        ModelFilesError: an unsupported architecture or tensor.
+        ModelFilesError: an unsupported architecture or tensor type (before anything is
+            written), or a tokenizer transformers cannot read.
     """
     gguf_path = gguf_path.resolve()
     with gguf_path.open("rb") as source:
@@ -262,6 +265,7 @@ def convert_gguf(gguf_path: pathlib.Path, cache: pathlib.Path | None = None) -> 
     final = root / key
     if (final / "config.json").is_file():
         return final
+    check_convertible(gguf_path)  # refused before a "converting" line and a lock file
     log.info(
         "converting %s (%d MB) into %s (first start only, about 10 s per 100 MB)",
         gguf_path,
@@ -495,14 +499,12 @@ def _convert_into(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     import gguf
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     reader = gguf.GGUFReader(str(gguf_path))
     cfg = gguf_config(reader)
     check_tensor_types(reader)
-    permute = cfg["model_type"] in ("llama", "mistral")
-
-
+    tokenizer = _gguf_tokenizer(gguf_path)  # before the slow part: a refusal comes at once
     arch = _field(reader, "general.architecture")
     permute = cfg["model_type"] in ("llama", "mistral")  # gemma3's Q/K are not permuted
     tensors: dict[str, torch.Tensor] = {}
@@ -527,7 +529,6 @@ def _convert_into(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     model_type = cfg.pop("model_type")
     AutoConfig.for_model(model_type, **cfg).save_pretrained(out)
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     template = _field(reader, "tokenizer.chat_template")
     if template and not tokenizer.chat_template:
         tokenizer.chat_template = template
@@ -548,6 +549,37 @@ def _convert_into(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
         ),
         encoding="utf-8",
     )
+
+
+def _gguf_tokenizer(gguf_path: pathlib.Path) -> Any:
+    """The tokenizer ``transformers`` reads from a GGUF's metadata.
+
+    Raises:
+        ModelFilesError: transformers cannot read it (a tokenizer model it does not map, a
+            missing field), naming the error.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as e:  # KeyError, ValueError, ... from transformers' GGUF tokenizer mapping
+        raise ModelFilesError(
+            f"the tokenizer of {gguf_path} cannot be read by transformers ({type(e).__name__}: {e})"
+        ) from None
+
+
+def check_convertible(gguf_path: pathlib.Path) -> None:
+    """Refuses, from its metadata alone (no tensor read), a GGUF the converter cannot convert:
+    an architecture it does not map, or a tensor type ``gguf`` cannot dequantize.
+
+    Raises:
+        ModelFilesError: see :func:`gguf_config` and :func:`check_tensor_types`.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    gguf_config(reader)
+    check_tensor_types(reader)
 
 
 def _has_chat_template(folder: pathlib.Path) -> bool:

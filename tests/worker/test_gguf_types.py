@@ -64,11 +64,15 @@ def _tensor_bytes(shape: tuple[int, int], qtype: object, rng: np.random.Generato
 
 
 def write_tiny_gguf(
-    path: pathlib.Path, type_of: Callable[[str], object], arch: str = "llama"
+    path: pathlib.Path,
+    type_of: Callable[[str], object],
+    arch: str = "llama",
+    token_scores: bool = True,
 ) -> pathlib.Path:
     """A one-layer llama GGUF (hidden 256, 2 heads, 1 KV head, a 256-token byte vocabulary)
     whose matrix ``name`` is of type ``type_of(name)``; norms are F32. ``arch``: the
-    architecture it says it is."""
+    architecture it says it is; ``token_scores`` False: a tokenizer without
+    ``tokenizer.ggml.scores`` (transformers cannot read it)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny")
     w.add_block_count(1)
@@ -86,7 +90,8 @@ def write_tiny_gguf(
     table = bytes_to_unicode()
     w.add_token_list([table[b] for b in range(256)])
     w.add_token_types([1] * 256)
-    w.add_token_scores([0.0] * 256)
+    if token_scores:
+        w.add_token_scores([0.0] * 256)
     w.add_token_merges([])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -156,7 +161,7 @@ def test_a_type_gguf_cannot_dequantize_is_refused_before_any_conversion(
     ), message
     assert "\n" not in message and "Q8_K" not in message.split("supported")[1]
     assert all(len(shape) == 1 for shape in shapes)  # at most one-block probes: no tensor
-    assert not list((tmp_path / "cache" / "gguf").glob("tiny-*-v*/config.json"))
+    assert not (tmp_path / "cache").exists()  # nothing written: no folder, no lock file
 
 
 def test_an_architecture_the_converter_does_not_map_is_refused_naming_those_it_does(
@@ -170,3 +175,15 @@ def test_an_architecture_the_converter_does_not_map_is_refused_naming_those_it_d
     assert str(e.value) == (
         f"GGUF architecture 'phi2' is not supported (supported: {', '.join(_SUPPORTED)})"
     )
+
+
+def test_a_tokenizer_transformers_cannot_read_is_refused_in_one_line(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = write_tiny_gguf(tmp_path / "noscores.gguf", lambda _: Q.Q8_0, token_scores=False)
+    with pytest.raises(ModelFilesError) as e:
+        convert_gguf(path, cache=tmp_path / "cache")
+    assert str(e.value) == (
+        f"the tokenizer of {path} cannot be read by transformers (KeyError: 'scores')"
+    )
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir() if p.is_dir()] == []
