@@ -1,4 +1,4 @@
-"""The `sluiceway bench serve|compare` flags (vLLM's names where vLLM has the flag)."""
+"""The `sluiceway bench serve|compare|step|grammar|quality` flags (vLLM's names where vLLM has the flag)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 from sluiceway.argtypes import positive_int
 from sluiceway.bench.grammar import add_grammar_args
+from sluiceway.bench.quality import add_quality_args
 from sluiceway.bench.step import add_step_args
 from sluiceway.bench.workload import add_workload_args
 from sluiceway.targets import DEFAULT_TARGET, TARGET_HELP, add_connection_args, grpc_target
@@ -92,6 +93,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "cost per step at --num-seqs constrained sequences",
     )
     add_grammar_args(grammar)
+    quality = bench_sub.add_parser(
+        "quality",
+        help="perplexity and greedy top-1 agreement of serving modes (worker flags, e.g. "
+        "dtype=bfloat16) against a float32 reference, over ShareGPT turns",
+    )
+    add_quality_args(quality)
 
 
 def bench_command(args: argparse.Namespace) -> int:
@@ -99,6 +106,10 @@ def bench_command(args: argparse.Namespace) -> int:
         from sluiceway.bench.step import step_command
 
         return step_command(args)
+    if args.bench_command == "quality":
+        from sluiceway.bench.quality import quality_command
+
+        return quality_command(args)
     if args.bench_command == "grammar":
         from sluiceway.bench.grammar import grammar_command
 
