@@ -20,7 +20,7 @@ they are given and return nothing):
 - ``rotary_embedding_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, Hq, Hkv)``
 - ``argmax_logsumexp(argmax, shifted_logsumexp, logits)`` (log-sum-exp minus the max)
 - ``bf16_gemm(out, x, packed, bias)``, ``bf16_gemm_supported()``
-- ``quant_gemm(out, x, packed, group, nbits, offset, has_b)`` (GGUF-quantized weights,
+- ``quant_gemm(out, x, packed, kind, offset, scales, has_b)`` (GGUF-quantized weights,
   packed by :mod:`sluiceway.kernels.quant_pack`)
 
 The Python wrappers below give their shapes and dtypes.
@@ -361,9 +361,9 @@ def quant_linear(
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` (float32, or bfloat16 widened exactly) @ the GGUF-quantized ``[N, K]``
     ``weight`` (:func:`sluiceway.kernels.quant_pack.pack_gguf`) -> float32 ``[M, N]`` (or into
-    ``out``): each output ``fma(x[K-1], w[K-1], ... fma(x[0], w[0], 0))`` in float32, in K
-    order, with ``w`` gguf's dequantized float32 weight (kernels/csrc/quant_gemm.cpp), so a
-    row's result does not depend on the other rows (batch invariance).
+    ``out``), ``w`` gguf's dequantized float32 weight: each output 16 float32 FMA chains
+    (lane l: k = l, l + 16, ... in order) added in a fixed tree (kernels/csrc/quant_gemm.cpp),
+    so a row's result does not depend on the other rows (batch invariance).
 
     Raises:
         RuntimeError: shapes or dtypes that do not match, or a CPU without AVX512.
@@ -372,7 +372,7 @@ def quant_linear(
     if out is None:
         out = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
     torch.ops.sluiceway.quant_gemm(
-        out, x, weight.packed, weight.group, weight.nbits, weight.offset, weight.has_b
+        out, x, weight.packed, weight.kind, weight.offset, weight.scales, weight.has_b
     )
     return out
 

@@ -19,29 +19,30 @@ import torch
 __all__ = ["SUPPORTED", "QuantWeight", "pack_gguf", "unpack_blocks"]
 
 Q = gguf.GGMLQuantizationType
-# type -> (group, nbits, off, has_b)
+TABLE4, TABLE5, BYTES = 0, 1, 2  # the kernel's kinds (quant_gemm.cpp's header)
+# type -> (kind, off, a values per 32 K values, has_b)
 SUPPORTED: dict[Q, tuple[int, int, int, bool]] = {
-    Q.Q8_0: (32, 8, 128, False),
-    Q.Q4_0: (32, 4, 8, False),
-    Q.Q4_1: (32, 4, 0, True),
-    Q.Q5_0: (32, 5, 16, False),
-    Q.Q4_K: (32, 4, 0, True),
-    Q.Q6_K: (16, 6, 32, False),
+    Q.Q8_0: (BYTES, 128, 1, False),
+    Q.Q4_0: (TABLE4, 8, 1, False),
+    Q.Q4_1: (TABLE4, 0, 1, True),
+    Q.Q5_0: (TABLE5, 16, 1, False),
+    Q.Q4_K: (TABLE4, 0, 1, True),
+    Q.Q6_K: (BYTES, 32, 2, False),  # 6-bit quants widened to int8 (8.5 bits a weight)
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantWeight:
-    """A ``[n, k]`` weight in the kernel's layout: ``packed`` uint8
-    ``[ceil(n / 16), k / group, stride]`` (see quant_gemm.cpp's header), and how to read it."""
+    """A ``[n, k]`` weight in the kernel's layout: ``packed`` uint8 ``[n, k / 32, stride]``
+    (see quant_gemm.cpp's header), and how to read it."""
 
     packed: torch.Tensor
     n: int
     k: int
     qtype: Q
-    group: int
-    nbits: int
+    kind: int
     offset: int
+    scales: int
     has_b: bool
 
 
@@ -110,30 +111,32 @@ def pack_gguf(
     """The ``[n, k]`` tensor of GGUF blocks ``raw`` (uint8) -> :class:`QuantWeight`, with its
     rows reordered by ``rows`` (int ``[n]``: output row i is the file's row ``rows[i]``), e.g.
     the inverse of llama.cpp's rotary permutation of Q/K (``model_files.reverse_permute``
-    applied to ``np.arange(n)[:, None]``). Same bits as the file, scales as float32:
-    ``ceil(n / 16) * 16 * (k * nbits / 8 + 4 * (1 + has_b) * k / group)`` bytes.
+    applied to ``np.arange(n)[:, None]``). The file's quant bits (Q6_K's widened to 8), its
+    scales as float32: bits a weight 5 (Q4_0), 6 (Q4_1, Q4_K, Q5_0), 9 (Q8_0), 10 (Q6_K).
 
     Raises:
         ValueError: an unsupported type or shape.
     """
     u, a, b = unpack_blocks(raw, qtype, k)  # raises for an unsupported type
-    group, nbits, off, has_b = SUPPORTED[qtype]
-    if u.shape[0] != n:
-        raise ValueError(f"{u.shape[0]} rows of {k}, expected {n}")
+    kind, off, scales, has_b = SUPPORTED[qtype]
+    if u.shape[0] != n or k % 32:
+        raise ValueError(f"{u.shape[0]} rows of {k}, expected {n} rows of a multiple of 32")
     if rows is not None:
         u, a = u[rows], a[rows]
         b = None if b is None else b[rows]
-    pad = -n % 16
-    groups, subs = (n + pad) // 16, k // group
-    u = np.pad(u, ((0, pad), (0, 0))).reshape(groups, 16, subs, group).transpose(0, 2, 3, 1)
-    parts = [(u[:, :, 0::2] & 15) | ((u[:, :, 1::2] & 15) << 4)]  # [G, S, group/2, 16]
-    for p in range(nbits - 4):
-        bits = ((u >> (4 + p)) & 1).astype(np.uint16) << np.arange(16, dtype=np.uint16)
-        parts.append(bits.sum(axis=-1, dtype=np.uint16).view(np.uint8))  # [G, S, group * 2]
+    subs = k // 32
+    u = u.reshape(n, subs, 32)
+    parts: list[np.ndarray]
+    if kind == BYTES:
+        parts = [(u.astype(np.int16) - off).astype(np.int8).view(np.uint8)]
+    else:
+        parts = [(u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)]
+        if kind == TABLE5:
+            bits = ((u >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+            parts.append(bits.sum(axis=-1, dtype=np.uint32)[..., None].view(np.uint8))
     for s in (a, b) if b is not None else (a,):
-        s = np.pad(s, ((0, pad), (0, 0))).reshape(groups, 16, subs).transpose(0, 2, 1)
-        parts.append(np.ascontiguousarray(s, dtype=np.float32).view(np.uint8))
-    packed = np.concatenate([p.reshape(groups, subs, -1) for p in parts], axis=-1)
+        parts.append(np.ascontiguousarray(s, dtype=np.float32).reshape(n, subs, -1).view(np.uint8))
+    packed = np.concatenate(parts, axis=-1)
     return QuantWeight(
-        torch.from_numpy(np.ascontiguousarray(packed)), n, k, qtype, group, nbits, off, has_b
+        torch.from_numpy(np.ascontiguousarray(packed)), n, k, qtype, kind, off, scales, has_b
     )

@@ -26,8 +26,8 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at
 bool bf16_gemm_supported();
 void bf16_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                const std::optional<at::Tensor>& bias);
-void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t group,
-                int64_t nbits, int64_t offset, bool has_b);
+void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t kind,
+                int64_t offset, int64_t scales, bool has_b);
 
 }  // namespace sluiceway
 
@@ -50,7 +50,7 @@ TORCH_LIBRARY(sluiceway, m) {
   m.def("bf16_gemm_supported() -> bool");
   m.def("bf16_gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
   m.def(
-      "quant_gemm(Tensor(a!) out, Tensor x, Tensor packed, int group, int nbits, int offset, "
+      "quant_gemm(Tensor(a!) out, Tensor x, Tensor packed, int kind, int offset, int scales, "
       "bool has_b) -> ()");
 }
 

@@ -58,12 +58,18 @@ def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x`` float32 ``[T, K]`` @ ``w`` float32 ``[N, K]``^T as the kernel sums:
-    ``acc = fma(x[:, k], w[:, k], acc)`` for k = 0, 1, ..., K - 1, from 0."""
-    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
-    for k in range(x.shape[1]):
-        acc = fma32(x[:, k : k + 1], w[:, k].unsqueeze(0), acc)
-    return acc
+    """``x`` float32 ``[T, K]`` @ ``w`` float32 ``[N, K]``^T as the kernel sums: 16 lanes,
+    lane l ``acc = fma(x[:, k], w[:, k], acc)`` for k = l, l + 16, ... in order from 0, then
+    the lanes added l + (l + 8), then + 4, + 2, + 1."""
+    t, k = x.shape
+    xs = x.view(t, 1, k // 16, 16)
+    ws = w.view(1, w.shape[0], k // 16, 16)
+    acc = torch.zeros(t, w.shape[0], 16, dtype=torch.float32)
+    for j in range(k // 16):
+        acc = fma32(xs[:, :, j], ws[:, :, j], acc)
+    for half in (8, 4, 2, 1):
+        acc = acc[..., :half] + acc[..., half:]
+    return acc[..., 0]
 
 
 def test_fma32_is_one_rounding() -> None:
@@ -79,10 +85,10 @@ def test_fma32_is_one_rounding() -> None:
 
 @pytest.mark.parametrize("qtype", list(SUPPORTED), ids=lambda q: q.name)
 def test_weights_are_gguf_dequantized(qtype: Q) -> None:
-    n, k = 40, 512  # 40: a padded group of 16 rows
+    n, k = 40, 512
     raw = random_blocks(qtype, n, k, seed=int(qtype))
     w = pack_gguf(raw, qtype, n, k)
-    # x = identity: out[t][n] = fma chain over a one-hot row = w[n][t], exactly
+    # x = identity: out[t][n] = the sums of a one-hot row = w[n][t], exactly
     out = cpu_ops.quant_linear(torch.eye(k), w)
     assert torch.equal(out.T, dequantized(raw, qtype, n, k))
 
