@@ -20,6 +20,8 @@ they are given and return nothing):
 - ``rotary_embedding_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, Hq, Hkv)``
 - ``argmax_logsumexp(argmax, shifted_logsumexp, logits)`` (log-sum-exp minus the max)
 - ``bf16_gemm(out, x, packed, bias)``, ``bf16_gemm_supported()``
+- ``quant_gemm(out, x, packed, kind, offset, scales, has_b)`` (GGUF-quantized weights,
+  packed by :mod:`sluiceway.kernels.quant_pack`)
 
 The Python wrappers below give their shapes and dtypes.
 """
@@ -33,8 +35,12 @@ import logging
 import os
 import pathlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from sluiceway.kernels.quant_pack import QuantWeight
 
 __all__ = [
     "CpuKernelsUnavailable",
@@ -47,6 +53,7 @@ __all__ = [
     "pack_bf16_pairs",
     "paged_attention",
     "qk_rms_norm",
+    "quant_linear",
     "rms_norm",
     "rotary_embedding_write_kv",
     "silu_and_mul",
@@ -59,6 +66,7 @@ SOURCES = (
     "elementwise.cpp",
     "sampling.cpp",
     "bf16_gemm.cpp",
+    "quant_gemm.cpp",
     "bindings.cpp",
 )
 HEADERS = ("cpu_math.h",)
@@ -345,6 +353,27 @@ def bf16_linear(
     if out is None:
         out = torch.empty(x.shape[0], n, dtype=out_dtype)
     torch.ops.sluiceway.bf16_gemm(out, x, packed, None if bias is None else bias.float())
+    return out
+
+
+def quant_linear(
+    x: torch.Tensor, weight: QuantWeight, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x`` ``[M, K]`` (float32, or bfloat16 widened exactly) @ the GGUF-quantized ``[N, K]``
+    ``weight`` (:func:`sluiceway.kernels.quant_pack.pack_gguf`) -> float32 ``[M, N]`` (or into
+    ``out``), ``w`` gguf's dequantized float32 weight: each output 16 float32 FMA chains
+    (lane l: k = l, l + 16, ... in order) added in a fixed tree (kernels/csrc/quant_gemm.cpp),
+    so a row's result does not depend on the other rows (batch invariance).
+
+    Raises:
+        RuntimeError: shapes or dtypes that do not match, or a CPU without AVX512.
+    """
+    x = x.float().contiguous() if x.dtype != torch.float32 or x.stride(-1) != 1 else x
+    if out is None:
+        out = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
+    torch.ops.sluiceway.quant_gemm(
+        out, x, weight.packed, weight.kind, weight.offset, weight.scales, weight.has_b
+    )
     return out
 
 
