@@ -5,6 +5,8 @@ and types, T 1 to 2,048; a row's result the same whatever the other rows (batch 
 
 from __future__ import annotations
 
+import pathlib
+
 import gguf
 import numpy as np
 import pytest
@@ -15,7 +17,11 @@ from sluiceway.kernels.quant_pack import SUPPORTED, pack_gguf
 from sluiceway.model_files import reverse_permute
 
 Q = gguf.GGMLQuantizationType
-cpu_ops.load()
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # kernels/csrc/quant_gemm.cpp's
+_CPUINFO = pathlib.Path("/proc/cpuinfo")
+_FLAGS = set(_CPUINFO.read_text().split()) if _CPUINFO.exists() else set()
+if not (cpu_ops.available() and all(f in _FLAGS for f in _AVX512)):
+    pytest.skip("quant_gemm needs the C++ kernels on a CPU with AVX512", allow_module_level=True)
 # The float16 fields of each block (scale d, min m): set to finite values, the rest random bits.
 _HALF_FIELDS = {
     Q.Q8_0: (0,),
