@@ -40,6 +40,15 @@ def wait_until(condition, timeout_s: float, what: str) -> None:  # type: ignore[
         time.sleep(0.1)
 
 
+def metrics_answer(url: str) -> bool:
+    """Whether the /metrics endpoint at `url` answers."""
+    try:
+        metric_sum(url, "sluiceway:prefix_cache_blocks")
+    except OSError:  # URLError: not listening yet
+        return False
+    return True
+
+
 def index_matches_schedulers(urls: dict[str, str]) -> bool:
     """Each router's index holds, per replica, as many blocks as that scheduler caches."""
     cached = sorted(
@@ -108,6 +117,8 @@ def test_chat_requests_spread_conversations_stick_and_the_index_survives_a_resta
             lambda: routers_see_both_replicas(urls), 120, "the restarted replica never came back"
         )
         urls = metrics_urls(stack.log)
+        # its gRPC port answers (the routers see it ready) a moment before its metrics port
+        wait_until(lambda: metrics_answer(urls["scheduler-1"]), 30, "no metrics after restart")
         assert metric_sum(urls["scheduler-1"], "sluiceway:prefix_cache_blocks") == 0
         wait_until(lambda: index_matches_schedulers(urls), 10, "stale index")
         with stack.client() as client:
