@@ -253,6 +253,7 @@ def _run_worker(args: argparse.Namespace) -> int:
             model_dir,
             device=device,
             dtype=config.dtype,
+            quantization=config.quantization,
             block_size=config.block_size,
             kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization,

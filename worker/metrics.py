@@ -74,3 +74,11 @@ class WorkerCollector(Collector):
             [self.model_name, str(self.runner.device)], self.runner.device_memory_used_bytes()
         )
         yield memory
+        weights = GaugeMetricFamily(
+            f"{PREFIX}model_weight_bytes",
+            "Bytes of model weights this worker holds (its shard with tensor parallelism): "
+            "parameters, packed copies and, with --quantization gguf, the GGUF blocks.",
+            labels=["model_name", "quantization"],
+        )
+        weights.add_metric([self.model_name, self.runner.quantization], self.runner.weight_bytes())
+        yield weights

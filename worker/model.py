@@ -25,6 +25,7 @@ from torch import nn
 
 from sluiceway.kernels import cpu_ops, onednn_linear
 from sluiceway.kernels.backend import AttentionBackend, TorchAttentionBackend
+from sluiceway.kernels.quant_pack import QuantWeight
 from sluiceway.worker.layers import (
     LINEAR_WEIGHTS,
     AttentionBlock,
@@ -160,6 +161,9 @@ class LlamaForCausalLM(nn.Module):
         self.init_rope()
         # Paged attention and the KV scatter; the worker sets the one it chose at start.
         self.attention_backend: AttentionBackend = TorchAttentionBackend()
+        # --quantization gguf (worker.quantized): the embedding's / logits' GGUF blocks
+        self.quant_embed: QuantWeight | None = None
+        self.quant_lm_head: QuantWeight | None = None
         self.packed_lm_head: torch.Tensor | None = None  # see pack_linear_weights
         self.packed_lm_head_bytes = 0
         # bfloat16 with AVX512-BF16: the packed weights are pack_bf16_pairs' (else oneDNN's)
@@ -201,12 +205,26 @@ class LlamaForCausalLM(nn.Module):
         self.packed_weight_bytes = sum(
             layer.pack_linear_weights(bf16_pairs=self.bf16_pairs) for layer in layers
         )
+        if self.quant_logits_weight is not None:
+            return
         if self.bf16_pairs:
             self.packed_lm_head = cpu_ops.pack_bf16_pairs(weight.data)
             self.packed_lm_head_bytes = self.packed_lm_head.numel() * 2
         else:
             self.packed_lm_head = onednn_linear.pack(weight.data.float())
             self.packed_lm_head_bytes = weight.numel() * 4
+
+    @property
+    def quant_logits_weight(self) -> QuantWeight | None:
+        """The logits' weight in GGUF blocks (the embedding's when tied), or None."""
+        return self.quant_embed if self.lm_head_weight is None else self.quant_lm_head
+
+    def quantized_bytes(self) -> int:
+        """Bytes of the weights held in GGUF blocks (``--quantization gguf``; else 0)."""
+        layers: list[AttentionBlock] = list(self.layers)  # type: ignore[arg-type]
+        weights = [w for layer in layers for ws in layer.quantized.values() for w in ws]
+        weights += [w for w in (self.quant_embed, self.quant_lm_head) if w is not None]
+        return sum(w.nbytes for w in weights)
 
     def init_rope(self) -> None:
         """(Re)build the rotary tables ``rope_cos``/``rope_sin`` ``[max_positions, D / 2]`` float32
@@ -274,6 +292,8 @@ class LlamaForCausalLM(nn.Module):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` ids -> ``[T, H]``. Vocab-parallel: each rank looks up the ids of its shard,
         zeroes the rows of the others, and the all-reduce sums the one nonzero row per id."""
+        if self.quant_embed is not None:  # gguf's float32 rows, rounded as the plain table
+            return cpu_ops.quant_embedding(self.quant_embed, input_ids).to(self.dtype)
         if not self.tp.enabled:
             return F.embedding(input_ids, self.embed_weight)
         start, stop = self.tp.vocab_range(self.config.vocab_size)
@@ -283,13 +303,16 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_reduce(hidden)
 
     def _bf16_logits(self, hidden: torch.Tensor, vocab_rows: int, reuse: bool) -> torch.Tensor:
-        assert self.packed_lm_head is not None
         rows = hidden.shape[0]
         out = None
         if reuse:
             if self._logits_buffer.shape[0] < rows:
                 self._logits_buffer = torch.empty(rows, vocab_rows, dtype=torch.float32)
             out = self._logits_buffer[:rows]
+        quantized = self.quant_logits_weight
+        if quantized is not None:
+            return cpu_ops.quant_linear(hidden, quantized, out=out, out_dtype=torch.float32)
+        assert self.packed_lm_head is not None
         return cpu_ops.bf16_linear(
             hidden, self.packed_lm_head, vocab_rows, out=out, out_dtype=torch.float32
         )
@@ -337,7 +360,10 @@ class LlamaForCausalLM(nn.Module):
         if self.triton_ops is not None:
             local = self.triton_ops.linear(hidden, weight, out_dtype=torch.float32)
         elif self.bf16_pairs:
-            local = self._bf16_logits(hidden, weight.shape[0], reuse_buffer)
+            vocab_rows = (
+                weight.shape[0] if self.quant_logits_weight is None else self.quant_logits_weight.n
+            )
+            local = self._bf16_logits(hidden, vocab_rows, reuse_buffer)
         elif self.packed_lm_head is not None:  # float32 logits from float32 weights
             local = onednn_linear.linear(hidden.float(), self.packed_lm_head, None)
         else:

@@ -46,6 +46,7 @@ from sluiceway.worker.prompt_logprobs import (
     compute_prompt_logprobs,
     plan_prompt_logprobs,
 )
+from sluiceway.worker.quantized import apply_quantization
 from sluiceway.worker.sampler import SamplerBuffers, sample
 from sluiceway.worker.step_inputs import (
     ScheduledChunk,
@@ -148,6 +149,7 @@ class ModelRunner:
         *,
         device: str = "cpu",
         dtype: str = "auto",
+        quantization: str = "auto",
         block_size: int = 16,
         kv_cache_memory: int | None = None,
         gpu_memory_utilization: float = 0.9,
@@ -187,6 +189,9 @@ class ModelRunner:
         )
         self.attention_backend = get_attention_backend(attention_backend, self._device)
         self.model.attention_backend = self.attention_backend
+        self.quantization = apply_quantization(
+            quantization, self.model, model_dir, dtype=self._dtype, backend=self.attention_backend
+        )
         # before the CUDA profiling forward and the graph capture, which run the model
         select_linear_kernels(self.model, self.attention_backend, self._dtype)
         hkv = self.model.num_kv_heads  # the rank's
@@ -316,19 +321,24 @@ class ModelRunner:
     @property
     def parameter_bytes(self) -> int:
         """Bytes of this rank's parameters (its shard with tensor parallelism; a tied
-        embedding counted once)."""
+        embedding counted once; GGUF blocks as held)."""
         plain = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return plain + self.model.packed_weight_bytes
+        return plain + self.model.packed_weight_bytes + self.model.quantized_bytes()
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights this rank holds (the ``model_weight_bytes`` gauge): the parameters,
+        the packed copies of the linear weights, the logits' packed copy beside the embedding
+        and the GGUF blocks (``--quantization gguf``)."""
+        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        weights += self.model.packed_weight_bytes + self.model.quantized_bytes()
+        return weights + self.model.packed_lm_head_bytes
 
     def device_memory_used_bytes(self) -> int:
         """Bytes this worker holds on its device: torch's allocated bytes on CUDA; on CPU the
         weights and the KV pool (activations come and go within a step)."""
         if self._device.type == "cuda":
             return int(torch.cuda.memory_allocated(self._device))
-        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        weights += self.model.packed_weight_bytes
-        weights += self.model.packed_lm_head_bytes  # a copy beside the plain weight
-        return int(weights + self.kv_pool.numel() * self.kv_pool.element_size())
+        return int(self.weight_bytes() + self.kv_pool.numel() * self.kv_pool.element_size())
 
     # -- sequences and steps ----------------------------------------------------------------
 

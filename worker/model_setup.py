@@ -124,6 +124,11 @@ def select_linear_kernels(
 
 def packing_note(model: LlamaForCausalLM) -> str:
     """The start line's word on the linear weights' packing."""
+    if model.quantized_bytes():
+        return (
+            f", weights kept in their GGUF blocks ({model.quantized_bytes() / 1e6:.0f} MB) on "
+            "the quantized bfloat16 GEMM"
+        )
     if model.bf16_pairs:
         return ", linear weights packed for the bfloat16 GEMM"
     if model.triton_ops is not None:

@@ -44,7 +44,7 @@ DEFAULT_NUM_TEXTS = 200
 DEFAULT_MAX_TOKENS = 512
 MIN_TEXT_TOKENS = 16  # shorter turns ("ok", "continue") say little about a mode
 DEFAULT_MODES = ("dtype=bfloat16",)
-DEFAULT_REFERENCE = "dtype=float32"
+DEFAULT_REFERENCE = "dtype=float32,quantization=none"
 # Worker flags the run sets itself: not mode keys.
 _RUN_SET = frozenset(
     {
@@ -165,6 +165,8 @@ class ModeScore:
     seconds: float
     dtype: str = ""
     attention_backend: str = ""
+    quantization: str = ""
+    weight_bytes: int = 0
 
     @property
     def tokens(self) -> int:
@@ -275,6 +277,7 @@ def score_mode(
     score = ModeScore(label, options, logprobs, top1, time.perf_counter() - t0)
     score.dtype = str(runner.dtype).removeprefix("torch.")
     score.attention_backend = runner.attention_backend.name
+    score.quantization, score.weight_bytes = runner.quantization, runner.weight_bytes()
     return score
 
 
@@ -291,6 +294,8 @@ def _row(score: ModeScore, reference: ModeScore) -> dict[str, Any]:
         "options": score.options,
         "dtype": score.dtype,
         "attention_backend": score.attention_backend,
+        "quantization": score.quantization,
+        "model_weight_bytes": score.weight_bytes,
         "perplexity": score.perplexity,
         "perplexity_ratio": score.perplexity / reference.perplexity,
         "top1_agreement": score.agreement(reference),
@@ -306,12 +311,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     width = max(len("mode"), *(len(r["mode"]) for r in rows))
     lines = [
         f"{'mode':<{width}}  {'perplexity':>10}  {'ratio':>7}  {'top-1 agreement':>15}  "
-        f"{'tokens':>7}"
+        f"{'tokens':>7}  {'weights MB':>10}"
     ]
     for r in rows:
         lines.append(
             f"{r['mode']:<{width}}  {r['perplexity']:>10.4f}  {r['perplexity_ratio']:>7.4f}  "
-            f"{r['top1_agreement']:>15.4f}  {r['tokens_scored']:>7}"
+            f"{r['top1_agreement']:>15.4f}  {r['tokens_scored']:>7}  "
+            f"{r['model_weight_bytes'] / 1e6:>10.1f}"
         )
     return "\n".join(lines)
 
@@ -353,8 +359,9 @@ def quality_command(args: argparse.Namespace) -> int:
             print(f"sluiceway bench quality: mode {label!r}: {e}", file=sys.stderr)
             return 2
         print(
-            f"  {label}: {score.dtype}, attention {score.attention_backend}, "
-            f"{score.tokens} tokens in {score.seconds:.1f} s",
+            f"  {label}: {score.dtype}, quantization {score.quantization} "
+            f"({score.weight_bytes / 1e6:.0f} MB of weights), attention "
+            f"{score.attention_backend}, {score.tokens} tokens in {score.seconds:.1f} s",
             flush=True,
         )
         scores.append(score)

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from sluiceway.client import Client, wait_until_serving
+from sluiceway.kernels import cpu_ops
 from sluiceway.router.metrics import FAILURE_CODES, PROTOCOLS
 from sluiceway.v1 import inference_pb2
 from tests.integration.conftest import free_port
@@ -288,6 +289,15 @@ def test_metrics_of_the_three_processes_add_up(stack: tuple[Standalone, str]) ->
     assert total(worker, "sluiceway:forward_seconds_count") == steps
     assert total(worker, "sluiceway:forward_seconds_count", phase="prefill") >= 1
     assert total(worker, "sluiceway:device_memory_used_bytes", device="cpu") > 256 * 2**20
+    # the embedded GGUF in its Q4_1/Q8_0 blocks where --quantization auto picks gguf (a CPU
+    # with AVX512-BF16), against its dequantized weights in bfloat16 (+ the logits' copy)
+    bf16_weights = 134_515_008 * 2 + 49_152 * 576 * 2
+    if cpu_ops.bf16_gemm_supported():
+        assert total(worker, "sluiceway:model_weight_bytes", quantization="gguf") <= (
+            0.4 * bf16_weights
+        )
+    else:
+        assert total(worker, "sluiceway:model_weight_bytes", quantization="none") > bf16_weights
 
 
 def sequence_steps(finals: list[inference_pb2.GenerateResponse]) -> int:

@@ -1,6 +1,6 @@
 """Batch invariance of the forward in bfloat16, the default dtype, on the default CPU path (the
-C++ kernels, oneDNN linears, the bfloat16 -> float32 logits GEMM), with SmolLM2's real
-weights: a prompt's logits at every position are bitwise the same computed alone, beside
+C++ kernels, the bfloat16 GEMM or, with --quantization gguf, the quantized one, the bfloat16 ->
+float32 logits GEMM), with SmolLM2's real weights: a prompt's logits at every position are bitwise the same computed alone, beside
 decodes and other prefills in one step, in other chunkings, and over a prefix whose K/V another
 sequence computed (a prefix-cache hit). No tolerance: equal bits."""
 
@@ -38,12 +38,18 @@ class Blocks:
             seq.block_table.append(self.free.pop())
 
 
-@pytest.fixture(scope="module")
-def runner() -> ModelRunner:
+@pytest.fixture(scope="module", params=["gguf", "none"])
+def runner(request: pytest.FixtureRequest) -> ModelRunner:
+    """The embedded GGUF's weights in their Q4_1/Q8_0 blocks (--quantization gguf, the
+    default) and dequantized (none)."""
     r = ModelRunner(
-        resolve_model(None), dtype="bfloat16", block_size=BLOCK, kv_cache_memory=96 << 20
+        resolve_model(None),
+        dtype="bfloat16",
+        quantization=request.param,
+        block_size=BLOCK,
+        kv_cache_memory=96 << 20,
     )
-    assert r.attention_backend.name == "cpu"
+    assert r.attention_backend.name == "cpu" and r.quantization == request.param
     return r
 
 

@@ -1,0 +1,150 @@
+"""``--quantization gguf`` (worker/quantized.py) on the embedded SmolLM2 GGUF (Q4_1 layers, a
+Q8_0 embedding tied to the logits): the converted folder's blocks are the file's, the runner's
+logits and greedy tokens are bitwise those of ``--quantization none`` in bfloat16, its weights
+take at most 0.4x the bytes, and where ``gguf`` cannot run it is refused naming why."""
+
+from __future__ import annotations
+
+import pathlib
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from sluiceway.gguf_blocks import read_blocks
+from sluiceway.kernels import cpu_ops
+from sluiceway.model_files import resolve_model
+from sluiceway.sampling_params import SamplingParams
+from sluiceway.worker.config import WorkerConfig
+from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
+from tests.worker.runner_logits import step_logits
+
+needs_bf16 = pytest.mark.skipif(
+    not cpu_ops.bf16_gemm_supported(), reason="--quantization gguf needs AVX512-BF16"
+)
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _runner(quantization: str, dtype: str = "bfloat16") -> ModelRunner:
+    return ModelRunner(
+        resolve_model(None),
+        dtype=dtype,
+        quantization=quantization,
+        block_size=BLOCK,
+        kv_cache_memory=320 << 20,  # 20 prompts of 288 tokens in float32
+        max_model_len=2048,
+    )
+
+
+@pytest.fixture(scope="module")
+def runners() -> dict[str, ModelRunner]:
+    return {q: _runner(q) for q in ("gguf", "none")}
+
+
+def test_the_folder_keeps_the_files_blocks_which_dequantize_to_its_weights() -> None:
+    folder = resolve_model(None)
+    blocks = read_blocks(folder)
+    assert len(blocks) == 30 * 7 + 1  # q, k, v, o, gate, up, down per layer + the embedding
+    assert {b.qtype for b in blocks.values()} == {"Q4_1", "Q8_0"}
+    assert blocks["model.embed_tokens.weight"].qtype == "Q8_0"
+    assert blocks["model.layers.0.self_attn.q_proj.weight"].permuted_heads == 9
+    assert blocks["model.layers.0.self_attn.k_proj.weight"].permuted_heads == 3
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        for name in [n for n in blocks if n.startswith("model.layers.7.")] + [
+            "model.embed_tokens.weight"
+        ]:
+            b = blocks[name]
+            w = gguf.quants.dequantize(b.raw, gguf.GGMLQuantizationType[b.qtype])
+            w = np.ascontiguousarray(w.reshape(b.shape)[b.hf_rows()])
+            assert torch.equal(torch.from_numpy(w), f.get_tensor(name)), name
+
+
+def _grow(seq: SequenceData, free: list[int], tokens: int) -> None:
+    while len(seq.block_table) * BLOCK < tokens:
+        seq.block_table.append(free.pop())
+
+
+def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Every prompt prefilled (one chunk each, one step per prompt), then ``steps`` decode
+    steps of all of them together: the generated ids."""
+    free = list(range(runner.num_kv_blocks))
+    seqs = [runner.make_sequence(i, p, GREEDY) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        _grow(seq, free, len(seq.token_ids))
+        (tok,) = runner.execute([ScheduledChunk(seq, 0, len(seq.token_ids))])
+        seq.token_ids.append(tok.token_id)
+    for _ in range(steps - 1):
+        chunks = []
+        for seq in seqs:
+            _grow(seq, free, len(seq.token_ids))
+            chunks.append(ScheduledChunk(seq, len(seq.token_ids) - 1, 1))
+        for seq, tok in zip(seqs, runner.execute(chunks), strict=True):
+            seq.token_ids.append(tok.token_id)
+    return [s.token_ids[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
+
+
+def held_prompts(n: int, max_tokens: int) -> list[list[int]]:
+    """The first ``n`` ShareGPT first turns of 100 characters or more, as token ids, cut at
+    ``max_tokens``."""
+    from transformers import AutoTokenizer
+
+    from sluiceway.sharegpt import default_dataset_path, iter_records
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(None)))
+    out = []
+    for record in iter_records(default_dataset_path()):
+        turns = record.get("conversations") or []
+        if turns and len(turns[0]["value"]) >= 100:
+            out.append(tok(turns[0]["value"])["input_ids"][:max_tokens])
+            if len(out) == n:
+                return out
+    raise AssertionError("too few ShareGPT records")
+
+
+@needs_bf16
+def test_gguf_gives_the_logits_and_tokens_of_none_in_bfloat16_bitwise(
+    runners: dict[str, ModelRunner],
+) -> None:
+    gguf_runner, none_runner = runners["gguf"], runners["none"]
+    assert gguf_runner.quantization == "gguf" and none_runner.quantization == "none"
+    assert gguf_runner.batch_invariant
+    prompts = held_prompts(4, 400)
+    logits = {}
+    for name, runner in runners.items():
+        free = list(range(runner.num_kv_blocks))
+        out = []
+        for i, p in enumerate(prompts):
+            seq = runner.make_sequence(i, p, GREEDY)
+            _grow(seq, free, len(p))
+            out.append(step_logits(runner, [ScheduledChunk(seq, 0, len(p))])[0])
+        logits[name] = out
+    for a, b in zip(logits["gguf"], logits["none"], strict=True):
+        assert torch.equal(a, b)
+    assert greedy(gguf_runner, prompts, 24) == greedy(none_runner, prompts, 24)
+
+
+@needs_bf16
+def test_gguf_weights_take_at_most_0_4x_the_bfloat16_bytes(
+    runners: dict[str, ModelRunner],
+) -> None:
+    gguf_bytes, none_bytes = runners["gguf"].weight_bytes(), runners["none"].weight_bytes()
+    model = runners["gguf"].model
+    quantized = model.quantized_bytes()
+    norms = (30 * 2 + 1) * 576 * 2  # the bfloat16 norm weights stay plain
+    assert gguf_bytes == quantized + norms
+    assert none_bytes == 134_515_008 * 2 + 49_152 * 576 * 2  # + the logits' packed copy
+    assert gguf_bytes <= 0.4 * none_bytes, (gguf_bytes, none_bytes)
+
+
+def test_gguf_is_refused_where_it_cannot_run(tiny_models: dict[str, pathlib.Path]) -> None:
+    with pytest.raises(ValueError, match=r"--quantization gguf cannot serve this run: .*float32"):
+        _runner("gguf", dtype="float32")
+    with pytest.raises(ValueError, match="was not converted from a GGUF file"):
+        ModelRunner(next(iter(tiny_models.values())), dtype="float32", quantization="gguf")
+    auto = ModelRunner(next(iter(tiny_models.values())), dtype="float32", kv_cache_memory=8 << 20)
+    assert auto.quantization == "none"
+    with pytest.raises(ValueError, match="quantization"):
+        WorkerConfig(quantization="q4")
