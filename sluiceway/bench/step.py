@@ -245,6 +245,7 @@ def _setup(args: argparse.Namespace, device: torch.device, max_batch: int) -> _S
         model_dir,
         device=str(device),
         dtype=args.dtype,
+        quantization=args.quantization,
         block_size=BLOCK_SIZE,
         kv_cache_memory=kv_cache_memory,
         max_model_len=max(lens),
@@ -369,6 +370,7 @@ def _write_report(
         "torch": torch.__version__,
         "dtype": str(runner.dtype).removeprefix("torch."),
         "attention_backend": runner.attention_backend.name,
+        "quantization": runner.quantization,
         "cuda_graphs": graphs is not None,
         "cuda_graph_batch_sizes": graphs.batch_sizes if graphs is not None else None,
         "setup_s": setup.setup_s,
@@ -423,7 +425,7 @@ def step_command(args: argparse.Namespace) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(
         f"{runner.model_id}: {runner.dtype} on {device} ({gpu or platform.processor() or 'cpu'}),"
-        f" {runner.parameter_bytes / 1e9:.2f} GB of weights, {runner.num_kv_blocks} KV blocks of "
+        f" {runner.parameter_bytes / 1e9:.2f} GB of weights (quantization {runner.quantization}), {runner.num_kv_blocks} KV blocks of "
         f"{setup.bytes_per_block} bytes, attention {runner.attention_backend.name}, CUDA graphs "
         f"{'on' if runner.cuda_graphs is not None else 'off'}; ready in {setup.setup_s:.1f} s, "
         f"{torch.get_num_threads()} threads"
@@ -481,6 +483,10 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="as the worker resolves it",
     )
+    from sluiceway.options import add_option
+    from sluiceway.worker.config import WorkerConfig
+
+    add_option(p, "quantization", WorkerConfig.options()["quantization"])
     p.add_argument(
         "--attention-backend",
         choices=["auto", "torch", "cpu", "triton"],
