@@ -227,8 +227,10 @@ def export_hf_folder(
     folder = resolve_model(source)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        for f in folder.iterdir():
-            if f.name != "sluiceway.json":
+        for f in folder.iterdir():  # the GGUF blocks' folder too (--quantization gguf)
+            if f.is_dir():
+                shutil.copytree(f, out / f.name)
+            elif f.name != "sluiceway.json":
                 shutil.copyfile(f, out / f.name)
     except OSError as e:  # a read-only or missing parent, a full disk, /proc, ...
         raise ModelFilesError(f"cannot write {out}: {e.strerror or e}") from None
@@ -337,10 +339,7 @@ _QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     """A scalar or string metadata value of a ``GGUFReader`` (``default`` when absent)."""
     f = reader.fields.get(key)
-    if f is None:
-        return default
-    value = f.contents()
-    return value
+    return default if f is None else f.contents()
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from sluiceway.gguf_blocks import read_blocks
+from sluiceway.gguf_blocks import has_blocks, read_blocks
 from sluiceway.kernels import cpu_ops
-from sluiceway.model_files import resolve_model
+from sluiceway.model_files import export_hf_folder, resolve_model
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.worker.config import WorkerConfig
 from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
@@ -134,7 +134,7 @@ def test_gguf_weights_take_at_most_0_4x_the_bfloat16_bytes(
     model = runners["gguf"].model
     quantized = model.quantized_bytes()
     norms = (30 * 2 + 1) * 576 * 2  # the bfloat16 norm weights stay plain
-    assert gguf_bytes == quantized + norms
+    assert gguf_bytes == quantized + norms == 96_506_496  # 0.296x none's, 0.359x its weights
     assert none_bytes == 134_515_008 * 2 + 49_152 * 576 * 2  # + the logits' packed copy
     assert gguf_bytes <= 0.4 * none_bytes, (gguf_bytes, none_bytes)
 
@@ -148,3 +148,10 @@ def test_gguf_is_refused_where_it_cannot_run(tiny_models: dict[str, pathlib.Path
     assert auto.quantization == "none"
     with pytest.raises(ValueError, match="quantization"):
         WorkerConfig(quantization="q4")
+
+
+def test_an_exported_folder_keeps_the_blocks(tmp_path: pathlib.Path) -> None:
+    """`sluiceway convert --output DIR` copies the blocks' folder too: DIR serves gguf."""
+    out = export_hf_folder(None, tmp_path / "smollm2")
+    assert has_blocks(out) and not (out / "sluiceway.json").exists()
+    assert read_blocks(out).keys() == read_blocks(resolve_model(None)).keys()
