@@ -20,6 +20,23 @@
 
 namespace sluiceway {
 
+#if SLUICEWAY_HAVE_AVX512BF16
+namespace {
+
+// The packed weight read in place: column vector c of the tile at `col` is 16-column block
+// col / 16 + c, kp pairs each.
+struct Packed {
+  const uint32_t* wp;
+  int64_t kp;
+  template <int C>
+  bf16_tile::WeightView view(int64_t col, int64_t, int64_t) const {
+    return {wp + (col / 16) * kp * 16, kp, 0};
+  }
+};
+
+}  // namespace
+#endif
+
 bool bf16_gemm_supported() {
 #if SLUICEWAY_HAVE_AVX512BF16
   return true;
@@ -62,12 +79,7 @@ void bf16_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                             bias.has_value() ? bias->data_ptr<float>() : nullptr};
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
-  // The packed weight is read in place: column vector c of the tile at `col` is 16-column
-  // block col / 16 + c, kp pairs each.
-  const auto view = [wp, kp](int64_t col, int, int64_t, int64_t) {
-    return bf16_tile::WeightView{wp + (col / 16) * kp * 16, kp, 0};
-  };
-  bf16_tile::gemm(o, xp, x.stride(0), m, n, k, kp, [&view] { return view; });
+  bf16_tile::gemm(o, xp, x.stride(0), m, n, k, kp, [wp, kp] { return Packed{wp, kp}; });
 #else
   TORCH_CHECK(false, "bf16_gemm needs AVX512-BF16, which this build's CPU lacks");
 #endif
