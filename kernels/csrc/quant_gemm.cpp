@@ -34,13 +34,9 @@
 
 #include "bf16_tile.h"
 
-
 namespace sluiceway {
 namespace {
 
-// Up to this many rows (M: one row group) the weights are dequantized in registers, not
-// into a buffer: the dequantization overlaps the loads and the sums' latency (576 x 576 at M 1,
-// weights from DRAM, 1 thread: Q4_1 28 -> 22 us, Q8_0 39 -> 21; in cache the same).
 constexpr int64_t kAhead = 4;  // sub-blocks prefetched ahead (prefetch_ahead)
 
 // ggml's type ids.
@@ -167,7 +163,8 @@ inline __m512i dequant_pair(const uint8_t* chunk, const Scales<Q>& sc, int p) {
 // The chunk kAhead sub-blocks after `chunk` into L1: a tile reads its columns' chunks as
 // kColVecs slow streams (the dequantization between loads), which the hardware prefetchers
 // keep too few lines ahead of (SmolLM2's 576 x 576 Q4_1 at M 1, weights from DRAM, 1
-// thread: 32 us without, 22 us with 2 ahead, 22 with 4; Q8_0: 31, 26, 21).
+// thread: 32 us without, 22 us with 2 ahead, 22 with 4; Q8_0: 31, 26, 21). A prefetch past
+// the weight's end never faults.
 template <int Q>
 inline void prefetch_ahead(const uint8_t* chunk) {
   const uint8_t* next = chunk + kAhead * chunk_bytes(Q);
@@ -194,7 +191,8 @@ struct Buffered {
         prefetch_ahead<Q>(chunk);
         const Scales<Q> sc = load_scales<Q>(chunk);
         uint32_t* dst = out + (c * bf16_tile::kPairBlock + p - p0) * 16;
-        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + 16 * i, dequant_pair<Q>(chunk, sc, i));
+        for (int i = 0; i < 16; ++i)
+          _mm512_storeu_si512(dst + 16 * i, dequant_pair<Q>(chunk, sc, i));
       }
     }
     return {out, bf16_tile::kPairBlock, p0};
@@ -235,6 +233,9 @@ template <int Q>
 void run(const bf16_tile::Output& o, const uint16_t* x, int64_t ldx, int64_t m, int64_t n,
          int64_t k, const uint8_t* data) {
   const int64_t subs = k / 32;
+  // Up to one row group the weights are dequantized in registers, not into a buffer: the
+  // dequantization overlaps the loads and the sums' latency (576 x 576 at M 1, weights from
+  // DRAM, 1 thread: Q4_1 28 -> 22 us, Q8_0 39 -> 21; in cache the same).
   if (m <= bf16_tile::kRows) {
     bf16_tile::gemm(o, x, ldx, m, n, k, k / 2, [data, subs] { return Fused<Q>{data, subs}; });
     return;
