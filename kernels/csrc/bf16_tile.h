@@ -180,15 +180,15 @@ void tile_cols(int vecs, Weights& weights, float* part, const Output& out, int64
 // The whole GEMM: x [m, k] bfloat16 (row stride ldx) into `out` ([m, n]), kp = ceil(k / 2).
 // `make_weights()` makes one thread's weight source (see tile_rows).
 //
-// Work items: (row block, 64-column tile). Row blocks hold about kRowBlockBytes of x (they
+// Work items: (row block, 64-column tile). Row blocks hold about row_block_bytes of x (they
 // stay in L2 across a thread's tiles), and are cut smaller when there are too few tiles to
 // share evenly between the threads.
 template <class MakeWeights>
 void gemm(const Output& out, const uint16_t* x, int64_t ldx, int64_t m, int64_t n, int64_t k,
-          int64_t kp, const MakeWeights& make_weights) {
+          int64_t kp, const MakeWeights& make_weights, int64_t row_block_bytes = kRowBlockBytes) {
   const int64_t tiles = (n + kTileCols - 1) / kTileCols;
   const int64_t threads = at::get_num_threads();
-  int64_t row_block = std::max<int64_t>(kRows, kRowBlockBytes / (2 * k) / kRows * kRows);
+  int64_t row_block = std::max<int64_t>(kRows, row_block_bytes / (2 * k) / kRows * kRows);
   const int64_t want_splits = (8 * threads + tiles - 1) / tiles;
   if (want_splits > 1)
     row_block = std::min(row_block, std::max<int64_t>(
