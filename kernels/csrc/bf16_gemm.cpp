@@ -3,9 +3,9 @@
 // top two of a vocabulary tie exactly, often) or bfloat16 (rounded once, to nearest even).
 //
 // The tiling, micro-kernel and summation order (vdpbf16ps, K pairs in order: batch invariant)
-// are bf16_tile.h's, shared with quant_gemm.cpp. oneDNN's GEMM, which
-// this replaces in bfloat16, picks its reduction by shape (K 1536: a row's result changes with
-// M; tests/worker/test_batch_invariance.py).
+// are bf16_tile.h's, shared with quant_gemm.cpp. oneDNN's GEMM, which this replaces in
+// bfloat16, picks its reduction by shape (K 1536: a row's result changes with M;
+// tests/worker/test_batch_invariance.py).
 //
 // Weight layout (pack_bf16_pairs in kernels/cpu_ops.py): [ceil(N/16)][ceil(K/2)][16][2] bf16,
 // i.e. per 16-column block, per K pair, 16 columns of (W[n][2p], W[n][2p+1]), zero-padded.
