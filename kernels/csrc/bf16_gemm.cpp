@@ -3,9 +3,9 @@
 // top two of a vocabulary tie exactly, often) or bfloat16 (rounded once, to nearest even).
 //
 // The tiling, micro-kernel and summation order (vdpbf16ps, K pairs in order: batch invariant)
-// are bf16_tile.h's, shared with quant_gemm.cpp. oneDNN's GEMM, which
-// this replaces in bfloat16, picks its reduction by shape (K 1536: a row's result changes with
-// M; tests/worker/test_batch_invariance.py).
+// are bf16_tile.h's, shared with quant_gemm.cpp. oneDNN's GEMM, which this replaces in
+// bfloat16, picks its reduction by shape (K 1536: a row's result changes with M;
+// tests/worker/test_batch_invariance.py).
 //
 // Weight layout (pack_bf16_pairs in kernels/cpu_ops.py): [ceil(N/16)][ceil(K/2)][16][2] bf16,
 // i.e. per 16-column block, per K pair, 16 columns of (W[n][2p], W[n][2p+1]), zero-padded.
@@ -19,6 +19,23 @@
 #include "bf16_tile.h"
 
 namespace sluiceway {
+
+#if SLUICEWAY_HAVE_AVX512BF16
+namespace {
+
+// The packed weight read in place: column vector c of the tile at `col` is 16-column block
+// col / 16 + c, kp pairs each.
+struct Packed {
+  const uint32_t* wp;
+  int64_t kp;
+  template <int C>
+  bf16_tile::WeightView view(int64_t col, int64_t, int64_t) const {
+    return {wp + (col / 16) * kp * 16, kp, 0};
+  }
+};
+
+}  // namespace
+#endif
 
 bool bf16_gemm_supported() {
 #if SLUICEWAY_HAVE_AVX512BF16
@@ -62,12 +79,7 @@ void bf16_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                             bias.has_value() ? bias->data_ptr<float>() : nullptr};
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
-  // The packed weight is read in place: column vector c of the tile at `col` is 16-column
-  // block col / 16 + c, kp pairs each.
-  const auto view = [wp, kp](int64_t col, int, int64_t, int64_t) {
-    return bf16_tile::WeightView{wp + (col / 16) * kp * 16, kp, 0};
-  };
-  bf16_tile::gemm(o, xp, x.stride(0), m, n, k, kp, [&view] { return view; });
+  bf16_tile::gemm(o, xp, x.stride(0), m, n, k, kp, [wp, kp] { return Packed{wp, kp}; });
 #else
   TORCH_CHECK(false, "bf16_gemm needs AVX512-BF16, which this build's CPU lacks");
 #endif

@@ -63,39 +63,46 @@ struct Output {
   const float* bias;  // [N] float32 or null
 };
 
-// Where a tile's weight pairs are: pair p (absolute) of column vector c at
-// w + (c * ld + p - base) * 16.
+// A tile's weight pairs read in place: pair p (absolute) of column vector c at
+// w + (c * ld + p - base) * 16. A view type gives `load(c, p)` for pairs [s, s + kSpan) after
+// `begin(s)` (here a no-op: quant_gemm.cpp's fused view dequantizes in `load`).
 struct WeightView {
+  static constexpr int64_t kSpan = int64_t{1} << 40;
   const uint32_t* w;
   int64_t ld, base;
-  const uint32_t* at(int c, int64_t p) const { return w + (c * ld + p - base) * 16; }
+  void begin(int64_t) {}
+  __m512i load(int c, int64_t p) const { return _mm512_loadu_si512(w + (c * ld + p - base) * 16); }
 };
 
 // Rows [R] x columns [16 C] of the tile: sums over K pairs [p0, p1), continuing the float32
 // partial sums in `part` ([R][kTileCols]) when p0 > 0; the last block (p1 == kp) writes `out`
 // (+ bias, rounded to bfloat16 or not), the others `part`.
-template <int R, int C>
+template <int R, int C, class View>
 void micro_tile(float* part, const Output& out, int64_t row, int64_t col, const uint16_t* x,
-                int64_t ldx, const WeightView& w, int64_t kp, int64_t k, int64_t p0, int64_t p1,
+                int64_t ldx, View w, int64_t kp, int64_t k, int64_t p0, int64_t p1,
                 int64_t cols) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
       acc[r][c] = p0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * kTileCols + 16 * c);
   const int64_t full_end = std::min(p1, k / 2);  // an odd K's last pair goes through pair_at
-  for (int64_t p = p0; p < full_end; ++p) {
-    __m512i b[C];
-    for (int c = 0; c < C; ++c) b[c] = _mm512_loadu_si512(w.at(c, p));
-    for (int r = 0; r < R; ++r) {
-      int32_t a32;
-      std::memcpy(&a32, x + r * ldx + 2 * p, sizeof(a32));
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(a32);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, (__m512bh)b[c]);
+  for (int64_t s = p0; s < full_end; s += View::kSpan) {
+    w.begin(s);
+    for (int64_t p = s; p < std::min(full_end, s + View::kSpan); ++p) {
+      __m512i b[C];
+      for (int c = 0; c < C; ++c) b[c] = w.load(c, p);
+      for (int r = 0; r < R; ++r) {
+        int32_t a32;
+        std::memcpy(&a32, x + r * ldx + 2 * p, sizeof(a32));
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(a32);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, (__m512bh)b[c]);
+      }
     }
   }
-  for (int64_t p = std::max(full_end, p0); p < p1; ++p) {
+  for (int64_t p = std::max(full_end, p0); p < p1; ++p) {  // odd K: bf16_gemm's views only
+    w.begin(p);
     __m512i b[C];
-    for (int c = 0; c < C; ++c) b[c] = _mm512_loadu_si512(w.at(c, p));
+    for (int c = 0; c < C; ++c) b[c] = w.load(c, p);
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(pair_at(x + r * ldx, p, k));
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, (__m512bh)b[c]);
@@ -123,20 +130,20 @@ void micro_tile(float* part, const Output& out, int64_t row, int64_t col, const 
   }
 }
 
-template <int C, int R = kRows - 1>
+template <int C, class View, int R = kRows - 1>
 void tail_rows(int rows, float* part, const Output& out, int64_t row, int64_t col,
-               const uint16_t* x, int64_t ldx, const WeightView& w, int64_t kp, int64_t k,
+               const uint16_t* x, int64_t ldx, const View& w, int64_t kp, int64_t k,
                int64_t p0, int64_t p1, int64_t cols) {
   if constexpr (R > 0) {
     if (rows == R) {
       micro_tile<R, C>(part, out, row, col, x, ldx, w, kp, k, p0, p1, cols);
     } else {
-      tail_rows<C, R - 1>(rows, part, out, row, col, x, ldx, w, kp, k, p0, p1, cols);
+      tail_rows<C, View, R - 1>(rows, part, out, row, col, x, ldx, w, kp, k, p0, p1, cols);
     }
   }
 }
 
-// Rows [r0, r1) of the tile at `col`; `weights(col, vecs, p0, p1)` gives the view of the
+// Rows [r0, r1) of the tile at `col`; `weights.view<C>(col, p0, p1)` gives a view of the
 // tile's pairs [p0, p1) (valid until its next call).
 template <int C, class Weights>
 void tile_rows(Weights& weights, float* part, const Output& out, int64_t r0, int64_t r1,
@@ -144,7 +151,7 @@ void tile_rows(Weights& weights, float* part, const Output& out, int64_t r0, int
                int64_t cols) {
   for (int64_t p0 = 0; p0 < kp; p0 += kPairBlock) {  // K blocks outermost: their weights stay in L1
     const int64_t p1 = std::min(kp, p0 + kPairBlock);
-    const WeightView w = weights(col, C, p0, p1);
+    const auto w = weights.template view<C>(col, p0, p1);
     int64_t r = r0;
     for (; r + kRows <= r1; r += kRows) {
       float* pr = part + (r - r0) * kTileCols;
@@ -173,15 +180,15 @@ void tile_cols(int vecs, Weights& weights, float* part, const Output& out, int64
 // The whole GEMM: x [m, k] bfloat16 (row stride ldx) into `out` ([m, n]), kp = ceil(k / 2).
 // `make_weights()` makes one thread's weight source (see tile_rows).
 //
-// Work items: (row block, 64-column tile). Row blocks hold about kRowBlockBytes of x (they
+// Work items: (row block, 64-column tile). Row blocks hold about row_block_bytes of x (they
 // stay in L2 across a thread's tiles), and are cut smaller when there are too few tiles to
 // share evenly between the threads.
 template <class MakeWeights>
 void gemm(const Output& out, const uint16_t* x, int64_t ldx, int64_t m, int64_t n, int64_t k,
-          int64_t kp, const MakeWeights& make_weights) {
+          int64_t kp, const MakeWeights& make_weights, int64_t row_block_bytes = kRowBlockBytes) {
   const int64_t tiles = (n + kTileCols - 1) / kTileCols;
   const int64_t threads = at::get_num_threads();
-  int64_t row_block = std::max<int64_t>(kRows, kRowBlockBytes / (2 * k) / kRows * kRows);
+  int64_t row_block = std::max<int64_t>(kRows, row_block_bytes / (2 * k) / kRows * kRows);
   const int64_t want_splits = (8 * threads + tiles - 1) / tiles;
   if (want_splits > 1)
     row_block = std::min(row_block, std::max<int64_t>(
