@@ -141,7 +141,7 @@ stop_server() {
         kill -KILL -- "-$pid" 2>/dev/null || true
     fi
 }
-trap 'stop_server' EXIT
+trap 'stop_server; rm -f "${RUNS_TSV:-}"' EXIT
 trap 'log "interrupted"; exit 130' INT TERM
 
 # -- 1. llama-server ------------------------------------------------------------------------
@@ -206,8 +206,7 @@ workload_flags() {  # the client flags of workload $1
 }
 
 FAILED=0
-RUNS_TSV=$OUT_DIR/.runs.tsv  # engine, mode flags, start-up s, load before, load after, seconds
-: >"$RUNS_TSV"
+RUNS_TSV=$(mktemp)  # engine, mode flags, start-up s, load before, load after, seconds
 run_engine() {  # run_engine ENGINE [MODE FLAGS...]: $ENGINE names its files
     local engine=$1 mode=$2 port w flags out load0 t0
     load0=$(loadavg)
