@@ -121,6 +121,12 @@ def _figures(root: pathlib.Path, engine: str, output_len: int) -> dict[str, Any]
     return out
 
 
+def _missing(run: dict[str, Any], figures: dict[str, Any]) -> str:
+    if run["startup_s"] < 0:
+        return f" (did not start: {run['engine']}-server.log)"
+    return f" (no {', '.join(figures['missing'])})" if figures["missing"] else ""
+
+
 def table(out_dir: str) -> int:
     root = pathlib.Path(out_dir)
     m = json.loads((root / "meta.json").read_text())
@@ -151,7 +157,7 @@ def table(out_dir: str) -> int:
             f"| {_fmt(f.get('w1_s'), 0)} "
             f"| {_ratio(f.get('decode'), peer.get('decode'))} / {_ratio(f.get('w1'), peer.get('w1'))} "
             f"| {_ratio(f.get('decode'), ref.get('decode'))} / {_ratio(f.get('w1'), ref.get('w1'))} "
-            f"| {f['bad']}{' (no ' + ', '.join(f['missing']) + ')' if f['missing'] else ''} |"
+            f"| {f['bad']}{_missing(r, f)} |"
         )
     lc = m["llamacpp"]
     sl = m["sluiceway"]

@@ -192,7 +192,7 @@ start_server() {  # start_server NAME READY_CHECK CMD...: launch in its own proc
 }
 
 llamacpp_ready() { curl -sf -o /dev/null "http://127.0.0.1:$LLAMA_PORT/health"; }
-sluiceway_ready() { grep -q "^sluiceway: OpenAI-compatible API" "$OUT_DIR/$ENGINE-server.log"; }
+sluiceway_ready() { grep -qs "^sluiceway: OpenAI-compatible API" "$OUT_DIR/$ENGINE-server.log"; }
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 loadavg() { cut -d' ' -f1-3 /proc/loadavg; }
 
@@ -207,6 +207,9 @@ workload_flags() {  # the client flags of workload $1
 
 FAILED=0
 RUNS_TSV=$(mktemp)  # engine, mode flags, start-up s, load before, load after, seconds
+record_run() {  # record_run ENGINE MODE STARTUP_S (-1: did not start) LOAD_BEFORE T0
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$(loadavg)" "$((SECONDS - $5))" >>"$RUNS_TSV"
+}
 run_engine() {  # run_engine ENGINE [MODE FLAGS...]: $ENGINE names its files
     local engine=$1 mode=$2 port w flags out load0 t0
     load0=$(loadavg)
@@ -218,7 +221,8 @@ run_engine() {  # run_engine ENGINE [MODE FLAGS...]: $ENGINE names its files
             # shellcheck disable=SC2086
             start_server "$engine" llamacpp_ready "$LLAMA_SERVER" -m "$MODEL" --alias "$SERVED_NAME" \
                 --host 127.0.0.1 --port "$port" -t "$THREADS" -tb "$THREADS" -np "$LLAMA_SLOTS" \
-                -c $((LLAMA_SLOTS * LLAMA_SLOT_CTX)) -cb --no-webui $LLAMA_ARGS || return 1
+                -c $((LLAMA_SLOTS * LLAMA_SLOT_CTX)) -cb --no-webui $LLAMA_ARGS \
+                || { record_run "$engine" "$mode" -1 "$load0" "$t0"; return 1; }
             ;;
         *)
             port=$SLUICEWAY_HTTP_PORT
@@ -230,7 +234,8 @@ run_engine() {  # run_engine ENGINE [MODE FLAGS...]: $ENGINE names its files
                 --http-port "$port" --metrics-port -1 --log-format console \
                 --num-threads "$THREADS" --dtype "$DTYPE" --max-num-seqs "$MAX_NUM_SEQS" \
                 --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS" \
-                --kv-cache-memory "${KV_CACHE_GIB}GiB" $SLUICEWAY_SERVE_ARGS $mode || return 1
+                --kv-cache-memory "${KV_CACHE_GIB}GiB" $SLUICEWAY_SERVE_ARGS $mode \
+                || { record_run "$engine" "$mode" -1 "$load0" "$t0"; return 1; }
             ;;
     esac
     local startup=$STARTUP_S
@@ -255,8 +260,7 @@ run_engine() {  # run_engine ENGINE [MODE FLAGS...]: $ENGINE names its files
     done
     log "stopping $engine"
     stop_server
-    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$engine" "$mode" "$startup" "$load0" "$(loadavg)" \
-        "$((SECONDS - t0))" >>"$RUNS_TSV"
+    record_run "$engine" "$mode" "$startup" "$load0" "$t0"
 }
 
 T_ALL=$SECONDS
