@@ -216,9 +216,9 @@ def test_bench_serve_saves_per_request_figures_and_plots_for_either_backend(
         return serve.BenchRun(results, summarize(results, 2.0), ["UNAVAILABLE: gone"])
 
     async def http_workload(
-        base_url, model, reqs, intervals, max_concurrency, ignore_eos, connection
+        base_url, model, reqs, intervals, max_concurrency, ignore_eos, connection, keep_alive
     ):  # type: ignore[no-untyped-def]
-        assert (base_url, reqs) == ("http://127.0.0.1:8000", requests)
+        assert (base_url, reqs, keep_alive) == ("http://127.0.0.1:8000", requests, False)
         return results, summarize(results, 2.0)
 
     monkeypatch.setattr(serve, "load_requests", lambda args: requests)
@@ -227,7 +227,7 @@ def test_bench_serve_saves_per_request_figures_and_plots_for_either_backend(
     out, png = tmp_path / "result.json", tmp_path / "result.png"
     args = build_parser().parse_args(
         ["bench", "serve", "--backend", backend, "--num-prompts", "2",
-         "--save-result", str(out), "--plot", str(png)]
+         "--save-result", str(out), "--plot", str(png), "--no-keep-alive"]
     )  # fmt: skip
     assert serve.serve_command(args) == 1  # a request failed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

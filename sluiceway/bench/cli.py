@@ -38,6 +38,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=None,
         help="the request's model (--backend openai; default: the server's first)",
     )
+    serve.add_argument(
+        "--no-keep-alive",
+        dest="keep_alive",
+        action="store_false",
+        help="a new connection per request (--backend openai; for servers that close the "
+        "connection after a streamed response, e.g. llama.cpp's llama-server)",
+    )
     add_connection_args(serve)  # both backends: --api-key, --tls, --ssl-ca-certs, ...
     add_workload_args(serve)
 

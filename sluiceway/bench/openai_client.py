@@ -6,7 +6,10 @@ Each request is a streamed ``POST {base_url}/v1/completions`` (greedy, ``max_tok
 sampled output length, vLLM's ``ignore_eos`` extra field, ``stream_options.include_usage``), as
 `vllm bench serve --backend openai` sends it: the first chunk with text is the first token,
 the gaps between text chunks are the inter-token latencies, and the final usage chunk gives
-the output token count.
+the output token count. ``keep_alive=False`` (``--no-keep-alive``) opens a connection per
+request: llama.cpp's ``llama-server`` closes the connection after each streamed response while
+its headers say keep-alive, so a request sent on the pooled connection just after can meet
+the close and fail ("Server disconnected without sending a response").
 """
 
 from __future__ import annotations
@@ -117,19 +120,21 @@ async def run_openai_workload(
     desc: str = "requests",
     *,
     connection: dict[str, Any] | None = None,
+    keep_alive: bool = True,
 ) -> tuple[list[RequestResult], dict[str, float]]:
     """Like :func:`sluiceway.bench.serve.run_workload` through the HTTP API at ``base_url``
     (``http://host:port``, no ``/v1``), with ``model`` (None: the server's first). The
     server-side figures (KV utilization, step times) are the gRPC API's: not here.
 
     `connection`: `sluiceway.client.connection`'s keyword arguments (an API key, sent as
-    ``Authorization: Bearer``; TLS files for an https:// `base_url`).
+    ``Authorization: Bearer``; TLS files for an https:// `base_url`). `keep_alive`: False
+    closes each request's connection after its response (one connection per request).
 
     Raises:
         RuntimeError: no model listed, or the warm-up request failed.
     """
     base_url = base_url.rstrip("/").removesuffix("/v1")
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None if keep_alive else 0)
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(None), limits=limits, **_http_connection(connection or {})
     ) as client:

@@ -225,6 +225,7 @@ def _serve_openai(
             run_openai_workload(
                 args.base_url, args.served_model_name, requests, intervals,
                 args.max_concurrency, args.ignore_eos, connection=client_options(args),
+                keep_alive=args.keep_alive,
             )
         )  # fmt: skip
     except (RuntimeError, OSError) as e:
