@@ -35,6 +35,9 @@ inline float to_float(c10::BFloat16 x) {
 
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+// An int8 KV cache's value (kernels/kv_quant.py): exact in float32.
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
 template <typename T>
 inline T from_float(float x);
 
@@ -69,6 +72,7 @@ namespace sluiceway {
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef int8_t v16i8 __attribute__((vector_size(16)));
 
 inline v16f splat(float x) { return v16f{} + x; }
 
@@ -88,6 +92,12 @@ inline v16f load16(const c10::Half* p) {
   v16f v;
   for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
   return v;
+}
+
+inline v16f load16(const int8_t* p) {
+  v16i8 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return __builtin_convertvector(raw, v16f);
 }
 
 inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }

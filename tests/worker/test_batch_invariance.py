@@ -2,7 +2,8 @@
 C++ kernels, oneDNN linears, the bfloat16 -> float32 logits GEMM), with SmolLM2's real
 weights: a prompt's logits at every position are bitwise the same computed alone, beside
 decodes and other prefills in one step, in other chunkings, and over a prefix whose K/V another
-sequence computed (a prefix-cache hit). No tolerance: equal bits."""
+sequence computed (a prefix-cache hit). No tolerance: equal bits. Each test runs with the KV
+pool in bfloat16 and in int8 (``--kv-cache-dtype int8``)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,19 @@ class Blocks:
             seq.block_table.append(self.free.pop())
 
 
-@pytest.fixture(scope="module")
-def runner() -> ModelRunner:
+@pytest.fixture(scope="module", params=["auto", "int8"])
+def runner(request: pytest.FixtureRequest) -> ModelRunner:
+    """The bfloat16 runner, its KV pool in bfloat16 (auto) or int8 (``--kv-cache-dtype``: a
+    token's quantized K/V depend on its own values only, so the same invariance holds)."""
     r = ModelRunner(
-        resolve_model(None), dtype="bfloat16", block_size=BLOCK, kv_cache_memory=96 << 20
+        resolve_model(None),
+        dtype="bfloat16",
+        block_size=BLOCK,
+        kv_cache_memory=96 << 20,
+        kv_cache_dtype=request.param,
     )
     assert r.attention_backend.name == "cpu"
+    assert r.kv_pool.dtype == (torch.int8 if request.param == "int8" else torch.bfloat16)
     return r
 
 

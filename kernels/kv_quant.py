@@ -1,0 +1,184 @@
+"""The int8 KV cache (``--kv-cache-dtype int8``): its pool layout, the quantization rule and the
+torch reference of its write and attention.
+
+Layout
+------
+The pool is one int8 tensor ``[num_layers, 2, num_blocks, Hkv, block_size * (D + 4)]``: the
+row of one (layer, K|V, block, KV head) holds the ``block_size * D`` int8 values in the float
+layout of :mod:`kernels.paged_attention` (K transposed ``[D, block_size]``, V ``[block_size,
+D]``), then ``block_size`` float32 scales (one per token, little-endian bytes), so a block's
+values and scales travel together in every block copy (``worker.kv_pool.copy_blocks``, shared
+pools, CUDA IPC) and the pool's dtype and shape describe it. ``block_size * D`` must be a
+multiple of 4 (the scales stay 4-byte aligned).
+
+The rule
+--------
+Each written row (one token of one KV head, K and V apart) is quantized from its own values
+only, so a token's bits do not depend on the batch, the chunking or the block it lands in:
+``x`` widened to float32, ``scale = amax(|x|) / 127`` (float32), ``q = round_half_even(x /
+scale)`` clamped to ``[-127, 127]`` (0 where ``scale`` is 0); it reads back as ``q * scale``.
+(Per-token scales as vLLM's CPU int8 KV path and KIVI's value quantization; symmetric, no
+zero point.) Half the bytes of bfloat16 plus 4 bytes per token per head: at ``D = 64``
+``2 * 64 / 68`` = 1.88x the blocks of bfloat16 in the same memory, 3.76x those of float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from sluiceway.kernels.paged_attention import AttentionMetadata
+
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "SCALE_BYTES",
+    "attention_int8",
+    "dequantize_rows",
+    "is_quantized",
+    "kv_cache_torch_dtype",
+    "kv_row_width",
+    "quantize_rows",
+    "split_blocks",
+    "write_kv_int8",
+]
+
+KV_CACHE_DTYPES = ("auto", "int8")
+SCALE_BYTES = 4  # one float32 scale per token per KV head
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool tensor's dtype for ``--kv-cache-dtype``: ``auto`` the model's, ``int8``
+    ``torch.int8`` (the layout above).
+
+    Raises:
+        ValueError: another name.
+    """
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "int8":
+        return torch.int8
+    raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+
+
+def is_quantized(kv_cache: torch.Tensor) -> bool:
+    """Whether a pool (or one layer's cache) is the int8 layout."""
+    return kv_cache.dtype == torch.int8
+
+
+def kv_row_width(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one (block, KV head) row: ``block_size * D``, or ``block_size * (D + 4)``
+    for int8 (values then scales).
+
+    Raises:
+        ValueError: int8 with ``block_size * D`` not a multiple of 4.
+    """
+    if dtype != torch.int8:
+        return block_size * head_dim
+    if block_size * head_dim % SCALE_BYTES:
+        raise ValueError(
+            f"an int8 KV cache needs block_size * head_dim a multiple of 4, got "
+            f"{block_size} * {head_dim}"
+        )
+    return block_size * (head_dim + SCALE_BYTES)
+
+
+def split_blocks(
+    kv_cache: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of one layer's int8 cache ``[2, num_blocks, Hkv, block_size * (D + 4)]``: keys
+    ``[num_blocks, Hkv, D, block_size]`` int8, values ``[num_blocks, Hkv, block_size, D]``
+    int8, key scales and value scales ``[num_blocks, Hkv, block_size]`` float32."""
+    _, nb, hkv, width = kv_cache.shape
+    bs = width // (head_dim + SCALE_BYTES)
+    values = kv_cache[..., : bs * head_dim]
+    scales = kv_cache[..., bs * head_dim :].view(torch.float32)
+    return (
+        values[0].view(nb, hkv, head_dim, bs),
+        values[1].view(nb, hkv, bs, head_dim),
+        scales[0],
+        scales[1],
+    )
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[..., D]`` (any float dtype) -> ``(q [..., D] int8, scale [...] float32)`` by
+    the rule of the module docstring (each row from its own values)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(xf / safe[..., None]).clamp_(-127, 127)
+    q = torch.where(scale[..., None] > 0, q, torch.zeros_like(q))
+    return q.to(torch.int8), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q`` int8 ``[..., D]`` and ``scale`` ``[...]`` -> float32 ``q * scale``."""
+    return q.float() * scale[..., None]
+
+
+def write_kv_int8(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Quantize ``key``/``value`` ``[T, Hkv, D]`` row by row and scatter values and scales to
+    their slots (``[T]`` int64, distinct) of one layer's int8 cache, in place."""
+    d = key.shape[-1]
+    keys, values, key_scales, value_scales = split_blocks(kv_cache, d)
+    bs = keys.shape[-1]
+    blocks = torch.div(slot_mapping, bs, rounding_mode="floor")
+    offsets = slot_mapping - blocks * bs
+    kq, ks = quantize_rows(key)
+    vq, vs = quantize_rows(value)
+    keys[blocks, :, :, offsets] = kq
+    values[blocks, :, offsets] = vq
+    key_scales[blocks, :, offsets] = ks
+    value_scales[blocks, :, offsets] = vs
+
+
+def attention_int8(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The reference attention over an int8 cache (the oracle of the C++ kernel's int8 path):
+    per sequence, its blocks dequantized to float32, one masked ``scaled_dot_product_attention``
+    in float32 (causal, within ``sliding_window`` when given), the output rounded once to
+    ``query``'s dtype. Shapes as :func:`kernels.paged_attention.paged_attention`."""
+    t, hq, d = query.shape
+    keys, values, key_scales, value_scales = split_blocks(kv_cache, d)
+    hkv = keys.shape[1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    assert metadata.step is not None, "metadata built without its step indices"
+    step = metadata.step
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, c) in enumerate(zip(step.query_lens, step.context_lens, strict=True)):
+        blocks = step.tables[i, : step.used[i]].to(query.device)
+        k = dequantize_rows(keys[blocks].transpose(-1, -2), key_scales[blocks])
+        v = dequantize_rows(values[blocks], value_scales[blocks])
+        k = k.transpose(0, 1).reshape(hkv, -1, d)[:, :c]  # [Hkv, c, D]
+        v = v.transpose(0, 1).reshape(hkv, -1, d)[:, :c]
+        kpos = torch.arange(c, device=query.device)
+        qpos = torch.arange(c - q_len, c, device=query.device)
+        visible = kpos[None, :] <= qpos[:, None]
+        if sliding_window is not None:
+            visible &= kpos[None, :] > qpos[:, None] - sliding_window
+        q = query[start : start + q_len].transpose(0, 1).float().unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            q,
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            attn_mask=visible[None, None],
+            scale=scale,
+            enable_gqa=hq != hkv,
+        )
+        out[start : start + q_len] = o[0].transpose(0, 1).to(query.dtype)
+        start += q_len
+    assert start == t
+    return out
