@@ -70,7 +70,7 @@ class WorkerConfig(ProcessConfig):
         "KV cache storage (vLLM's flag): auto = the model's dtype; int8 = int8 values with a "
         "float32 scale per token and head (about 1.9x the blocks of bfloat16 in the same "
         "--kv-cache-memory, 3.8x float32's, at head_dim 64; attention reads half the bytes; "
-        "torch and cpu attention backends only)",
+        "with --attention-backend triton its batch-invariant kernel only)",
         choices=("auto", "int8"),
     )
     kv_cache_memory: int | None = option(

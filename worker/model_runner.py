@@ -118,7 +118,8 @@ class ModelRunner:
             same order, and only rank 0 samples (see :meth:`execute`).
         kv_cache_dtype: ``auto`` (the pool in the model's dtype) or ``int8`` (values and
             per-token scales, :mod:`kernels.kv_quant`: about twice bfloat16's blocks in the
-            same memory); int8 runs on the torch and cpu attention backends, not Triton.
+            same memory); with the Triton backend only its batch-invariant unified kernel
+            reads int8 (refused with ``SLUICEWAY_BATCH_INVARIANT=0``).
         enforce_eager: never run decode steps through CUDA graphs (vLLM's flag). Graphs are
             captured on CUDA with the Triton backend and one rank
             (:mod:`worker.cuda_graphs`); everywhere else steps run eagerly anyway.
@@ -142,7 +143,7 @@ class ModelRunner:
     Raises:
         worker.loader.ModelLoadError, worker.model.UnsupportedModelError: bad model folder.
         ValueError: a bad dtype or kv_cache_dtype, ``kv_cache_dtype='int8'`` with the Triton
-            backend, a memory budget too small for one block, a ``max_model_len``
+            backend's non-batch-invariant kernels, a memory budget too small for one block, a ``max_model_len``
             above the model's (:func:`sluiceway.model_files.resolve_max_model_len`), or a model
             ``tensor_parallel_size`` cannot split (:func:`worker.parallel.check_tensor_parallel`).
         RuntimeError: ``tensor_parallel_size > 1`` without an initialised process group.
@@ -195,11 +196,15 @@ class ModelRunner:
         )
         self.attention_backend = get_attention_backend(attention_backend, self._device)
         self.model.attention_backend = self.attention_backend
-        if self.kv_dtype == torch.int8 and self.attention_backend.name == "triton":
+        if (
+            self.kv_dtype == torch.int8
+            and self.attention_backend.name == "triton"
+            and not self.attention_backend.batch_invariant
+        ):
             raise ValueError(
-                "--kv-cache-dtype int8 is not implemented in the Triton kernels (--attention-"
-                "backend triton, auto's choice on CUDA): use --attention-backend torch, or cpu "
-                "on a CPU"
+                "--kv-cache-dtype int8 with --attention-backend triton needs the batch-invariant "
+                "unified kernel: unset SLUICEWAY_BATCH_INVARIANT=0 (its decode and prefill "
+                "kernels read no int8 cache)"
             )
         # before the CUDA profiling forward and the graph capture, which run the model
         select_linear_kernels(self.model, self.attention_backend, self._dtype)
