@@ -1,6 +1,7 @@
 """Time the C++ paged attention (kernels/csrc/paged_attention.cpp) at Gemma 3 270M's shapes.
 
-4 query heads on 1 KV head of dim 256, block 16, bfloat16 queries: decodes of batch
+4 query heads on 1 KV head of dim 256 (``--shape smollm2``: SmolLM2-135M's 9 on 3 of dim 64),
+block 16, bfloat16 queries: decodes of batch
 1/32/128/200 at contexts 320 and 2,000, and a 512-token prefill chunk, full attention and, with
 ``--window``, a sliding window; the KV pool in bfloat16 or, with ``--kv-cache-dtype int8``, in
 int8 with per-token scales (kernels/kv_quant.py). Prints one JSON line: microseconds per call, the minimum and the median of
@@ -22,6 +23,7 @@ import torch
 from sluiceway.kernels import cpu_ops
 
 HQ, HKV, D, BLOCK = 4, 1, 256, 16
+SHAPES = {"gemma3": (4, 1, 256), "smollm2": (9, 3, 64)}
 CASES = [(1, 320, 1), (32, 320, 1), (128, 320, 1), (200, 320, 1), (1, 2000, 1), (32, 2000, 1),
          (128, 2000, 1), (1, 512, 512)]  # fmt: skip
 
@@ -70,13 +72,17 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=0, help="sliding window (0: none)")
     parser.add_argument("--seconds", type=float, default=1.5, help="timing per case")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="gemma3", help="heads, dim")
     args = parser.parse_args()
+    global HQ, HKV, D
+    HQ, HKV, D = SHAPES[args.shape]
     cpu_ops.load()
     torch.manual_seed(0)
     result = {
         "threads": torch.get_num_threads(),
         "window": args.window,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "shape": args.shape,
     }
     for batch, context, rows in CASES:
         times = time_case(batch, context, rows, args.window, args.seconds, args.kv_cache_dtype)

@@ -9,6 +9,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <ATen/Dispatch.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -73,6 +77,7 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
 typedef int8_t v16i8 __attribute__((vector_size(16)));
+typedef int16_t v16i16 __attribute__((vector_size(32)));
 
 inline v16f splat(float x) { return v16f{} + x; }
 
@@ -94,10 +99,19 @@ inline v16f load16(const c10::Half* p) {
   return v;
 }
 
+// 16 int8 values (an int8 KV cache's) widened to float32: vpmovsxbd + vcvtdq2ps with
+// AVX-512; GCC 12 turns a direct int8 -> float __builtin_convertvector into 16 scalar
+// conversions, so elsewhere the widening goes through int16 and int32 vectors.
 inline v16f load16(const int8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#else
   v16i8 raw;
   std::memcpy(&raw, p, sizeof(raw));
-  return __builtin_convertvector(raw, v16f);
+  return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(raw, v16i16), v16i),
+                                 v16f);
+#endif
 }
 
 inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
