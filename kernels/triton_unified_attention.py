@@ -280,7 +280,7 @@ def _unified_kernel(
     end = tl.minimum(ctx, prefix + (local_tile + 1) * BLOCK_Q)
     kv_lo = tl.where(window > 0, tl.maximum(prefix + local_tile * BLOCK_Q - window + 1, 0), 0)
     k_base = cache_ptr + kv_head.to(tl.int64) * stride_c_head
-    # an int8 row's scales follow its values; scale_ptr: the cache as float32 (QUANT only)
+    # QUANT: this head's first scale (after a row's values) in the cache's float32 view
     s_base = scale_ptr + (kv_head.to(tl.int64) * stride_c_head + BLOCK_SIZE * HEAD_DIM) // 4
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     out_mask = row_mask[:, None] & d_mask[None, :]
@@ -311,15 +311,9 @@ def _unified_kernel(
                 INTERPRET, DOT_PRECISION, QUANT,
             )  # fmt: skip
             m, l_run, acc = _fold(m, l_run, acc, m_s, l_s, acc_s)
-        out = acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
-        tl.store(
-            out_ptr
-            + rows[:, None] * stride_ot
-            + heads[:, None] * stride_oh
-            + d[None, :] * stride_od,
-            out.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
-        )
+        out = (acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
+        dst = rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(out_ptr + dst, out, mask=out_mask)
 
 
 @triton.jit
@@ -407,7 +401,6 @@ def triton_unified_attention(
     window = window_arg(sliding_window)
     s = context_lens.shape[0]
     hkv = check_query_and_cache(query, kv_cache, block_size, int8_ok=True)
-    quant = kv_cache.dtype == torch.int8
     check_varlen_tables(block_tables, query_start_loc, s)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
@@ -425,7 +418,7 @@ def triton_unified_attention(
     _unified_kernel[grid](
         query,
         kv_cache,
-        kv_cache.view(torch.float32) if quant else kv_cache,
+        kv_cache.view(torch.float32) if kv_cache.dtype == torch.int8 else kv_cache,
         block_tables,
         query_start_loc,
         context_lens,
@@ -452,7 +445,7 @@ def triton_unified_attention(
         PARALLEL=split,
         INTERPRET=query.device.type != "cuda",
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        QUANT=quant,
+        QUANT=kv_cache.dtype == torch.int8,
     )
     if split:
         _merge_segments(part_ml, part_acc, out, num_segments, block_d)

@@ -79,6 +79,12 @@ def test_fused_rope_write_is_bitwise_the_reference_quantization(dtype: torch.dty
     slots = torch.tensor([3, 4, 20, 21, 22, 50, 51, 52, -1, 60, 79])
     cache = torch.zeros(kv_pool_shape(1, 5, bs, hkv, d, torch.int8)[1:], dtype=torch.int8)
     ref_cache = cache.clone()
+    # position 0 rotates by the identity: ties at scale 1 (2.5 -> 2, 3.5 -> 4, -2.5 -> -2) in
+    # its first K and V heads, and a zero V head (scale 0)
+    ties = torch.tensor([127.0, 2.5, 3.5, -2.5] * (d // 4))
+    qkv[0, hq * d : (hq + 1) * d] = ties.to(dtype)
+    qkv[0, (hq + hkv) * d : (hq + hkv + 1) * d] = ties.to(dtype)
+    qkv[0, (hq + hkv + 1) * d : (hq + hkv + 2) * d] = 0.0
     out = qkv.clone()
     cpu_ops.rotary_embedding_write_kv(out, positions, cos, sin, cache, slots, hq, hkv)
     ref_qk = _apply_rope(
@@ -93,6 +99,9 @@ def test_fused_rope_write_is_bitwise_the_reference_quantization(dtype: torch.dty
     v = out[:, (hq + hkv) * d :].reshape(t, hkv, d)
     write_kv(k[keep], v[keep], ref_cache, slots[keep])
     assert torch.equal(cache, ref_cache)
+    keys, values, key_scales, value_scales = split_blocks(cache, d)
+    assert keys[0, 0, :4, 3].tolist() == [127, 2, 4, -2] and key_scales[0, 0, 3].item() == 1.0
+    assert values[0, 1, 3].count_nonzero() == 0 and value_scales[0, 1, 3].item() == 0.0
 
 
 def _int8_pool(lengths, hkv, d, bs, dtype, seed):  # type: ignore[no-untyped-def]

@@ -80,9 +80,7 @@ def _unified(q, cache, query_lens, lengths, tables, **kw):  # type: ignore[no-un
 
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("window", [None, 7])
-def test_unified_attention_over_int8_matches_the_reference(
-    split: bool, window: int | None
-) -> None:
+def test_unified_attention_over_int8_matches_the_reference(split: bool, window: int | None) -> None:
     """Decodes and a chunk over a cached prefix, against the reference (dequantize, float32
     SDPA) to 1e-3 (the float32 tolerance of the other Triton tests), split over segments of 8
     keys or not, with and without a window."""
