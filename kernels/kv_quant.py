@@ -1,5 +1,5 @@
-"""The int8 KV cache (``--kv-cache-dtype int8``): its pool layout, the quantization rule and the
-torch reference of its write and attention.
+"""The quantized KV caches (``--kv-cache-dtype int8|fp8_e4m3``): their pool layout, the
+quantization rules and the torch reference of their write and attention.
 
 Layout
 ------
@@ -18,7 +18,9 @@ only, so a token's bits do not depend on the batch, the chunking or the block it
 ``x`` widened to float32, ``scale = amax(|x|) / 127`` (float32), ``q = round_half_even(x /
 scale)`` clamped to ``[-127, 127]`` (0 where ``scale`` is 0); it reads back as ``q * scale``.
 (Per-token scales as vLLM's CPU int8 KV path and KIVI's value quantization; symmetric, no
-zero point.) Half the bytes of bfloat16 plus 4 bytes per token per head: at ``D = 64``
+zero point.) ``fp8_e4m3``: the same layout in ``torch.float8_e4m3fn`` (one byte a value),
+``scale = amax(|x|) / 448`` (e4m3's largest finite value), ``q = float8_e4m3fn(x / scale)``
+(torch's and c10's cast: round to nearest even, saturating), read back as ``q * scale``. Half the bytes of bfloat16 plus 4 bytes per token per head: at ``D = 64``
 ``2 * 64 / 68`` = 1.88x the blocks of bfloat16 in the same memory, 3.76x those of float32.
 """
 
@@ -36,23 +38,25 @@ if TYPE_CHECKING:
 __all__ = [
     "KV_CACHE_DTYPES",
     "SCALE_BYTES",
-    "attention_int8",
+    "attention_quantized",
     "dequantize_rows",
     "is_quantized",
     "kv_cache_torch_dtype",
     "kv_row_width",
     "quantize_rows",
     "split_blocks",
-    "write_kv_int8",
+    "write_kv_quantized",
 ]
 
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+QUANTIZED = (torch.int8, torch.float8_e4m3fn)  # pool dtypes with scales inside the rows
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 SCALE_BYTES = 4  # one float32 scale per token per KV head
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The pool tensor's dtype for ``--kv-cache-dtype``: ``auto`` the model's, ``int8``
-    ``torch.int8`` (the layout above).
+    ``torch.int8``, ``fp8_e4m3`` ``torch.float8_e4m3fn`` (the layout above).
 
     Raises:
         ValueError: another name.
@@ -61,26 +65,28 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
         return model_dtype
     if kv_cache_dtype == "int8":
         return torch.int8
+    if kv_cache_dtype == "fp8_e4m3":
+        return torch.float8_e4m3fn
     raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
 
 
 def is_quantized(kv_cache: torch.Tensor) -> bool:
-    """Whether a pool (or one layer's cache) is the int8 layout."""
-    return kv_cache.dtype == torch.int8
+    """Whether a pool (or one layer's cache) is a quantized layout (int8 or fp8_e4m3)."""
+    return kv_cache.dtype in QUANTIZED
 
 
 def kv_row_width(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
     """Elements of one (block, KV head) row: ``block_size * D``, or ``block_size * (D + 4)``
-    for int8 (values then scales).
+    for int8 and fp8 (values then scales).
 
     Raises:
-        ValueError: int8 with ``block_size * D`` not a multiple of 4.
+        ValueError: int8/fp8 with ``block_size * D`` not a multiple of 4.
     """
-    if dtype != torch.int8:
+    if dtype not in QUANTIZED:
         return block_size * head_dim
     if block_size * head_dim % SCALE_BYTES:
         raise ValueError(
-            f"an int8 KV cache needs block_size * head_dim a multiple of 4, got "
+            f"a quantized KV cache needs block_size * head_dim a multiple of 4, got "
             f"{block_size} * {head_dim}"
         )
     return block_size * (head_dim + SCALE_BYTES)
@@ -89,9 +95,10 @@ def kv_row_width(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
 def split_blocks(
     kv_cache: torch.Tensor, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Views of one layer's int8 cache ``[2, num_blocks, Hkv, block_size * (D + 4)]``: keys
-    ``[num_blocks, Hkv, D, block_size]`` int8, values ``[num_blocks, Hkv, block_size, D]``
-    int8, key scales and value scales ``[num_blocks, Hkv, block_size]`` float32."""
+    """Views of one layer's quantized cache ``[2, num_blocks, Hkv, block_size * (D + 4)]``:
+    keys ``[num_blocks, Hkv, D, block_size]`` and values ``[num_blocks, Hkv, block_size, D]``
+    in the cache's dtype, key scales and value scales ``[num_blocks, Hkv, block_size]``
+    float32."""
     _, nb, hkv, width = kv_cache.shape
     bs = width // (head_dim + SCALE_BYTES)
     values = kv_cache[..., : bs * head_dim]
@@ -104,48 +111,53 @@ def split_blocks(
     )
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[..., D]`` (any float dtype) -> ``(q [..., D] int8, scale [...] float32)`` by
-    the rule of the module docstring (each row from its own values)."""
+def quantize_rows(
+    x: torch.Tensor, dtype: torch.dtype = torch.int8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[..., D]`` (any float dtype) -> ``(q [..., D] in dtype, scale [...] float32)``
+    by the rule of the module docstring for ``dtype`` (int8 or float8_e4m3fn; each row from
+    its own values)."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1) / 127.0
+    scale = xf.abs().amax(dim=-1) / _QMAX[dtype]
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if dtype == torch.float8_e4m3fn:  # a zero row divides 0 by 1: zeros
+        return (xf / safe[..., None]).to(dtype), scale
     q = torch.round(xf / safe[..., None]).clamp_(-127, 127)
     q = torch.where(scale[..., None] > 0, q, torch.zeros_like(q))
     return q.to(torch.int8), scale
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``q`` int8 ``[..., D]`` and ``scale`` ``[...]`` -> float32 ``q * scale``."""
+    """``q`` int8/float8 ``[..., D]`` and ``scale`` ``[...]`` -> float32 ``q * scale``."""
     return q.float() * scale[..., None]
 
 
-def write_kv_int8(
+def write_kv_quantized(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Quantize ``key``/``value`` ``[T, Hkv, D]`` row by row and scatter values and scales to
-    their slots (``[T]`` int64, distinct) of one layer's int8 cache, in place."""
+    their slots (``[T]`` int64, distinct) of one layer's quantized cache, in place."""
     d = key.shape[-1]
     keys, values, key_scales, value_scales = split_blocks(kv_cache, d)
     bs = keys.shape[-1]
     blocks = torch.div(slot_mapping, bs, rounding_mode="floor")
     offsets = slot_mapping - blocks * bs
-    kq, ks = quantize_rows(key)
-    vq, vs = quantize_rows(value)
+    kq, ks = quantize_rows(key, kv_cache.dtype)
+    vq, vs = quantize_rows(value, kv_cache.dtype)
     keys[blocks, :, :, offsets] = kq
     values[blocks, :, offsets] = vq
     key_scales[blocks, :, offsets] = ks
     value_scales[blocks, :, offsets] = vs
 
 
-def attention_int8(
+def attention_quantized(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float | None = None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """The reference attention over an int8 cache (the oracle of the C++ kernel's int8 path):
+    """The reference attention over a quantized cache (the oracle of the C++ kernel's):
     per sequence, its blocks dequantized to float32, one masked ``scaled_dot_product_attention``
     in float32 (causal, within ``sliding_window`` when given), the output rounded once to
     ``query``'s dtype. Shapes as :func:`kernels.paged_attention.paged_attention`."""

@@ -56,7 +56,12 @@ import torch
 import torch.nn.functional as F
 
 from sluiceway.kernels.decode_buckets import DecodeBucket, decode_buckets, split_decode_buckets
-from sluiceway.kernels.kv_quant import attention_int8, is_quantized, kv_row_width, write_kv_int8
+from sluiceway.kernels.kv_quant import (
+    attention_quantized,
+    is_quantized,
+    kv_row_width,
+    write_kv_quantized,
+)
 
 __all__ = [
     "AttentionMetadata",
@@ -429,7 +434,7 @@ def write_kv(
         slot_mapping: ``[T]`` int64, ``block_id * block_size + offset`` per token; distinct.
     """
     if is_quantized(kv_cache):
-        write_kv_int8(key, value, kv_cache, slot_mapping)
+        write_kv_quantized(key, value, kv_cache, slot_mapping)
         return
     d = key.shape[-1]
     block_size = kv_cache.shape[-1] // d
@@ -451,7 +456,7 @@ def paged_attention(
     Args:
         query: ``[T, Hq, D]``, float32/bfloat16/float16 (the cache's dtype).
         kv_cache: ``[2, num_blocks, Hkv, block_size * D]``, already holding this step's K/V;
-            or an int8 cache (:func:`kernels.kv_quant.attention_int8`, per sequence).
+            or an int8 cache (:func:`kernels.kv_quant.attention_quantized`, per sequence).
         metadata: from :func:`build_attention_metadata` for this batch.
         scale: softmax scale; ``1 / sqrt(D)`` when ``None``.
         sliding_window: the layer's window ``W`` (a query at ``p`` sees keys ``p - W < k <=
@@ -461,7 +466,7 @@ def paged_attention(
         ``[T, Hq, D]`` in ``query``'s dtype. Softmax runs in float32.
     """
     if is_quantized(kv_cache):
-        return attention_int8(query, kv_cache, metadata, scale, sliding_window)
+        return attention_quantized(query, kv_cache, metadata, scale, sliding_window)
     _, hq, d = query.shape
     hkv = kv_cache.shape[2]
     block_size = metadata.block_size

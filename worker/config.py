@@ -70,8 +70,9 @@ class WorkerConfig(ProcessConfig):
         "KV cache storage (vLLM's flag): auto = the model's dtype; int8 = int8 values with a "
         "float32 scale per token and head (about 1.9x the blocks of bfloat16 in the same "
         "--kv-cache-memory, 3.8x float32's, at head_dim 64; attention reads half the bytes; "
-        "with --attention-backend triton its batch-invariant kernel only)",
-        choices=("auto", "int8"),
+        "with --attention-backend triton its batch-invariant kernel only); fp8_e4m3 = the "
+        "same layout in float8 e4m3 (torch and cpu attention backends only)",
+        choices=("auto", "int8", "fp8_e4m3"),
     )
     kv_cache_memory: int | None = option(
         None,

@@ -119,7 +119,8 @@ class ModelRunner:
         kv_cache_dtype: ``auto`` (the pool in the model's dtype) or ``int8`` (values and
             per-token scales, :mod:`kernels.kv_quant`: about twice bfloat16's blocks in the
             same memory); with the Triton backend only its batch-invariant unified kernel
-            reads int8 (refused with ``SLUICEWAY_BATCH_INVARIANT=0``).
+            reads int8 (refused with ``SLUICEWAY_BATCH_INVARIANT=0``); or ``fp8_e4m3`` (the same
+            layout in float8 e4m3; torch and cpu backends only).
         enforce_eager: never run decode steps through CUDA graphs (vLLM's flag). Graphs are
             captured on CUDA with the Triton backend and one rank
             (:mod:`worker.cuda_graphs`); everywhere else steps run eagerly anyway.
@@ -196,6 +197,11 @@ class ModelRunner:
         )
         self.attention_backend = get_attention_backend(attention_backend, self._device)
         self.model.attention_backend = self.attention_backend
+        if self.kv_dtype == torch.float8_e4m3fn and self.attention_backend.name == "triton":
+            raise ValueError(
+                "--kv-cache-dtype fp8_e4m3 is not implemented in the Triton kernels (--attention-"
+                "backend triton, auto's choice on CUDA): use int8, or --attention-backend torch"
+            )
         if (
             self.kv_dtype == torch.int8
             and self.attention_backend.name == "triton"

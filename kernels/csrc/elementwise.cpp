@@ -179,12 +179,23 @@ void quantize_head(const T* x, int d, int8_t* q, int64_t stride, float* scale) {
   }
 }
 
+// The fp8 rule: scale = amax / 448, q = c10's float -> e4m3 cast of x / scale (torch's .to()).
+template <typename T>
+void quantize_head(const T* x, int d, c10::Float8_e4m3fn* q, int64_t stride, float* scale) {
+  float amax = 0.0f;
+  for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+  const float s = amax / 448.0f;
+  *scale = s;
+  const float safe = s > 0.0f ? s : 1.0f;
+  for (int i = 0; i < d; ++i) q[i * stride] = c10::Float8_e4m3fn(to_float(x[i]) / safe);
+}
+
 // C: the cache's element type, T (a copy) or int8_t (quantized, kernels/kv_quant.py layout).
 template <typename T, typename C>
 void rotary_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                           const at::Tensor& sin, at::Tensor& kv_cache,
                           const at::Tensor& slot_mapping, int num_heads, int num_kv_heads) {
-  constexpr bool kQuant = std::is_same_v<C, int8_t>;
+  constexpr bool kQuant = is_quantized_kv<C>();
   const int64_t tokens = qkv.size(0);
   const int head_dim = static_cast<int>(cos.size(1)) * 2;
   const int half = head_dim / 2;
@@ -333,21 +344,26 @@ void rotary_embedding_write_kv(at::Tensor& qkv, const at::Tensor& positions,
   TORCH_CHECK(head_dim > 0, "cos and sin must have D / 2 > 0 columns");
   TORCH_CHECK(qkv.size(1) >= (num_heads + 2 * num_kv_heads) * head_dim,
               "qkv must hold (Hq + 2 Hkv) * D columns");
-  const bool quant = kv_cache.scalar_type() == at::kChar;
-  const int64_t row = head_dim + (quant ? 4 : 0);  // per token: D values (+ an int8 scale)
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const bool quant = kv_cache.scalar_type() == at::kChar || fp8;
+  const int64_t row = head_dim + (quant ? 4 : 0);  // per token: D values (+ a float32 scale)
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
                   kv_cache.size(2) == num_kv_heads && kv_cache.size(3) >= row &&
                   kv_cache.size(3) % row == 0 &&
                   (quant ? kv_cache.size(3) / row * head_dim % 4 == 0
                          : kv_cache.scalar_type() == qkv.scalar_type()),
               "kv_cache must be a contiguous [2, num_blocks, Hkv, block_size * D] in qkv's dtype "
-              "or int8 [2, num_blocks, Hkv, block_size * (D + 4)]");
+              "or int8/fp8 [2, num_blocks, Hkv, block_size * (D + 4)]");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
                   positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0) &&
                   positions.is_contiguous() && slot_mapping.is_contiguous(),
               "positions and slot_mapping must be contiguous int64 [T]");
   const int hq = static_cast<int>(num_heads), hkv = static_cast<int>(num_kv_heads);
-  if (quant) {
+  if (fp8) {
+    SLUICEWAY_DISPATCH(qkv.scalar_type(), "rotary_embedding_write_kv",
+                       rotary_write_kv_impl<scalar_t, c10::Float8_e4m3fn>(
+                           qkv, positions, cos, sin, kv_cache, slot_mapping, hq, hkv));
+  } else if (quant) {
     SLUICEWAY_DISPATCH(qkv.scalar_type(), "rotary_embedding_write_kv",
                        rotary_write_kv_impl<scalar_t, int8_t>(qkv, positions, cos, sin, kv_cache,
                                                               slot_mapping, hq, hkv));

@@ -55,7 +55,7 @@ struct WorkItem {
 // Bytes of scale per token that follow a cache row's values: 4 for int8 (one float32), else 0.
 template <typename C>
 constexpr int kv_scale_bytes() {
-  return std::is_same_v<C, int8_t> ? 4 : 0;
+  return is_quantized_kv<C>() ? 4 : 0;
 }
 
 // The first key position a row at `pos` attends to: pos - W + 1 with a window W > 0, else 0.
@@ -76,7 +76,7 @@ inline void attend_block(const float* __restrict__ q, float* __restrict__ acc,
                          const C* __restrict__ kb, const C* __restrict__ vb,
                          const float* __restrict__ ks, const float* __restrict__ vs, int bs,
                          int first, int valid) {
-  constexpr bool kQuant = std::is_same_v<C, int8_t>;
+  constexpr bool kQuant = is_quantized_kv<C>();
   constexpr int D = 16 * ND;
   // output columns per pass over a tile's keys: 8 registers per lane at most (D = 256 would
   // spill otherwise); every column's sum is in key order whatever the pass
@@ -140,7 +140,7 @@ template <typename C>
 void attend_block_generic(const float* q, float* acc, float* run_max, float* run_sum,
                           const C* kb, const C* vb, const float* ks, const float* vs, int bs,
                           int d, int first, int valid, float* s) {
-  constexpr bool kQuant = std::is_same_v<C, int8_t>;
+  constexpr bool kQuant = is_quantized_kv<C>();
   for (int t = first; t < valid; ++t) {
     float dot = 0.0f;
     for (int i = 0; i < d; ++i) dot += q[i] * to_float(kb[i * bs + t]);
@@ -401,7 +401,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be [T, Hq, D]");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, Hkv, block_size * D]");
-  const bool quant = kv_cache.scalar_type() == at::kChar;
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const bool quant = kv_cache.scalar_type() == at::kChar || fp8;
   TORCH_CHECK((quant || kv_cache.scalar_type() == query.scalar_type()) &&
                   out.scalar_type() == query.scalar_type(),
               "query, out and kv_cache must share a dtype (or kv_cache int8)");
@@ -418,7 +419,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                   (!quant || kv_cache.size(3) / row * query.size(2) % 4 == 0),
               "kv_cache width must be block_size * D (int8: block_size * (D + 4), "
               "block_size * D a multiple of 4)");
-  if (quant) {
+  if (fp8) {
+    SLUICEWAY_DISPATCH(query.scalar_type(), "paged_attention",
+                       paged_attention_impl<scalar_t, c10::Float8_e4m3fn>(
+                           out, query, kv_cache, block_tables, context_lens, query_start_loc,
+                           scale, sliding_window));
+  } else if (quant) {
     SLUICEWAY_DISPATCH(query.scalar_type(), "paged_attention",
                        paged_attention_impl<scalar_t, int8_t>(out, query, kv_cache, block_tables,
                                                               context_lens, query_start_loc,

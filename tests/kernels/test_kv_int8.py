@@ -1,7 +1,8 @@
-"""The int8 KV cache (``--kv-cache-dtype int8``, kernels/kv_quant.py): the quantization rule's
-exact values, the C++ fused write bitwise equal to the torch reference's, the C++ attention
-against the torch reference, int8 attention against float attention, batch invariance of the
-C++ kernel, the pool's block count and a block copy carrying the scales."""
+"""The quantized KV caches (``--kv-cache-dtype int8|fp8_e4m3``, kernels/kv_quant.py): the
+quantization rules' exact values, the C++ fused write bitwise equal to the torch reference's,
+the C++ attention against the torch reference, quantized attention against float attention,
+batch invariance of the C++ kernel, the pool's block count and a block copy carrying the
+scales."""
 
 from __future__ import annotations
 
@@ -64,11 +65,24 @@ def test_quantize_rule_exact_values_and_round_trip_through_the_pool() -> None:
         assert torch.equal(key_scales[b, :, o], ks[i]) and torch.equal(value_scales[b, :, o], vs[i])
 
 
+def test_fp8_rule_exact_values() -> None:
+    """fp8_e4m3: scale = amax / 448 (448 -> scale 1), then torch's cast, round to nearest
+    even: 1.0625 (halfway between 1 and 1.125) -> 1, 1.1875 (between 1.125 and 1.25) -> 1.25,
+    -3.25 exact; a zero row: scale 0, zeros."""
+    x = torch.tensor([[448.0, 1.0625, 1.1875, -3.25], [0.0] * 4])
+    q, scale = quantize_rows(x, torch.float8_e4m3fn)
+    assert q.dtype == torch.float8_e4m3fn and scale.tolist() == [1.0, 0.0]
+    assert q.float().tolist() == [[448.0, 1.0, 1.25, -3.25], [0.0] * 4]
+
+
+@pytest.mark.parametrize("kv", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_rope_write_is_bitwise_the_reference_quantization(dtype: torch.dtype) -> None:
-    """The C++ RoPE + KV write into an int8 cache writes the bits of the torch reference's
-    :func:`write_kv` of the same (rotated, rounded) K and of V, scales included, and nothing
-    for a ``-1`` slot."""
+def test_fused_rope_write_is_bitwise_the_reference_quantization(
+    dtype: torch.dtype, kv: torch.dtype
+) -> None:
+    """The C++ RoPE + KV write into an int8 (fp8) cache writes the bits of the torch
+    reference's :func:`write_kv` of the same (rotated, rounded) K and of V, scales included,
+    and nothing for a ``-1`` slot; ties round to even."""
     torch.manual_seed(2)
     hq, hkv, d, bs, t = 9, 3, 64, 16, 11
     qkv = torch.randn(t, 1024)[:, : (hq + 2 * hkv) * d].to(dtype)
@@ -77,11 +91,12 @@ def test_fused_rope_write_is_bitwise_the_reference_quantization(dtype: torch.dty
     freqs = torch.arange(512).float()[:, None] * inv[None]
     cos, sin = freqs.cos(), freqs.sin()
     slots = torch.tensor([3, 4, 20, 21, 22, 50, 51, 52, -1, 60, 79])
-    cache = torch.zeros(kv_pool_shape(1, 5, bs, hkv, d, torch.int8)[1:], dtype=torch.int8)
+    cache = torch.zeros(kv_pool_shape(1, 5, bs, hkv, d, kv)[1:], dtype=kv)
     ref_cache = cache.clone()
-    # position 0 rotates by the identity: ties at scale 1 (2.5 -> 2, 3.5 -> 4, -2.5 -> -2) in
-    # its first K and V heads, and a zero V head (scale 0)
-    ties = torch.tensor([127.0, 2.5, 3.5, -2.5] * (d // 4))
+    # position 0 rotates by the identity: ties at scale 1 (int8: 2.5 -> 2, 3.5 -> 4, -2.5 ->
+    # -2; fp8: 1.0625 -> 1, 1.1875 -> 1.25) in its first K and V heads, a zero V head
+    pattern = [127.0, 2.5, 3.5, -2.5] if kv == torch.int8 else [448.0, 1.0625, 1.1875, -3.25]
+    ties = torch.tensor(pattern * (d // 4))
     qkv[0, hq * d : (hq + 1) * d] = ties.to(dtype)
     qkv[0, (hq + hkv) * d : (hq + hkv + 1) * d] = ties.to(dtype)
     qkv[0, (hq + hkv + 1) * d : (hq + hkv + 2) * d] = 0.0
@@ -98,15 +113,17 @@ def test_fused_rope_write_is_bitwise_the_reference_quantization(dtype: torch.dty
     k = out[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d)  # the kernel's rotated K
     v = out[:, (hq + hkv) * d :].reshape(t, hkv, d)
     write_kv(k[keep], v[keep], ref_cache, slots[keep])
-    assert torch.equal(cache, ref_cache)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
     keys, values, key_scales, value_scales = split_blocks(cache, d)
-    assert keys[0, 0, :4, 3].tolist() == [127, 2, 4, -2] and key_scales[0, 0, 3].item() == 1.0
-    assert values[0, 1, 3].count_nonzero() == 0 and value_scales[0, 1, 3].item() == 0.0
+    expect = [127, 2, 4, -2] if kv == torch.int8 else [448.0, 1.0, 1.25, -3.25]
+    assert keys[0, 0, :4, 3].float().tolist() == expect and key_scales[0, 0, 3].item() == 1.0
+    assert values[0, 1, 3].float().count_nonzero() == 0 and value_scales[0, 1, 3].item() == 0.0
 
 
-def _int8_pool(lengths, hkv, d, bs, dtype, seed):  # type: ignore[no-untyped-def]
-    """An int8 cache and a float one (``dtype``) holding the same random K/V of sequences of
-    ``lengths`` in shuffled blocks; every unowned byte is 0xFF (NaN scales, -1 values)."""
+def _int8_pool(lengths, hkv, d, bs, dtype, seed, kv=torch.int8):  # type: ignore[no-untyped-def]
+    """An int8 (``kv``) cache and a float one (``dtype``) holding the same random K/V of
+    sequences of ``lengths`` in shuffled blocks; every unowned byte is 0xFF (NaN scales, -1
+    int8 values or fp8 NaNs)."""
     gen = torch.Generator().manual_seed(seed)
     used = [-(-n // bs) for n in lengths]
     nb = sum(used) + 3
@@ -115,7 +132,8 @@ def _int8_pool(lengths, hkv, d, bs, dtype, seed):  # type: ignore[no-untyped-def
     for u in used:
         tables.append(perm[at : at + u])
         at += u
-    cache = torch.full(kv_pool_shape(1, nb, bs, hkv, d, torch.int8)[1:], -1, dtype=torch.int8)
+    shape = kv_pool_shape(1, nb, bs, hkv, d, kv)[1:]
+    cache = torch.full(shape, -1, dtype=torch.int8).view(kv)
     fcache = torch.full(kv_pool_shape(1, nb, bs, hkv, d)[1:], float("nan"), dtype=dtype)
     for n, table in zip(lengths, tables, strict=True):
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
@@ -137,16 +155,17 @@ CASES = [
 @pytest.mark.parametrize(("hq", "hkv", "d", "bs"), [(9, 3, 64, 16), (4, 1, 256, 16),
                                                     (6, 2, 80, 4)])  # fmt: skip
 @pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("kv", [torch.int8, torch.float8_e4m3fn])
 def test_cpp_int8_attention_matches_the_reference(
     query_lens: list[int], context_lens: list[int], hq: int, hkv: int, d: int, bs: int,
-    window: int | None,
+    window: int | None, kv: torch.dtype,
 ) -> None:  # fmt: skip
     """The C++ kernel (vectorized D = 64, 256; generic D = 80 with block 4) over an int8 cache
-    against :func:`kernels.kv_quant.attention_int8` (dequantize, float32 SDPA), in float32 to
+    against :func:`kernels.kv_quant.attention_quantized` (dequantize, float32 SDPA), in float32 to
     the tolerance of the float pools' test (atol 2e-6, rtol 2e-5: the kernel's exp is 2 ulp
     and its sums run in another order than SDPA's), and in bfloat16 to one rounding."""
     for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
-        cache, _, tables = _int8_pool(context_lens, hkv, d, bs, dtype, seed=d + bs)
+        cache, _, tables = _int8_pool(context_lens, hkv, d, bs, dtype, seed=d + bs, kv=kv)
         q = torch.randn(sum(query_lens), hq, d, generator=torch.Generator().manual_seed(3))
         q = q.to(dtype)
         md = build_attention_metadata(query_lens, context_lens, tables, block_size=bs,
@@ -182,12 +201,13 @@ def _attend(query, cache, query_lens, context_lens, tables, bs):  # type: ignore
     return BACKEND.attention(query, cache, md)
 
 
-def test_a_row_is_bitwise_the_same_whatever_else_is_in_the_step() -> None:
-    """Batch invariance of the C++ kernel over an int8 cache in bfloat16: a decode row alone,
-    in a batch, as the last row of its prefill and of a later chunk, bitwise."""
+@pytest.mark.parametrize("kv", [torch.int8, torch.float8_e4m3fn])
+def test_a_row_is_bitwise_the_same_whatever_else_is_in_the_step(kv: torch.dtype) -> None:
+    """Batch invariance of the C++ kernel over an int8 (fp8) cache in bfloat16: a decode row
+    alone, in a batch, as the last row of its prefill and of a later chunk, bitwise."""
     hq, hkv, d, bs = 9, 3, 64, 16
     lengths = [200, 37, 64, 1]
-    cache, _, tables = _int8_pool(lengths, hkv, d, bs, torch.bfloat16, seed=5)
+    cache, _, tables = _int8_pool(lengths, hkv, d, bs, torch.bfloat16, seed=5, kv=kv)
     q = torch.randn(sum(lengths), hq, d, generator=torch.Generator().manual_seed(6))
     chunk = q[:200].to(torch.bfloat16)
     others = q[200:203].to(torch.bfloat16)
@@ -204,18 +224,22 @@ def test_a_row_is_bitwise_the_same_whatever_else_is_in_the_step() -> None:
 
 def test_the_same_memory_holds_about_twice_the_blocks_of_bfloat16() -> None:
     """SmolLM2-135M's shapes (30 layers, 3 KV heads, D 64, block 16): a block is 368,640 bytes
-    in bfloat16, 737,280 in float32 and 195,840 in int8 (16 * 64 values + 16 * 4 scale bytes
-    per layer, K|V and head); 96 MiB hold 273, 136 and 514 blocks (1.88x, 3.78x)."""
+    in bfloat16, 737,280 in float32 and 195,840 in int8 and fp8 (16 * 64 values + 16 * 4 scale
+    bytes per layer, K|V and head); 96 MiB hold 273, 136 and 514 blocks (1.88x, 3.78x)."""
     config: Any = SimpleNamespace(num_layers=30, head_dim=64)  # what the sizing reads
     sizes = {
         name: kv_bytes_per_block(config, 3, 16, kv_cache_torch_dtype(name, model_dtype))
-        for name, model_dtype in (("auto", torch.bfloat16), ("int8", torch.bfloat16))
+        for name, model_dtype in (
+            ("auto", torch.bfloat16),
+            ("int8", torch.bfloat16),
+            ("fp8_e4m3", torch.bfloat16),
+        )
     }
     sizes["float32"] = kv_bytes_per_block(config, 3, 16, torch.float32)
-    assert sizes == {"auto": 368_640, "int8": 195_840, "float32": 737_280}
+    assert sizes == {"auto": 368_640, "int8": 195_840, "fp8_e4m3": 195_840, "float32": 737_280}
     tp = TensorParallelGroup()
     blocks = {name: count_kv_blocks(96 << 20, size, tp) for name, size in sizes.items()}
-    assert blocks == {"auto": 273, "int8": 514, "float32": 136}
+    assert blocks == {"auto": 273, "int8": 514, "fp8_e4m3": 514, "float32": 136}
     shape = kv_pool_shape(30, 514, 16, 3, 64, torch.int8)
     assert math.prod(shape) == 514 * 195_840 and shape[-1] == 16 * 68
     with pytest.raises(ValueError, match="multiple of 4"):
@@ -224,22 +248,24 @@ def test_the_same_memory_holds_about_twice_the_blocks_of_bfloat16() -> None:
         kv_cache_torch_dtype("fp4", torch.bfloat16)
 
 
-def test_a_block_copy_between_shared_pools_carries_the_scales() -> None:
+@pytest.mark.parametrize(("kv", "name"), [(torch.int8, "int8"),
+                                           (torch.float8_e4m3fn, "float8_e4m3fn")])  # fmt: skip
+def test_a_block_copy_between_shared_pools_carries_the_scales(kv: torch.dtype, name: str) -> None:
     """A KV hand-off (disaggregated prefill, stream resume): blocks copied out of a peer's
-    shared int8 pool (opened from its handle, dtype ``int8``) into another pool at other ids
-    give bitwise the same attention as the source."""
+    shared int8 (fp8) pool (opened from its handle, which names the dtype) into another pool
+    at other ids give bitwise the same attention as the source."""
     hq, hkv, d, bs = 9, 3, 64, 16
     lengths = [45, 20]
-    cache, _, tables = _int8_pool(lengths, hkv, d, bs, torch.bfloat16, seed=9)
+    cache, _, tables = _int8_pool(lengths, hkv, d, bs, torch.bfloat16, seed=9, kv=kv)
     shape = (1, *cache.shape)
-    source = allocate_shared_kv_pool(shape, torch.int8, "cpu")
-    dest = allocate_shared_kv_pool(shape, torch.int8, "cpu")
+    source = allocate_shared_kv_pool(shape, kv, "cpu")
+    dest = allocate_shared_kv_pool(shape, kv, "cpu")
     try:
-        assert source.handle.dtype == "int8"
-        source.tensor.copy_(cache[None])
-        dest.tensor.fill_(-1)
+        assert source.handle.dtype == name
+        source.tensor.view(torch.uint8).copy_(cache[None].view(torch.uint8))
+        dest.tensor.view(torch.uint8).fill_(255)
         peer = open_kv_pool(source.handle, "cpu")
-        assert peer.dtype == torch.int8 and tuple(peer.shape) == shape
+        assert peer.dtype == kv and tuple(peer.shape) == shape
         src_ids = tables[0] + tables[1]
         dst_ids = list(reversed(range(len(src_ids))))
         moved = copy_blocks(peer, dest.tensor, src_ids, dst_ids)

@@ -3,7 +3,7 @@ C++ kernels, oneDNN linears, the bfloat16 -> float32 logits GEMM), with SmolLM2'
 weights: a prompt's logits at every position are bitwise the same computed alone, beside
 decodes and other prefills in one step, in other chunkings, and over a prefix whose K/V another
 sequence computed (a prefix-cache hit). No tolerance: equal bits. Each test runs with the KV
-pool in bfloat16 and in int8 (``--kv-cache-dtype int8``)."""
+pool in bfloat16, in int8 and in fp8 (``--kv-cache-dtype int8|fp8_e4m3``)."""
 
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ class Blocks:
             seq.block_table.append(self.free.pop())
 
 
-@pytest.fixture(scope="module", params=["auto", "int8"])
+@pytest.fixture(scope="module", params=["auto", "int8", "fp8_e4m3"])
 def runner(request: pytest.FixtureRequest) -> ModelRunner:
-    """The bfloat16 runner, its KV pool in bfloat16 (auto) or int8 (``--kv-cache-dtype``: a
-    token's quantized K/V depend on its own values only, so the same invariance holds)."""
+    """The bfloat16 runner, its KV pool in bfloat16 (auto), int8 or fp8 (``--kv-cache-dtype``:
+    a token's quantized K/V depend on its own values only, so the same invariance holds)."""
     r = ModelRunner(
         resolve_model(None),
         dtype="bfloat16",
@@ -51,7 +51,8 @@ def runner(request: pytest.FixtureRequest) -> ModelRunner:
         kv_cache_dtype=request.param,
     )
     assert r.attention_backend.name == "cpu"
-    assert r.kv_pool.dtype == (torch.int8 if request.param == "int8" else torch.bfloat16)
+    kv = {"auto": torch.bfloat16, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+    assert r.kv_pool.dtype == kv[request.param]
     return r
 
 

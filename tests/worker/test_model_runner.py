@@ -320,5 +320,8 @@ def test_an_int8_kv_cache_sizes_its_pool_and_serves_on_every_backend(
     with pytest.raises(ValueError, match="--kv-cache-dtype int8 with --attention-backend triton"):
         ModelRunner(model_dir, dtype="float32", kv_cache_memory=memory,
                     attention_backend="triton", kv_cache_dtype="int8")  # fmt: skip
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3 is not implemented in the"):
+        ModelRunner(model_dir, dtype="float32", kv_cache_memory=memory,
+                    attention_backend="triton", kv_cache_dtype="fp8_e4m3")  # fmt: skip
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
         ModelRunner(model_dir, dtype="float32", kv_cache_memory=memory, kv_cache_dtype="fp4")
