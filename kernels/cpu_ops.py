@@ -191,7 +191,10 @@ def paged_attention(
     Args:
         query: ``[T, Hq, D]`` float32/bfloat16/float16, heads contiguous (a row-strided view of
             the fused qkv is fine).
-        kv_cache: ``[2, num_blocks, Hkv, block_size * D]`` contiguous, ``query``'s dtype.
+        kv_cache: ``[2, num_blocks, Hkv, block_size * D]`` contiguous, ``query``'s dtype; or
+            int8 ``[2, num_blocks, Hkv, block_size * (D + 4)]`` (:mod:`kernels.kv_quant`: each
+            score the float32 dot product with the int8 key times its scale, each value row
+            weighted by probability times its scale).
         block_tables: ``[S, max_blocks]`` int32 contiguous.
         context_lens: ``[S]`` int32, tokens in the pool per sequence (cached + this chunk).
         query_start_loc: ``[S + 1]`` int32, row offsets of each sequence's chunk.
@@ -279,7 +282,9 @@ def rotary_embedding_write_kv(
         qkv: ``[T, (Hq + 2 Hkv) D]``, rows contiguous: q heads, k heads, v heads.
         positions: ``[T]`` int64.
         cos, sin: ``[max_positions, D / 2]`` float32 rotary tables.
-        kv_cache: this layer's ``[2, num_blocks, Hkv, block_size * D]``, ``qkv``'s dtype.
+        kv_cache: this layer's ``[2, num_blocks, Hkv, block_size * D]``, ``qkv``'s dtype; or
+            int8 (:mod:`kernels.kv_quant`): each K (rotated, rounded to ``qkv``'s dtype) and V
+            row quantized by :func:`kernels.kv_quant.quantize_rows`'s rule, bitwise.
         slot_mapping: ``[T]`` int64 slots (``-1``: write nothing for that row).
     """
     torch.ops.sluiceway.rotary_embedding_write_kv(

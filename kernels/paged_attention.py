@@ -56,6 +56,12 @@ import torch
 import torch.nn.functional as F
 
 from sluiceway.kernels.decode_buckets import DecodeBucket, decode_buckets, split_decode_buckets
+from sluiceway.kernels.kv_quant import (
+    attention_quantized,
+    is_quantized,
+    kv_row_width,
+    write_kv_quantized,
+)
 
 __all__ = [
     "AttentionMetadata",
@@ -73,10 +79,18 @@ __all__ = [
 
 
 def kv_pool_shape(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype | None = None,
 ) -> tuple[int, int, int, int, int]:
-    """Shape of the whole KV pool: ``(num_layers, 2, num_blocks, num_kv_heads, block_size * head_dim)``."""
-    return (num_layers, 2, num_blocks, num_kv_heads, block_size * head_dim)
+    """Shape of the whole KV pool: ``(num_layers, 2, num_blocks, num_kv_heads, width)``,
+    ``width`` = ``block_size * head_dim``, or ``block_size * (head_dim + 4)`` for an int8
+    pool (``dtype`` ``torch.int8``: values then float32 scales, :mod:`kernels.kv_quant`)."""
+    width = kv_row_width(block_size, head_dim, dtype or torch.float32)
+    return (num_layers, 2, num_blocks, num_kv_heads, width)
 
 
 def key_blocks(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -416,9 +430,12 @@ def write_kv(
         key: ``[T, Hkv, D]``, the cache's dtype (may be a strided view).
         value: ``[T, Hkv, D]``, the cache's dtype.
         kv_cache: ``[2, num_blocks, Hkv, block_size * D]``, contiguous (layout in the module
-            docstring).
+            docstring); or an int8 cache (:mod:`kernels.kv_quant`), which quantizes each row.
         slot_mapping: ``[T]`` int64, ``block_id * block_size + offset`` per token; distinct.
     """
+    if is_quantized(kv_cache):
+        write_kv_quantized(key, value, kv_cache, slot_mapping)
+        return
     d = key.shape[-1]
     block_size = kv_cache.shape[-1] // d
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
@@ -438,7 +455,8 @@ def paged_attention(
 
     Args:
         query: ``[T, Hq, D]``, float32/bfloat16/float16 (the cache's dtype).
-        kv_cache: ``[2, num_blocks, Hkv, block_size * D]``, already holding this step's K/V.
+        kv_cache: ``[2, num_blocks, Hkv, block_size * D]``, already holding this step's K/V;
+            or an int8 cache (:func:`kernels.kv_quant.attention_quantized`, per sequence).
         metadata: from :func:`build_attention_metadata` for this batch.
         scale: softmax scale; ``1 / sqrt(D)`` when ``None``.
         sliding_window: the layer's window ``W`` (a query at ``p`` sees keys ``p - W < k <=
@@ -447,6 +465,8 @@ def paged_attention(
     Returns:
         ``[T, Hq, D]`` in ``query``'s dtype. Softmax runs in float32.
     """
+    if is_quantized(kv_cache):
+        return attention_quantized(query, kv_cache, metadata, scale, sliding_window)
     _, hq, d = query.shape
     hkv = kv_cache.shape[2]
     block_size = metadata.block_size

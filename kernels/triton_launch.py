@@ -11,19 +11,26 @@ import torch
 __all__ = ["check_query_and_cache", "check_varlen_tables", "split_scratch", "window_arg"]
 
 
-def check_query_and_cache(query: torch.Tensor, kv_cache: torch.Tensor, block_size: int) -> int:
+def check_query_and_cache(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_size: int, int8_ok: bool = False
+) -> int:
     """Checks ``query`` ``[T, Hq, D]`` against one layer's ``kv_cache`` ``[2, num_blocks, Hkv,
-    block_size * D]`` (last dimension contiguous) and returns ``Hkv``.
+    block_size * D]`` (last dimension contiguous; with ``int8_ok`` also an int8 cache of
+    :mod:`kernels.kv_quant`, ``block_size * (D + 4)`` wide) and returns ``Hkv``.
 
     Raises:
-        ValueError: ``Hq`` not a multiple of ``Hkv``, or a cache of another last dimension or
-            with a strided one.
+        ValueError: ``Hq`` not a multiple of ``Hkv``, a cache of another last dimension or
+            with a strided one, or an int8 cache where the kernel reads none.
     """
     _, hq, d = query.shape
     hkv = kv_cache.shape[2]
     if hq % hkv:
         raise ValueError(f"{hq} query heads is not a multiple of {hkv} KV heads")
-    if kv_cache.shape[3] != block_size * d or kv_cache.stride(3) != 1:
+    quant = kv_cache.dtype == torch.int8
+    if quant and not int8_ok:
+        raise ValueError("this Triton kernel reads no int8 KV cache (the unified kernel does)")
+    width = block_size * (d + 4) if quant else block_size * d
+    if kv_cache.shape[3] != width or kv_cache.stride(3) != 1:
         raise ValueError(
             f"kv_cache {tuple(kv_cache.shape)} is not [2, blocks, Hkv, {block_size} * {d}]"
         )

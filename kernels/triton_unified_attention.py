@@ -48,6 +48,11 @@ in segment order with the same fold: the same bits as the single-program loop, s
 split can follow the batch (``num_splits`` of the metadata) without changing a result. vLLM
 turns its split ("3D") kernel off in batch-invariant mode; the fixed segment size keeps it.
 
+An int8 cache (:mod:`kernels.kv_quant`, ``QUANT``): its K and V tiles are widened to the
+query's dtype (exact: |q| <= 127), each score is the dot product times its key's scale, and
+each probability is weighted by its value's scale before the P @ V product (the softmax sum
+takes the unweighted ones); the scales are read through the same memory as float32.
+
 Under Triton's interpreter (CPU tensors, tests; ``INTERPRET``) each ``tl.dot`` is
 :func:`kernels.triton_matmul.interpreter_dot` (float32 operands, products summed in order per
 element: the interpreter's numpy matmul rounds an element differently by its row in the
@@ -105,6 +110,7 @@ def _segment(
     q,
     q_pos,
     k_base,
+    s_base,
     stride_c_kv,
     table,
     lo,
@@ -120,11 +126,13 @@ def _segment(
     BLOCK_N: tl.constexpr,
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """The online-softmax partial ``(m, l, acc)`` of keys ``[lo, hi)`` (key tiles aligned on
     ``BLOCK_N`` from ``lo``, the first the one holding ``kv_lo``; no key below ``kv_lo`` is
     loaded) for the tile's rows, each row seeing keys ``<= q_pos`` and, when ``window > 0``,
-    ``> q_pos - window``; empty (-1e30, 0, 0) when nothing is left."""
+    ``> q_pos - window``; empty (-1e30, 0, 0) when nothing is left. ``s_base``: this head's
+    first key scale in the float32 view of an int8 cache (``QUANT``)."""
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     d_mask = d < HEAD_DIM
@@ -145,11 +153,18 @@ def _segment(
             mask=d_mask[:, None] & valid[None, :],
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]: K is stored transposed, the layout q @ k wants
+        if QUANT:
+            k = k.to(tl.float32).to(q.dtype)  # via float32: the interpreter's int -> bf16 is wrong
+            scale_off = block_off // 4 + offset  # [BLOCK_N] float32 elements
+            k_scale = tl.load(s_base + scale_off, mask=valid, other=0.0)
+            v_scale = tl.load(s_base + stride_c_kv // 4 + scale_off, mask=valid, other=0.0)
         zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if INTERPRET:
             scores = interpreter_dot(q, k, zeros)
         else:
             scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if QUANT:
+            scores = scores * k_scale[None, :]
         scores = scores * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         visible = visible & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
@@ -163,6 +178,9 @@ def _segment(
             mask=valid[:, None] & d_mask[None, :],
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
+        if QUANT:
+            v = v.to(tl.float32).to(q.dtype)
+            p = p * v_scale[None, :]
         if INTERPRET:
             acc = interpreter_dot(p.to(v.dtype), v, acc * alpha[:, None])
         else:
@@ -199,6 +217,7 @@ def _fold_vec(m, l_run, acc, m_s, l_s, acc_s):
 def _unified_kernel(
     q_ptr,
     cache_ptr,
+    scale_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
     context_lens_ptr,
@@ -231,6 +250,7 @@ def _unified_kernel(
     PARALLEL: tl.constexpr,
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -260,6 +280,8 @@ def _unified_kernel(
     end = tl.minimum(ctx, prefix + (local_tile + 1) * BLOCK_Q)
     kv_lo = tl.where(window > 0, tl.maximum(prefix + local_tile * BLOCK_Q - window + 1, 0), 0)
     k_base = cache_ptr + kv_head.to(tl.int64) * stride_c_head
+    # QUANT: this head's first scale (after a row's values) in the cache's float32 view
+    s_base = scale_ptr + (kv_head.to(tl.int64) * stride_c_head + BLOCK_SIZE * HEAD_DIM) // 4
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     out_mask = row_mask[:, None] & d_mask[None, :]
 
@@ -268,8 +290,9 @@ def _unified_kernel(
         lo = segment * SEGMENT
         hi = tl.minimum(end, lo + SEGMENT)
         m_s, l_s, acc_s = _segment(
-            q, q_pos, k_base, stride_c_kv, table, lo, hi, kv_lo, window, stride_c_block,
+            q, q_pos, k_base, s_base, stride_c_kv, table, lo, hi, kv_lo, window, stride_c_block,
             qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_D, BLOCK_N, INTERPRET, DOT_PRECISION,
+            QUANT,
         )  # fmt: skip
         # partials: ml [T, Hq, num_segments, 2], acc [T, Hq, num_segments, BLOCK_D]
         part = (rows * NUM_HEADS + heads) * num_segments + segment  # [BLOCK_M]
@@ -283,19 +306,14 @@ def _unified_kernel(
         for lo in range(kv_lo // SEGMENT * SEGMENT, end, SEGMENT):
             hi = tl.minimum(end, lo + SEGMENT)
             m_s, l_s, acc_s = _segment(
-                q, q_pos, k_base, stride_c_kv, table, lo, hi, kv_lo, window, stride_c_block,
-                qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_D, BLOCK_N, INTERPRET, DOT_PRECISION,
+                q, q_pos, k_base, s_base, stride_c_kv, table, lo, hi, kv_lo, window,
+                stride_c_block, qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_D, BLOCK_N,
+                INTERPRET, DOT_PRECISION, QUANT,
             )  # fmt: skip
             m, l_run, acc = _fold(m, l_run, acc, m_s, l_s, acc_s)
-        out = acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
-        tl.store(
-            out_ptr
-            + rows[:, None] * stride_ot
-            + heads[:, None] * stride_oh
-            + d[None, :] * stride_od,
-            out.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
-        )
+        out = (acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
+        dst = rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(out_ptr + dst, out, mask=out_mask)
 
 
 @triton.jit
@@ -352,7 +370,8 @@ def triton_unified_attention(
 
     Args:
         query: ``[T, Hq, D]`` float32/float16/bfloat16 (the cache's dtype), any strides.
-        kv_cache: one layer's ``[2, num_blocks, Hkv, block_size * D]``, last dim contiguous.
+        kv_cache: one layer's ``[2, num_blocks, Hkv, block_size * D]``, last dim contiguous;
+            or int8 ``[2, num_blocks, Hkv, block_size * (D + 4)]`` (:mod:`kernels.kv_quant`).
         block_tables: ``[S, max_blocks]`` int32 (entries past a sequence's blocks: valid ids).
         query_start_loc: ``[S + 1]`` int32, row offsets of each chunk.
         context_lens: ``[S]`` int32, ``>= q_s`` (0 only for a 1-row padding chunk).
@@ -381,7 +400,7 @@ def triton_unified_attention(
         raise ValueError(f"segment={segment} must be positive")
     window = window_arg(sliding_window)
     s = context_lens.shape[0]
-    hkv = check_query_and_cache(query, kv_cache, block_size)
+    hkv = check_query_and_cache(query, kv_cache, block_size, int8_ok=True)
     check_varlen_tables(block_tables, query_start_loc, s)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
@@ -399,6 +418,7 @@ def triton_unified_attention(
     _unified_kernel[grid](
         query,
         kv_cache,
+        kv_cache.view(torch.float32) if kv_cache.dtype == torch.int8 else kv_cache,
         block_tables,
         query_start_loc,
         context_lens,
@@ -425,6 +445,7 @@ def triton_unified_attention(
         PARALLEL=split,
         INTERPRET=query.device.type != "cuda",
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        QUANT=kv_cache.dtype == torch.int8,
     )
     if split:
         _merge_segments(part_ml, part_acc, out, num_segments, block_d)

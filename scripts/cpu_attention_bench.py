@@ -1,8 +1,10 @@
 """Time the C++ paged attention (kernels/csrc/paged_attention.cpp) at Gemma 3 270M's shapes.
 
-4 query heads on 1 KV head of dim 256, block 16, bfloat16: decodes of batch 1/32/128 at
-contexts 320 and 2,000, and a 512-token prefill chunk, full attention and, with ``--window``,
-a sliding window. Prints one JSON line: microseconds per call, the minimum and the median of
+4 query heads on 1 KV head of dim 256 (``--shape smollm2``: SmolLM2-135M's 9 on 3 of dim 64),
+block 16, bfloat16 queries: decodes of batch
+1/32/128/200 at contexts 320 and 2,000, and a 512-token prefill chunk, full attention and, with
+``--window``, a sliding window; the KV pool in bfloat16 or, with ``--kv-cache-dtype int8`` (or
+``fp8_e4m3``), in int8 (e4m3) with per-token scales (kernels/kv_quant.py). Prints one JSON line: microseconds per call, the minimum and the median of
 the calls made in ``--seconds`` per case (on a shared machine quote the minimum).
 
 Before/after: run it with ``PYTHONPATH`` on each tree in turn (each builds its own kernels);
@@ -21,15 +23,35 @@ import torch
 from sluiceway.kernels import cpu_ops
 
 HQ, HKV, D, BLOCK = 4, 1, 256, 16
-CASES = [(1, 320, 1), (32, 320, 1), (128, 320, 1), (1, 2000, 1), (32, 2000, 1),
+SHAPES = {"gemma3": (4, 1, 256), "smollm2": (9, 3, 64)}
+CASES = [(1, 320, 1), (32, 320, 1), (128, 320, 1), (200, 320, 1), (1, 2000, 1), (32, 2000, 1),
          (128, 2000, 1), (1, 512, 512)]  # fmt: skip
 
 
-def time_case(batch: int, context: int, rows: int, window: int, seconds: float) -> list[float]:
+def make_pool(num_blocks: int, kv_cache_dtype: str) -> torch.Tensor:
+    """One layer's pool of random K/V: bfloat16, or int8 (fp8: finite e4m3 bytes) values
+    with scales of 0.01."""
+    if kv_cache_dtype == "auto":
+        return torch.randn(2, num_blocks, HKV, BLOCK * D).to(torch.bfloat16)
+    from sluiceway.kernels.kv_quant import split_blocks
+
+    shape = (2, num_blocks, HKV, BLOCK * (D + 4))
+    if kv_cache_dtype == "int8":
+        pool = torch.randint(-127, 128, shape, dtype=torch.int8)
+    else:
+        pool = torch.randint(0, 0x7F, shape, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    for scales in split_blocks(pool, D)[2:]:
+        scales.fill_(0.01)
+    return pool
+
+
+def time_case(
+    batch: int, context: int, rows: int, window: int, seconds: float, kv_cache_dtype: str = "auto"
+) -> list[float]:
     """Seconds per call of a step of ``batch`` sequences of ``context`` tokens whose last
     ``rows`` are the step's queries (shuffled block ids)."""
     blocks = -(-context // BLOCK)
-    pool = torch.randn(2, batch * blocks, HKV, BLOCK * D).to(torch.bfloat16)
+    pool = make_pool(batch * blocks, kv_cache_dtype)
     tables = torch.randperm(batch * blocks).view(batch, blocks).to(torch.int32)
     context_lens = torch.full((batch,), context, dtype=torch.int32)
     starts = torch.arange(batch + 1, dtype=torch.int32) * rows
@@ -54,12 +76,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--window", type=int, default=0, help="sliding window (0: none)")
     parser.add_argument("--seconds", type=float, default=1.5, help="timing per case")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8_e4m3"), default="auto")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="gemma3", help="heads, dim")
     args = parser.parse_args()
+    global HQ, HKV, D
+    HQ, HKV, D = SHAPES[args.shape]
     cpu_ops.load()
     torch.manual_seed(0)
-    result = {"threads": torch.get_num_threads(), "window": args.window}
+    result = {
+        "threads": torch.get_num_threads(),
+        "window": args.window,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "shape": args.shape,
+    }
     for batch, context, rows in CASES:
-        times = time_case(batch, context, rows, args.window, args.seconds)
+        times = time_case(batch, context, rows, args.window, args.seconds, args.kv_cache_dtype)
         result[f"b{batch}_ctx{context}_q{rows}"] = {
             "min_us": round(min(times) * 1e6, 1),
             "median_us": round(statistics.median(times) * 1e6, 1),

@@ -7,7 +7,8 @@
 #
 # Steps, each with its own timeout, all run even when one fails:
 #   kernels   the Triton kernel tests on CUDA (tests/kernels/test_triton_kernels.py, and
-#             sliding windows and head dim 256: tests/kernels/test_triton_sliding_window.py)
+#             sliding windows and head dim 256: tests/kernels/test_triton_sliding_window.py;
+#             the int8 KV cache: tests/kernels/test_triton_kv_int8.py)
 #   invariance  the batch-invariant path on CUDA (issue 16): the kernels bitwise (a row at M 1
 #             vs 7 vs 33 vs 70, a token as decode / in chunks / after a prefix hit, split or
 #             not) and the whole forward through ModelRunner in bfloat16
@@ -159,7 +160,7 @@ else  # a dry run of the code path on CPU
 fi
 
 step kernels 150 "${PYTEST[@]}" tests/kernels/test_triton_kernels.py \
-    tests/kernels/test_triton_sliding_window.py
+    tests/kernels/test_triton_sliding_window.py tests/kernels/test_triton_kv_int8.py
 step invariance 120 "${PYTEST[@]}" tests/kernels/test_triton_batch_invariance.py \
     tests/worker/test_batch_invariance_triton.py
 step inv-bench 120 "$PYTHON" scripts/invariance_bench.py "${INV_BENCH[@]}" --json "$OUT/invariance.json"

@@ -263,6 +263,7 @@ def _run_worker(args: argparse.Namespace) -> int:
             tensor_parallel_rank=rank,
             tensor_parallel_size=tp,
             enforce_eager=config.enforce_eager,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
     except (ValueError, ImportError, OSError) as e:  # a model, device or /dev/shm problem
         print(f"sluiceway worker: {e}", file=sys.stderr)

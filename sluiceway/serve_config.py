@@ -38,8 +38,9 @@ FLAGS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
     ),
     (
         "worker",
-        ("served_model_name", "device", "dtype", "quantization", "block_size", "kv_cache_memory",
-         "gpu_memory_utilization", "num_threads", "attention_backend", "enforce_eager"),
+        ("served_model_name", "device", "dtype", "quantization", "block_size", "kv_cache_dtype",
+         "kv_cache_memory", "gpu_memory_utilization", "num_threads", "attention_backend",
+         "enforce_eager"),
     ),
     (
         "scheduler",

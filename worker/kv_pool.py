@@ -49,7 +49,14 @@ __all__ = [
 ]
 
 SHM_PREFIX = "sluiceway-kv-"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# int8: a --kv-cache-dtype int8 pool, scales inside its rows (kernels/kv_quant.py)
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 _MIB = 1024 * 1024
 
 
@@ -124,7 +131,7 @@ def allocate_shared_kv_pool(
     is in use from here on, not as the pool fills.
 
     Raises:
-        ValueError: a dtype other than float32/bfloat16/float16.
+        ValueError: a dtype other than float32/bfloat16/float16/int8/float8_e4m3fn.
         ImportError: CUDA device without CuPy (``pip install sluiceway[cuda]``).
         ShmReservationError: (an OSError and a ValueError) ``/dev/shm`` has no room for the
             pool; the message names the bytes needed, the bytes free and the remedy. No file
@@ -307,8 +314,8 @@ def copy_blocks(
     dst_block_ids: list[int],
 ) -> int:
     """Copies blocks ``src_block_ids`` of `source` into blocks ``dst_block_ids`` of
-    `destination`, every layer, K and V; both pools ``[L, 2, num_blocks, Hkv, block_size * D]``
-    of one dtype. Device to device on CUDA (one gather and one scatter kernel); waits for the
+    `destination`, every layer, K and V; both pools ``[L, 2, num_blocks, Hkv, width]`` of one
+    dtype (an int8 pool's rows carry their scales: :mod:`kernels.kv_quant`). Device to device on CUDA (one gather and one scatter kernel); waits for the
     copy to finish, so the source blocks may be reused once this returns. Returns the bytes
     copied.
 
@@ -336,6 +343,8 @@ def copy_blocks(
             raise ValueError(f"{name}: block {bad[0]} outside a pool of {pool.shape[2]} blocks")
     if not src_block_ids:
         return 0
+    if source.dtype == torch.float8_e4m3fn:  # index_copy_ has no float8 kernel: copy bytes
+        source, destination = source.view(torch.uint8), destination.view(torch.uint8)
     src = torch.tensor(src_block_ids, dtype=torch.int64).to(source.device)
     dst = torch.tensor(dst_block_ids, dtype=torch.int64).to(destination.device)
     blocks = source.index_select(2, src)

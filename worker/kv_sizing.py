@@ -2,7 +2,9 @@
 that finds the memory left for the pool, the block count every tensor-parallel rank agrees on.
 
 The pool is one ``[num_layers, 2, num_blocks, Hkv, block_size * D]`` tensor in the model's
-dtype (layout in :mod:`kernels.paged_attention`; ``Hkv`` the rank's KV heads).
+dtype (layout in :mod:`kernels.paged_attention`; ``Hkv`` the rank's KV heads), or with
+``--kv-cache-dtype int8`` an int8 ``[num_layers, 2, num_blocks, Hkv, block_size * (D + 4)]``
+one (values and per-token float32 scales, :mod:`kernels.kv_quant`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from sluiceway.kernels.backend import AttentionBackend
+from sluiceway.kernels.kv_quant import kv_row_width
 from sluiceway.kernels.paged_attention import kv_pool_shape
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.worker.model import LlamaForCausalLM, ModelConfig
@@ -38,9 +41,16 @@ KvPoolFactory = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Ten
 def kv_bytes_per_block(
     config: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype
 ) -> int:
-    """Bytes of one block across all layers, K and V: ``num_layers * 2 * block_size *
-    num_kv_heads * head_dim * dtype.itemsize`` (``num_kv_heads``: the rank's)."""
-    return config.num_layers * 2 * block_size * num_kv_heads * config.head_dim * dtype.itemsize
+    """Bytes of one block across all layers, K and V: ``num_layers * 2 * num_kv_heads *
+    width * dtype.itemsize`` (``num_kv_heads``: the rank's; ``width`` ``block_size * head_dim``
+    elements of the pool's ``dtype``, or for int8 ``block_size * (head_dim + 4)`` bytes: the
+    values and their float32 scales).
+
+    Raises:
+        ValueError: int8 with ``block_size * head_dim`` not a multiple of 4.
+    """
+    width = kv_row_width(block_size, config.head_dim, dtype)
+    return config.num_layers * 2 * num_kv_heads * width * dtype.itemsize
 
 
 def count_kv_blocks(kv_cache_memory: int, bytes_per_block: int, tp: TensorParallelGroup) -> int:
@@ -68,10 +78,12 @@ def allocate_kv_pool(
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """The ``[num_layers, 2, num_blocks, num_kv_heads, block_size * head_dim]`` pool in
-    ``dtype`` on ``device``, from ``factory`` (e.g. shared memory) or uninitialized
-    ``torch.empty`` when None."""
-    shape = kv_pool_shape(config.num_layers, num_blocks, block_size, num_kv_heads, config.head_dim)
+    """The ``[num_layers, 2, num_blocks, num_kv_heads, width]`` pool in ``dtype`` on
+    ``device`` (``width`` of :func:`kernels.paged_attention.kv_pool_shape`), from ``factory``
+    (e.g. shared memory) or uninitialized ``torch.empty`` when None."""
+    shape = kv_pool_shape(
+        config.num_layers, num_blocks, block_size, num_kv_heads, config.head_dim, dtype
+    )
     if factory is None:
         return torch.empty(shape, dtype=dtype, device=device)
     return factory(shape, dtype, device)
@@ -92,8 +104,8 @@ def profile_cuda_kv_budget(
     ``min(max_num_batched_tokens, max_model_len)`` tokens of one sequence on ``device``:
     ``utilization * total - (peak torch memory + memory used outside torch)``, at least 0.
 
-    The profiling pool (the blocks of that one sequence, zeros in ``dtype``) is left out of the
-    peak: the real pool replaces it.
+    The profiling pool (the blocks of that one sequence, zeros in ``dtype``: the pool's, the
+    model's or int8) is left out of the peak: the real pool replaces it.
     """
     c = model.config
     tokens = max(1, min(max_num_batched_tokens, max_model_len))
@@ -102,7 +114,7 @@ def profile_cuda_kv_budget(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     hq, hkv = model.num_heads, model.num_kv_heads
-    shape = kv_pool_shape(c.num_layers, blocks, block_size, hkv, c.head_dim)
+    shape = kv_pool_shape(c.num_layers, blocks, block_size, hkv, c.head_dim, dtype)
     pool = torch.zeros(shape, dtype=dtype, device=device)
     pool_bytes = pool.numel() * pool.element_size()
     with torch.inference_mode():

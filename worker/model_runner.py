@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sluiceway.kernels.backend import get_attention_backend
+from sluiceway.kernels.kv_quant import check_kv_cache_backend, kv_cache_torch_dtype
 from sluiceway.model_files import resolve_max_model_len, served_model_name
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.worker.kv_sizing import (
@@ -116,6 +117,11 @@ class ModelRunner:
             :func:`worker.parallel.init_tensor_parallel`; the runner then loads only its shard
             (``Hkv / N`` KV heads in its pool), every rank must execute the same steps in the
             same order, and only rank 0 samples (see :meth:`execute`).
+        kv_cache_dtype: ``auto`` (the pool in the model's dtype) or ``int8`` (values and
+            per-token scales, :mod:`kernels.kv_quant`: about twice bfloat16's blocks in the
+            same memory); with the Triton backend only its batch-invariant unified kernel
+            reads int8 (refused with ``SLUICEWAY_BATCH_INVARIANT=0``); or ``fp8_e4m3`` (the same
+            layout in float8 e4m3; torch and cpu backends only).
         enforce_eager: never run decode steps through CUDA graphs (vLLM's flag). Graphs are
             captured on CUDA with the Triton backend and one rank
             (:mod:`worker.cuda_graphs`); everywhere else steps run eagerly anyway.
@@ -129,7 +135,8 @@ class ModelRunner:
     Attributes beyond the base API: ``model`` (:class:`worker.model.LlamaForCausalLM`),
     ``config`` (:class:`worker.model.ModelConfig`), ``kv_pool`` (the
     ``[num_layers, 2, num_blocks, Hkv, block_size * D]`` tensor, layout in
-    :mod:`kernels.paged_attention`, ``Hkv`` the rank's KV heads), ``bytes_per_block``,
+    :mod:`kernels.paged_attention`, ``Hkv`` the rank's KV heads), ``kv_dtype`` (the pool's
+    dtype: the model's, or ``torch.int8``), ``bytes_per_block``,
     ``last_timings`` (:class:`StepTimings` of the last :meth:`execute`),
     ``last_prompt_logprobs`` (the :class:`worker.prompt_logprobs.PromptLogprobs` the last
     :meth:`execute` computed, on rank 0, for sequences that ask for them), ``tp``
@@ -137,7 +144,8 @@ class ModelRunner:
 
     Raises:
         worker.loader.ModelLoadError, worker.model.UnsupportedModelError: bad model folder.
-        ValueError: a bad dtype, a memory budget too small for one block, a ``max_model_len``
+        ValueError: a bad dtype or kv_cache_dtype, ``kv_cache_dtype='int8'`` with the Triton
+            backend's non-batch-invariant kernels, a memory budget too small for one block, a ``max_model_len``
             above the model's (:func:`sluiceway.model_files.resolve_max_model_len`), or a model
             ``tensor_parallel_size`` cannot split (:func:`worker.parallel.check_tensor_parallel`).
         RuntimeError: ``tensor_parallel_size > 1`` without an initialised process group.
@@ -161,6 +169,7 @@ class ModelRunner:
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         model: LlamaForCausalLM | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         model_dir = pathlib.Path(model_dir)
         self.model_dir = model_dir
@@ -174,6 +183,7 @@ class ModelRunner:
         check_tensor_parallel(self.config, tensor_parallel_size)
         self.tp = joined_group(tensor_parallel_rank, tensor_parallel_size)
         self._dtype = resolve_dtype(dtype, self._device)
+        self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, self._dtype)
         self._block_size = block_size
         self._max_model_len = resolve_max_model_len(
             max_model_len, self.config.max_position_embeddings
@@ -189,19 +199,20 @@ class ModelRunner:
         )
         self.attention_backend = get_attention_backend(attention_backend, self._device)
         self.model.attention_backend = self.attention_backend
+        check_kv_cache_backend(self.kv_dtype, self.attention_backend)
         self.quantization = apply_quantization(
             quantization, self.model, model_dir, dtype=self._dtype, backend=self.attention_backend
         )
         # before the CUDA profiling forward and the graph capture, which run the model
         select_linear_kernels(self.model, self.attention_backend, self._dtype)
         hkv = self.model.num_kv_heads  # the rank's
-        self.bytes_per_block = kv_bytes_per_block(self.config, hkv, block_size, self._dtype)
+        self.bytes_per_block = kv_bytes_per_block(self.config, hkv, block_size, self.kv_dtype)
         if kv_cache_memory is None:
             if self._device.type == "cuda":
                 kv_cache_memory = profile_cuda_kv_budget(
                     self.model,
                     self.attention_backend,
-                    dtype=self._dtype,
+                    dtype=self.kv_dtype,
                     device=self._device,
                     block_size=block_size,
                     max_model_len=self._max_model_len,
@@ -217,7 +228,7 @@ class ModelRunner:
             num_blocks=self._num_blocks,
             block_size=block_size,
             num_kv_heads=hkv,
-            dtype=self._dtype,
+            dtype=self.kv_dtype,
             device=self._device,
         )
         self._kv_caches = list(self.kv_pool.unbind(0))
@@ -245,13 +256,14 @@ class ModelRunner:
     def _log_start(self) -> None:
         """The start line: model, dtype, device, KV pool, kernels."""
         log.info(
-            "model %s: %s on %s, %d KV blocks of %d tokens (%d bytes each), max_model_len %d, "
-            "attention backend %s%s, %s",
+            "model %s: %s on %s, %d KV blocks of %d tokens (%s, %d bytes each), max_model_len "
+            "%d, attention backend %s%s, %s",
             self._model_id,
             self._dtype,
             self._device,
             self._num_blocks,
             self._block_size,
+            self.kv_dtype,
             self.bytes_per_block,
             self._max_model_len,
             self.attention_backend.name,
@@ -310,7 +322,7 @@ class ModelRunner:
 
     @property
     def dtype(self) -> torch.dtype:
-        """Weights and KV pool dtype."""
+        """The weights' dtype (the KV pool's too unless ``kv_dtype`` is ``torch.int8``)."""
         return self._dtype
 
     @property

@@ -8,9 +8,15 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <ATen/Dispatch.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 // Runs the statement list with `scalar_t` bound to the tensor dtype's C++ type, for the
@@ -34,6 +40,16 @@ inline float to_float(c10::BFloat16 x) {
 }
 
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// An int8 or fp8 KV cache's value (kernels/kv_quant.py): exact in float32.
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+
+// A quantized KV cache's element type: values with a float32 scale per token after them.
+template <typename C>
+constexpr bool is_quantized_kv() {
+  return std::is_same_v<C, int8_t> || std::is_same_v<C, c10::Float8_e4m3fn>;
+}
 
 template <typename T>
 inline T from_float(float x);
@@ -69,6 +85,8 @@ namespace sluiceway {
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef int8_t v16i8 __attribute__((vector_size(16)));
+typedef int16_t v16i16 __attribute__((vector_size(32)));
 
 inline v16f splat(float x) { return v16f{} + x; }
 
@@ -88,6 +106,36 @@ inline v16f load16(const c10::Half* p) {
   v16f v;
   for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
   return v;
+}
+
+// 16 int8 values (an int8 KV cache's) widened to float32: vpmovsxbd + vcvtdq2ps with
+// AVX-512; GCC 12 turns a direct int8 -> float __builtin_convertvector into 16 scalar
+// conversions, so elsewhere the widening goes through int16 and int32 vectors.
+inline v16f load16(const int8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#else
+  v16i8 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(raw, v16i16), v16i),
+                                 v16f);
+#endif
+}
+
+// 16 e4m3 values widened exactly: sign | exponent-and-mantissa << 7 is the fp16 of the value
+// times 2**-8 (bias 15 vs 7, subnormals included), then vcvtph2ps and * 256.
+inline v16f load16(const c10::Float8_e4m3fn* p) {
+#if defined(__AVX512F__)
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return reinterpret_cast<v16f>(_mm512_cvtph_ps(h)) * 256.0f;
+#else
+  v16f v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
 }
 
 inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }

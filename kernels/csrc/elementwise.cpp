@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "cpu_math.h"
 
@@ -142,14 +143,63 @@ void rotate(T* x, const float* cos, const float* sin, int half) {
   }
 }
 
+// One token's head `x` [D] into an int8 cache row (kernels/kv_quant.py's rule, the torch
+// reference's bits): scale = amax(|x|) / 127, q = round-half-even(x / scale) in [-127, 127] (0
+// when the scale is 0), written with stride `stride` from `q`, the scale to `*scale`.
+// D a multiple of 16: 16 lanes at a time, rounding by adding and subtracting 1.5 * 2**23 (round
+// to nearest, ties to even, exact for |y| < 2**22: here |y| <= 127), which is rint's value.
 template <typename T>
+void quantize_head(const T* x, int d, int8_t* q, int64_t stride, float* scale) {
+  float amax = 0.0f;
+  if (d % 16 == 0) {
+    v16f m = splat(0.0f);
+    for (int i = 0; i < d; i += 16) {
+      const v16f a = reinterpret_cast<v16f>(reinterpret_cast<v16i>(load16(x + i)) & 0x7FFFFFFF);
+      m = a > m ? a : m;
+    }
+    amax = reduce_max(m);
+  } else {
+    for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+  }
+  const float s = amax / 127.0f;
+  *scale = s;
+  if (d % 16 == 0 && s > 0.0f) {
+    for (int i = 0; i < d; i += 16) {
+      v16f r = (load16(x + i) / s + 12582912.0f) - 12582912.0f;
+      r = r > 127.0f ? splat(127.0f) : r;
+      r = r < -127.0f ? splat(-127.0f) : r;
+      const v16i qi = __builtin_convertvector(r, v16i);
+      for (int j = 0; j < 16; ++j) q[(i + j) * stride] = static_cast<int8_t>(qi[j]);
+    }
+    return;
+  }
+  for (int i = 0; i < d; ++i) {
+    const float r = s > 0.0f ? std::nearbyint(to_float(x[i]) / s) : 0.0f;  // ties to even
+    q[i * stride] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+  }
+}
+
+// The fp8 rule: scale = amax / 448, q = c10's float -> e4m3 cast of x / scale (torch's .to()).
+template <typename T>
+void quantize_head(const T* x, int d, c10::Float8_e4m3fn* q, int64_t stride, float* scale) {
+  float amax = 0.0f;
+  for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+  const float s = amax / 448.0f;
+  *scale = s;
+  const float safe = s > 0.0f ? s : 1.0f;
+  for (int i = 0; i < d; ++i) q[i * stride] = c10::Float8_e4m3fn(to_float(x[i]) / safe);
+}
+
+// C: the cache's element type, T (a copy) or int8_t (quantized, kernels/kv_quant.py layout).
+template <typename T, typename C>
 void rotary_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                           const at::Tensor& sin, at::Tensor& kv_cache,
                           const at::Tensor& slot_mapping, int num_heads, int num_kv_heads) {
+  constexpr bool kQuant = is_quantized_kv<C>();
   const int64_t tokens = qkv.size(0);
   const int head_dim = static_cast<int>(cos.size(1)) * 2;
   const int half = head_dim / 2;
-  const int block_size = static_cast<int>(kv_cache.size(3) / head_dim);
+  const int block_size = static_cast<int>(kv_cache.size(3) / (head_dim + (kQuant ? 4 : 0)));
   T* base = qkv.data_ptr<T>();
   const int64_t row_stride = qkv.stride(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -162,8 +212,8 @@ void rotary_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at
   }
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  T* key_cache = kv_cache.data_ptr<T>();
-  T* value_cache = key_cache + kv_cache.stride(0);
+  C* key_cache = kv_cache.data_ptr<C>();
+  C* value_cache = key_cache + kv_cache.stride(0);
   const int64_t block_stride = kv_cache.stride(1);
   const int64_t head_stride = kv_cache.stride(2);
   at::parallel_for(0, tokens, grain_rows(4 * row_stride), [&](int64_t begin, int64_t end) {
@@ -178,10 +228,17 @@ void rotary_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at
       for (int h = 0; h < num_kv_heads; ++h) {
         const T* k = row + (num_heads + h) * head_dim;
         const T* v = row + (num_heads + num_kv_heads + h) * head_dim;
-        T* kb = key_cache + block * block_stride + h * head_stride;  // [D, block_size]
-        T* vb = value_cache + block * block_stride + h * head_stride + offset * head_dim;
-        for (int i = 0; i < head_dim; ++i) kb[i * block_size + offset] = k[i];
-        for (int i = 0; i < head_dim; ++i) vb[i] = v[i];
+        C* kb = key_cache + block * block_stride + h * head_stride;  // [D, block_size]
+        C* vb = value_cache + block * block_stride + h * head_stride;  // [block_size, D]
+        if constexpr (kQuant) {  // the scales follow the row's block_size * D values
+          float* ks = reinterpret_cast<float*>(kb + block_size * head_dim);
+          float* vs = reinterpret_cast<float*>(vb + block_size * head_dim);
+          quantize_head(k, head_dim, kb + offset, block_size, ks + offset);
+          quantize_head(v, head_dim, vb + offset * head_dim, 1, vs + offset);
+        } else {
+          for (int i = 0; i < head_dim; ++i) kb[i * block_size + offset] = k[i];
+          for (int i = 0; i < head_dim; ++i) vb[offset * head_dim + i] = v[i];
+        }
       }
     }
   });
@@ -287,19 +344,34 @@ void rotary_embedding_write_kv(at::Tensor& qkv, const at::Tensor& positions,
   TORCH_CHECK(head_dim > 0, "cos and sin must have D / 2 > 0 columns");
   TORCH_CHECK(qkv.size(1) >= (num_heads + 2 * num_kv_heads) * head_dim,
               "qkv must hold (Hq + 2 Hkv) * D columns");
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const bool quant = kv_cache.scalar_type() == at::kChar || fp8;
+  const int64_t row = head_dim + (quant ? 4 : 0);  // per token: D values (+ a float32 scale)
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_cache.size(2) == num_kv_heads && kv_cache.size(3) >= head_dim &&
-                  kv_cache.size(3) % head_dim == 0 &&
-                  kv_cache.scalar_type() == qkv.scalar_type(),
-              "kv_cache must be a contiguous [2, num_blocks, Hkv, block_size * D] in qkv's dtype");
+                  kv_cache.size(2) == num_kv_heads && kv_cache.size(3) >= row &&
+                  kv_cache.size(3) % row == 0 &&
+                  (quant ? kv_cache.size(3) / row * head_dim % 4 == 0
+                         : kv_cache.scalar_type() == qkv.scalar_type()),
+              "kv_cache must be a contiguous [2, num_blocks, Hkv, block_size * D] in qkv's dtype "
+              "or int8/fp8 [2, num_blocks, Hkv, block_size * (D + 4)]");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
                   positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0) &&
                   positions.is_contiguous() && slot_mapping.is_contiguous(),
               "positions and slot_mapping must be contiguous int64 [T]");
-  SLUICEWAY_DISPATCH(qkv.scalar_type(), "rotary_embedding_write_kv",
-                     rotary_write_kv_impl<scalar_t>(qkv, positions, cos, sin, kv_cache,
-                                                    slot_mapping, static_cast<int>(num_heads),
-                                                    static_cast<int>(num_kv_heads)));
+  const int hq = static_cast<int>(num_heads), hkv = static_cast<int>(num_kv_heads);
+  if (fp8) {
+    SLUICEWAY_DISPATCH(qkv.scalar_type(), "rotary_embedding_write_kv",
+                       rotary_write_kv_impl<scalar_t, c10::Float8_e4m3fn>(
+                           qkv, positions, cos, sin, kv_cache, slot_mapping, hq, hkv));
+  } else if (quant) {
+    SLUICEWAY_DISPATCH(qkv.scalar_type(), "rotary_embedding_write_kv",
+                       rotary_write_kv_impl<scalar_t, int8_t>(qkv, positions, cos, sin, kv_cache,
+                                                              slot_mapping, hq, hkv));
+  } else {
+    SLUICEWAY_DISPATCH(qkv.scalar_type(), "rotary_embedding_write_kv",
+                       rotary_write_kv_impl<scalar_t, scalar_t>(qkv, positions, cos, sin,
+                                                                kv_cache, slot_mapping, hq, hkv));
+  }
 }
 
 }  // namespace sluiceway

@@ -2,7 +2,11 @@
 // in one kernel.
 //
 // Layout (kernels/paged_attention.py): kv_cache [2, num_blocks, Hkv, block_size * D]; a K block
-// of one head is stored transposed, [D, block_size], a V block as is, [block_size, D].
+// of one head is stored transposed, [D, block_size], a V block as is, [block_size, D]. An int8
+// cache (kernels/kv_quant.py) has rows of block_size * (D + 4) bytes: the int8 values in that
+// layout, then block_size float32 scales (one per token). Its scores are the float32 dot
+// product of the query with the int8 key times the key's scale; its values are summed with
+// weight probability * the value's scale: the same order for a row whatever the batch.
 //
 // One work item is (sequence, KV head, tile of up to kRowTile query rows of its chunk): the G
 // query heads of that KV head (grouped-query attention) go through each K and V block
@@ -26,6 +30,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -47,6 +52,12 @@ struct WorkItem {
   int64_t cost;  // rows x heads x blocks read: the order items are claimed in
 };
 
+// Bytes of scale per token that follow a cache row's values: 4 for int8 (one float32), else 0.
+template <typename C>
+constexpr int kv_scale_bytes() {
+  return is_quantized_kv<C>() ? 4 : 0;
+}
+
 // The first key position a row at `pos` attends to: pos - W + 1 with a window W > 0, else 0.
 inline int window_start(int pos, int window) {
   return window > 0 ? std::max(0, pos - window + 1) : 0;
@@ -59,11 +70,13 @@ inline int window_start(int pos, int window) {
 // `first` (a window's start; earlier tiles are not read): scores q . k (two partial sums, even
 // and odd dimensions, added at the end: independent FMA chains), an online-softmax step per
 // tile, and the rescaled output. Per lane the operations and their order are fixed.
-template <typename T, int ND, int NL>
+template <typename C, int ND, int NL>
 inline void attend_block(const float* __restrict__ q, float* __restrict__ acc,
                          float* __restrict__ run_max, float* __restrict__ run_sum,
-                         const T* __restrict__ kb, const T* __restrict__ vb, int bs, int first,
-                         int valid) {
+                         const C* __restrict__ kb, const C* __restrict__ vb,
+                         const float* __restrict__ ks, const float* __restrict__ vs, int bs,
+                         int first, int valid) {
+  constexpr bool kQuant = is_quantized_kv<C>();
   constexpr int D = 16 * ND;
   // output columns per pass over a tile's keys: 8 registers per lane at most (D = 256 would
   // spill otherwise); every column's sum is in key order whatever the pass
@@ -87,20 +100,27 @@ inline void attend_block(const float* __restrict__ q, float* __restrict__ acc,
     const v16f neg_inf = splat(-std::numeric_limits<float>::infinity());
     v16f prob[NL];
     float alpha[NL];
+    v16f key_scale = splat(1.0f), value_scale = splat(1.0f);
+    if constexpr (kQuant) {
+      key_scale = load16(ks + kt * 16);
+      value_scale = load16(vs + kt * 16);
+    }
     for (int l = 0; l < NL; ++l) {
-      const v16f scores = even[l] + odd[l];
+      v16f scores = even[l] + odd[l];
+      if constexpr (kQuant) scores *= key_scale;
       const float mx = std::max(run_max[l], reduce_max(seen ? scores : neg_inf));
       alpha[l] = fast_exp(run_max[l] - mx);
       prob[l] = seen ? fast_exp16(scores - mx) : splat(0.0f);
       run_sum[l] = run_sum[l] * alpha[l] + reduce_sum(prob[l]);
       run_max[l] = mx;
+      if constexpr (kQuant) prob[l] *= value_scale;  // the weight of an int8 value row
     }
     for (int j0 = 0; j0 < ND; j0 += JC) {
       v16f o[NL][JC];
       for (int l = 0; l < NL; ++l)
         for (int j = 0; j < JC; ++j) o[l][j] = load16(acc + l * D + 16 * (j0 + j)) * alpha[l];
       for (int t = tile_first; t < tile_valid; ++t) {
-        const T* vrow = vb + (kt * 16 + t) * D + 16 * j0;
+        const C* vrow = vb + (kt * 16 + t) * D + 16 * j0;
         v16f v[JC];
         for (int j = 0; j < JC; ++j) v[j] = load16(vrow + 16 * j);
         for (int l = 0; l < NL; ++l) {
@@ -116,13 +136,15 @@ inline void attend_block(const float* __restrict__ q, float* __restrict__ acc,
 
 // ---- the generic path: any block size and head dimension (scalar loops) -----------------
 
-template <typename T>
+template <typename C>
 void attend_block_generic(const float* q, float* acc, float* run_max, float* run_sum,
-                          const T* kb, const T* vb, int bs, int d, int first, int valid,
-                          float* s) {
+                          const C* kb, const C* vb, const float* ks, const float* vs, int bs,
+                          int d, int first, int valid, float* s) {
+  constexpr bool kQuant = is_quantized_kv<C>();
   for (int t = first; t < valid; ++t) {
     float dot = 0.0f;
     for (int i = 0; i < d; ++i) dot += q[i] * to_float(kb[i * bs + t]);
+    if constexpr (kQuant) dot *= ks[t];
     s[t] = dot;
   }
   float mx = *run_max;
@@ -136,18 +158,23 @@ void attend_block_generic(const float* q, float* acc, float* run_max, float* run
   *run_sum = *run_sum * alpha + sum;
   *run_max = mx;
   for (int i = 0; i < d; ++i) acc[i] *= alpha;
-  for (int t = first; t < valid; ++t)
-    for (int i = 0; i < d; ++i) acc[i] += s[t] * to_float(vb[t * d + i]);
+  for (int t = first; t < valid; ++t) {
+    float w = s[t];
+    if constexpr (kQuant) w *= vs[t];
+    for (int i = 0; i < d; ++i) acc[i] += w * to_float(vb[t * d + i]);
+  }
 }
 
-// What every work item of a step shares: the tensors' pointers and the geometry.
-template <typename T>
+// What every work item of a step shares: the tensors' pointers and the geometry. T: the
+// query's and output's dtype; C: the cache's (T, or int8_t with scales after each row's values).
+template <typename T, typename C>
 struct Step {
   const T* query;
   int64_t query_row_stride;
-  const T* key_cache;
-  const T* value_cache;
+  const C* key_cache;
+  const C* value_cache;
   int64_t cache_block_stride;
+  int64_t cache_head_stride;  // elements of one (block, KV head) row, scales included
   const int32_t* tables;
   int64_t table_stride;
   const int32_t* context_lens;
@@ -164,12 +191,12 @@ struct Step {
 // Asks for the K and V of a block a few blocks ahead: blocks are scattered runs of bs * D
 // elements, the hardware prefetchers do not see the next one coming (memory latency, not
 // bandwidth, bounds the block loop otherwise).
-template <typename T>
-inline void prefetch_block(const Step<T>& st, int64_t block, int64_t head_offset) {
+template <typename T, typename C>
+inline void prefetch_block(const Step<T, C>& st, int64_t block, int64_t head_offset) {
   const int64_t ahead = block * st.cache_block_stride + head_offset;
   const char* kn = reinterpret_cast<const char*>(st.key_cache + ahead);
   const char* vn = reinterpret_cast<const char*>(st.value_cache + ahead);
-  const int block_bytes = static_cast<int>(st.block_size * st.head_dim * sizeof(T));
+  const int block_bytes = static_cast<int>(st.cache_head_stride * sizeof(C));
   for (int line = 0; line < block_bytes; line += 64) {
     __builtin_prefetch(kn + line);
     __builtin_prefetch(vn + line);
@@ -180,8 +207,8 @@ inline void prefetch_block(const Step<T>& st, int64_t block, int64_t head_offset
 // heads [head_begin, head_end) of one KV head's group. ND > 0: the vectorized path with
 // D = 16 * ND; 0: generic. Blocks run from the first one the item's first row needs (its
 // window's start) to its last row's position; each row skips the blocks before its own.
-template <typename T, int ND>
-void attend_item(const WorkItem& item, const Step<T>& st, std::vector<float>& scratch) {
+template <typename T, typename C, int ND>
+void attend_item(const WorkItem& item, const Step<T, C>& st, std::vector<float>& scratch) {
   const int d = ND ? 16 * ND : st.head_dim;
   const int bs = st.block_size;
   const int group = st.num_heads / st.num_kv_heads;
@@ -213,11 +240,14 @@ void attend_item(const WorkItem& item, const Step<T>& st, std::vector<float>& sc
   const int first_block = window_start(row0_pos, st.window) / bs;
   const int num_blocks = last_pos / bs + 1;
   const int32_t* table = st.tables + item.seq * st.table_stride;
-  const int64_t head_offset = static_cast<int64_t>(item.kv_head) * bs * d;
+  const int64_t head_offset = static_cast<int64_t>(item.kv_head) * st.cache_head_stride;
   for (int b = first_block; b < num_blocks; ++b) {
     const int64_t block = table[b];
-    const T* kb = st.key_cache + block * st.cache_block_stride + head_offset;
-    const T* vb = st.value_cache + block * st.cache_block_stride + head_offset;
+    const C* kb = st.key_cache + block * st.cache_block_stride + head_offset;
+    const C* vb = st.value_cache + block * st.cache_block_stride + head_offset;
+    // an int8 row's scales follow its bs * d values (unused for a float cache)
+    const float* ks = reinterpret_cast<const float*>(kb + bs * d);
+    const float* vs = reinterpret_cast<const float*>(vb + bs * d);
     if (b + kPrefetchBlocks < num_blocks)
       prefetch_block(st, table[b + kPrefetchBlocks], head_offset);
     for (int r = 0; r < rows; ++r) {
@@ -229,7 +259,7 @@ void attend_item(const WorkItem& item, const Step<T>& st, std::vector<float>& sc
         for (int g = 0; g < heads; ++g) {
           const int lane = r * heads + g;
           attend_block_generic(q + lane * d, acc + lane * d, run_max + lane, run_sum + lane,
-                               kb, vb, bs, d, first, valid, s);
+                               kb, vb, ks, vs, bs, d, first, valid, s);
         }
       } else {
         for (int g = 0; g < heads; g += 4) {
@@ -237,10 +267,10 @@ void attend_item(const WorkItem& item, const Step<T>& st, std::vector<float>& sc
           float *ql = q + lane * d, *al = acc + lane * d;
           float *mx = run_max + lane, *sm = run_sum + lane;
           switch (std::min(4, heads - g)) {
-            case 4: attend_block<T, ND, 4>(ql, al, mx, sm, kb, vb, bs, first, valid); break;
-            case 3: attend_block<T, ND, 3>(ql, al, mx, sm, kb, vb, bs, first, valid); break;
-            case 2: attend_block<T, ND, 2>(ql, al, mx, sm, kb, vb, bs, first, valid); break;
-            default: attend_block<T, ND, 1>(ql, al, mx, sm, kb, vb, bs, first, valid);
+            case 4: attend_block<C, ND, 4>(ql, al, mx, sm, kb, vb, ks, vs, bs, first, valid); break;
+            case 3: attend_block<C, ND, 3>(ql, al, mx, sm, kb, vb, ks, vs, bs, first, valid); break;
+            case 2: attend_block<C, ND, 2>(ql, al, mx, sm, kb, vb, ks, vs, bs, first, valid); break;
+            default: attend_block<C, ND, 1>(ql, al, mx, sm, kb, vb, ks, vs, bs, first, valid);
           }
         }
       }
@@ -308,16 +338,16 @@ std::vector<WorkItem> plan_items(const int32_t* ctx, const int32_t* qsl, const i
   return items;
 }
 
-template <typename T>
+template <typename T, typename C>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                           const at::Tensor& block_tables, const at::Tensor& context_lens,
                           const at::Tensor& query_start_loc, double scale, int64_t window) {
   const int num_seqs = static_cast<int>(context_lens.size(0));
-  Step<T> st;
+  Step<T, C> st;
   st.num_heads = static_cast<int>(query.size(1));
   st.head_dim = static_cast<int>(query.size(2));
   st.num_kv_heads = static_cast<int>(kv_cache.size(2));
-  st.block_size = static_cast<int>(kv_cache.size(3) / st.head_dim);
+  st.block_size = static_cast<int>(kv_cache.size(3) / (st.head_dim + kv_scale_bytes<C>()));
   st.context_lens = context_lens.data_ptr<int32_t>();
   st.query_start_loc = query_start_loc.data_ptr<int32_t>();
   st.tables = block_tables.data_ptr<int32_t>();
@@ -334,19 +364,21 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
 
   st.query = query.data_ptr<T>();
   st.query_row_stride = query.stride(0);
-  st.key_cache = kv_cache.data_ptr<T>();
+  st.key_cache = kv_cache.data_ptr<C>();
   st.value_cache = st.key_cache + kv_cache.stride(0);
   st.cache_block_stride = kv_cache.stride(1);
+  st.cache_head_stride = kv_cache.stride(2);
   st.out = out.data_ptr<T>();
   st.scale = static_cast<float>(scale);
-  void (*attend)(const WorkItem&, const Step<T>&, std::vector<float>&) = attend_item<T, 0>;
+  void (*attend)(const WorkItem&, const Step<T, C>&, std::vector<float>&) =
+      attend_item<T, C, 0>;
   if (st.block_size % 16 == 0) {
     switch (st.head_dim) {
-      case 32: attend = attend_item<T, 2>; break;
-      case 64: attend = attend_item<T, 4>; break;
-      case 96: attend = attend_item<T, 6>; break;
-      case 128: attend = attend_item<T, 8>; break;
-      case 256: attend = attend_item<T, 16>; break;
+      case 32: attend = attend_item<T, C, 2>; break;
+      case 64: attend = attend_item<T, C, 4>; break;
+      case 96: attend = attend_item<T, C, 6>; break;
+      case 128: attend = attend_item<T, C, 8>; break;
+      case 256: attend = attend_item<T, C, 16>; break;
       default: break;
     }
   }
@@ -369,9 +401,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be [T, Hq, D]");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, Hkv, block_size * D]");
-  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() &&
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const bool quant = kv_cache.scalar_type() == at::kChar || fp8;
+  TORCH_CHECK((quant || kv_cache.scalar_type() == query.scalar_type()) &&
                   out.scalar_type() == query.scalar_type(),
-              "query, out and kv_cache must share a dtype");
+              "query, out and kv_cache must share a dtype (or kv_cache int8)");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt,
               "block_tables, context_lens and query_start_loc must be int32");
@@ -380,12 +414,28 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
               "context_lens and query_start_loc must be contiguous");
   TORCH_CHECK(kv_cache.size(2) > 0 && query.size(2) > 0 && query.size(1) % kv_cache.size(2) == 0,
               "Hq must be a positive multiple of Hkv");
-  TORCH_CHECK(kv_cache.size(3) >= query.size(2) && kv_cache.size(3) % query.size(2) == 0,
-              "kv_cache width must be block_size * D");
-  SLUICEWAY_DISPATCH(query.scalar_type(), "paged_attention",
-                     paged_attention_impl<scalar_t>(out, query, kv_cache, block_tables,
-                                                    context_lens, query_start_loc, scale,
-                                                    sliding_window));
+  const int64_t row = query.size(2) + (quant ? 4 : 0);  // per token: D values (+ a scale)
+  TORCH_CHECK(kv_cache.size(3) >= row && kv_cache.size(3) % row == 0 &&
+                  (!quant || kv_cache.size(3) / row * query.size(2) % 4 == 0),
+              "kv_cache width must be block_size * D (int8: block_size * (D + 4), "
+              "block_size * D a multiple of 4)");
+  if (fp8) {
+    SLUICEWAY_DISPATCH(query.scalar_type(), "paged_attention",
+                       paged_attention_impl<scalar_t, c10::Float8_e4m3fn>(
+                           out, query, kv_cache, block_tables, context_lens, query_start_loc,
+                           scale, sliding_window));
+  } else if (quant) {
+    SLUICEWAY_DISPATCH(query.scalar_type(), "paged_attention",
+                       paged_attention_impl<scalar_t, int8_t>(out, query, kv_cache, block_tables,
+                                                              context_lens, query_start_loc,
+                                                              scale, sliding_window));
+  } else {
+    SLUICEWAY_DISPATCH(query.scalar_type(), "paged_attention",
+                       paged_attention_impl<scalar_t, scalar_t>(out, query, kv_cache,
+                                                                block_tables, context_lens,
+                                                                query_start_loc, scale,
+                                                                sliding_window));
+  }
 }
 
 }  // namespace sluiceway

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sluiceway.argtypes import byte_size, positive_int
+from sluiceway.options import add_option
+from sluiceway.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     import torch
@@ -238,7 +240,10 @@ def _setup(args: argparse.Namespace, device: torch.device, max_batch: int) -> _S
         distribution = {"kind": "sharegpt", "output_share": "uniform 1..128"}
     if args.context_len is not None:
         distribution = {"kind": "fixed", "context_len": args.context_len}
-    bytes_per_block = kv_bytes_per_block(config, config.num_kv_heads, BLOCK_SIZE, dtype)
+    from sluiceway.kernels.kv_quant import kv_cache_torch_dtype
+
+    kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
+    bytes_per_block = kv_bytes_per_block(config, config.num_kv_heads, BLOCK_SIZE, kv_dtype)
     needed = sum(-(-n // BLOCK_SIZE) for n in lens)
     kv_cache_memory = args.kv_cache_memory or needed * bytes_per_block
     runner = ModelRunner(
@@ -252,6 +257,7 @@ def _setup(args: argparse.Namespace, device: torch.device, max_batch: int) -> _S
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         model=model,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     del model
     setup_s = time.perf_counter() - t_setup
@@ -369,6 +375,7 @@ def _write_report(
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "attention_backend": runner.attention_backend.name,
         "quantization": runner.quantization,
         "cuda_graphs": graphs is not None,
@@ -483,8 +490,6 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="as the worker resolves it",
     )
-    from sluiceway.options import add_option
-    from sluiceway.worker.config import WorkerConfig
 
     add_option(p, "quantization", WorkerConfig.options()["quantization"])
     p.add_argument(
@@ -498,6 +503,7 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="capture no CUDA graphs: time the eager steps only",
     )
+    add_option(p, "kv_cache_dtype", WorkerConfig.options()["kv_cache_dtype"])
     p.add_argument(
         "--kv-cache-memory",
         type=byte_size("no room for a KV block"),

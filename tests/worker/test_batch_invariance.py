@@ -2,7 +2,8 @@
 C++ kernels, the bfloat16 GEMM or, with --quantization gguf, the quantized one, the bfloat16 ->
 float32 logits GEMM), with SmolLM2's real weights: a prompt's logits at every position are bitwise the same computed alone, beside
 decodes and other prefills in one step, in other chunkings, and over a prefix whose K/V another
-sequence computed (a prefix-cache hit). No tolerance: equal bits."""
+sequence computed (a prefix-cache hit). No tolerance: equal bits. Each test runs with the KV
+pool in bfloat16, in int8 and in fp8 (``--kv-cache-dtype int8|fp8_e4m3``)."""
 
 from __future__ import annotations
 
@@ -38,18 +39,28 @@ class Blocks:
             seq.block_table.append(self.free.pop())
 
 
-@pytest.fixture(scope="module", params=["gguf", "none"])
+@pytest.fixture(
+    scope="module",
+    params=[("gguf", "auto"), ("none", "auto"), ("gguf", "int8"), ("gguf", "fp8_e4m3")],
+    ids=lambda p: "-".join(p),
+)
 def runner(request: pytest.FixtureRequest) -> ModelRunner:
-    """The embedded GGUF's weights in their Q4_1/Q8_0 blocks (--quantization gguf, the
-    default) and dequantized (none)."""
+    """The bfloat16 runner: the embedded GGUF's weights in their Q4_1/Q8_0 blocks
+    (--quantization gguf, the default) or dequantized (none); its KV pool in bfloat16 (auto),
+    int8 or fp8 (``--kv-cache-dtype``: a token's quantized K/V depend on its own values only,
+    so the same invariance holds)."""
+    quantization, kv_cache_dtype = request.param
     r = ModelRunner(
         resolve_model(None),
         dtype="bfloat16",
-        quantization=request.param,
+        quantization=quantization,
         block_size=BLOCK,
         kv_cache_memory=96 << 20,
+        kv_cache_dtype=kv_cache_dtype,
     )
-    assert r.attention_backend.name == "cpu" and r.quantization == request.param
+    assert r.attention_backend.name == "cpu" and r.quantization == quantization
+    kv = {"auto": torch.bfloat16, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+    assert r.kv_pool.dtype == kv[kv_cache_dtype]
     return r
 
 

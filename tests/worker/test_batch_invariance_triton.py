@@ -2,7 +2,8 @@
 through ModelRunner with the Triton backend (the unified attention, the Triton matmul for
 every linear and the logits, the Triton RMSNorm). A prompt's logits at every position are
 bitwise the same alone, beside decodes and other prefills, in other chunkings and over a
-prefix-cache hit; seeded and greedy tokens the same alone and in a batch.
+prefix-cache hit; seeded and greedy tokens the same alone and in a batch. Each test runs with
+the KV pool in bfloat16 and in int8 (``--kv-cache-dtype int8``).
 
 Without CUDA the kernels run in Triton's interpreter (what CI checks: the kernels' structure;
 ``scripts/gpu_check.sh`` runs this file on a GPU, where the tensor cores are checked too).
@@ -27,13 +28,15 @@ BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_models: dict[str, pathlib.Path]) -> ModelRunner:
+@pytest.fixture(scope="module", params=["auto", "int8"])
+def runner(tiny_models: dict[str, pathlib.Path], request: pytest.FixtureRequest) -> ModelRunner:
+    """The runner with its KV pool in bfloat16 (auto) or int8 (``--kv-cache-dtype int8``)."""
     r = ModelRunner(
         tiny_models["llama3-rope-bias"], device=DEVICE, dtype="bfloat16", block_size=BLOCK,
-        kv_cache_memory=1 << 20, attention_backend="triton",
+        kv_cache_memory=1 << 20, attention_backend="triton", kv_cache_dtype=request.param,
     )  # fmt: skip
     assert r.attention_backend.name == "triton" and r.attention_backend.batch_invariant
+    assert (r.kv_pool.dtype == torch.int8) == (request.param == "int8")
     assert r.model.triton_ops is not None and r.batch_invariant
     return r
 
