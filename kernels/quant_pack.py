@@ -96,7 +96,7 @@ def pack_gguf(
     """The ``[n, k]`` tensor of GGUF blocks ``raw`` (uint8, row-major blocks, e.g.
     ``GGUFReader``'s ``t.data``) -> :class:`QuantWeight`, with its rows reordered by ``rows``
     (int ``[n]``: output row i is the file's row ``rows[i]``), e.g. the inverse of llama.cpp's
-    rotary permutation of Q/K (``model_files.reverse_permute`` applied to
+    rotary permutation of Q/K (``gguf_blocks.reverse_permute`` applied to
     ``np.arange(n)[:, None]``). Bits a weight: :data:`BITS` (plus N's padding to 16).
 
     Raises:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "is_block_weight",
     "permuted_heads",
     "read_blocks",
+    "reverse_permute",
     "write_blocks",
 ]
 
@@ -50,13 +52,21 @@ class GgufBlocks:
 
     def hf_rows(self) -> np.ndarray:
         """int64 ``[N]``: HF row ``i`` is the file's row ``hf_rows()[i]`` (the inverse of the
-        rotary permutation, :func:`sluiceway.model_files.reverse_permute` on row indices)."""
-        n = self.shape[0]
-        rows = np.arange(n, dtype=np.int64)
-        if not self.permuted_heads:
-            return rows
-        heads = self.permuted_heads
-        return rows.reshape(heads, n // heads // 2, 2).swapaxes(2, 1).reshape(n)
+        rotary permutation: :func:`reverse_permute` of the row indices)."""
+        rows = np.arange(self.shape[0], dtype=np.int64)
+        return reverse_permute(rows, self.permuted_heads) if self.permuted_heads else rows
+
+
+def reverse_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (``convert_hf_to_gguf`` ``permute``), exactly as
+    transformers' ``LlamaTensorProcessor._reverse_permute_weights``: rows ``[n_head * 2 *
+    (D / 2), ...]`` go from interleaved rotary pairs back to the rotate-half order.
+
+    ``n_head`` is ``num_attention_heads`` for Q and ``num_key_value_heads`` for K.
+    """
+    dim = weights.shape[0] // n_head // 2
+    w = weights.reshape(n_head, dim, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)
 
 
 def is_block_weight(qtype_name: str, ndim: int, hf_name: str) -> bool:
@@ -100,22 +110,32 @@ def has_blocks(folder: pathlib.Path) -> bool:
 
 def read_blocks(folder: pathlib.Path) -> dict[str, GgufBlocks]:
     """The blocks :func:`write_blocks` wrote into ``folder`` (empty when there are none),
-    memory-mapped.
+    memory-mapped read-only (the file is safetensors: an 8-byte little-endian header length,
+    a JSON header of ``dtype``/``shape``/``data_offsets`` per tensor and ``__metadata__``,
+    then the data; read here without copying it into process memory).
 
     Raises:
-        ValueError: the file lacks the metadata that says what its tensors are.
+        ValueError: a file that is not such safetensors, or lacks the metadata that says what
+            its tensors are (the message names the file; deleting the converted folder makes
+            the next start convert again).
     """
     path = folder / BLOCKS_FILE
     if not path.is_file():
         return {}
-    from safetensors import safe_open
-
-    out: dict[str, GgufBlocks] = {}
-    with safe_open(str(path), framework="np") as f:
-        meta: dict[str, Any] = json.loads((f.metadata() or {}).get(_METADATA_KEY, "null") or "{}")
-        if not meta:
-            raise ValueError(f"{path} does not say what its tensors are (no {_METADATA_KEY})")
+    try:
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        meta: dict[str, Any] = json.loads(header["__metadata__"][_METADATA_KEY])
+        data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + length)
+        out = {}
         for name, m in meta.items():
+            begin, end = header[name]["data_offsets"]
             n, k = (int(v) for v in m["shape"])
-            out[name] = GgufBlocks(f.get_tensor(name), m["type"], (n, k), int(m["permuted_heads"]))
+            out[name] = GgufBlocks(data[begin:end], m["type"], (n, k), int(m["permuted_heads"]))
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        raise ValueError(
+            f"{path} is not a readable GGUF blocks file ({type(e).__name__}: {e}); delete "
+            f"{folder} to convert the GGUF again"
+        ) from None
     return out

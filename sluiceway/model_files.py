@@ -31,7 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from sluiceway.gguf_blocks import GgufBlocks, is_block_weight, permuted_heads, write_blocks
+from sluiceway.gguf_blocks import (
+    GgufBlocks,
+    is_block_weight,
+    permuted_heads,
+    reverse_permute,
+    write_blocks,
+)
 
 __all__ = [
     "EMBEDDED_MODEL_FILE",
@@ -255,7 +261,8 @@ def convert_gguf(gguf_path: pathlib.Path, cache: pathlib.Path | None = None) -> 
     and renamed into place under an exclusive lock, so concurrent callers convert once and
     never see partial output. It holds ``config.json``, ``model.safetensors`` (float32),
     tokenizer files with the chat template, ``generation_config.json``, ``sluiceway.json``
-    (``model_id``, source path) and the quantized weights' blocks (:mod:`.gguf_blocks`).
+    (``model_id``, source path) and the quantized weights' blocks (:mod:`.gguf_blocks`); an
+    older converter's folder of the same file is removed.
 
     Raises:
         ModelFilesError: an unsupported architecture or tensor type (before anything is
@@ -290,6 +297,9 @@ def convert_gguf(gguf_path: pathlib.Path, cache: pathlib.Path | None = None) -> 
                 shutil.rmtree(final)
             os.replace(tmp, final)
             log.info("converted %s into %s in %.1f s", gguf_path, final, time.perf_counter() - t0)
+            for old in root.glob(f"{gguf_path.stem}-{digest[:16]}-v*"):  # an older converter's
+                if old.is_dir() and old != final:
+                    shutil.rmtree(old, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -355,18 +365,6 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name == "rope_freqs.weight":
         return None
     raise ModelFilesError(f"GGUF tensor {gguf_name!r} has no HF equivalent we know")
-
-
-def reverse_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (``convert_hf_to_gguf`` ``permute``), exactly as
-    transformers' ``LlamaTensorProcessor._reverse_permute_weights``: rows ``[n_head * 2 *
-    (D / 2), ...]`` go from interleaved rotary pairs back to the rotate-half order.
-
-    ``n_head`` is ``num_attention_heads`` for Q and ``num_key_value_heads`` for K.
-    """
-    dim = weights.shape[0] // n_head // 2
-    w = weights.reshape(n_head, dim, 2, *weights.shape[1:])
-    return w.swapaxes(2, 1).reshape(weights.shape)
 
 
 def gguf_config(reader: Any) -> dict[str, Any]:

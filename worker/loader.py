@@ -266,6 +266,7 @@ def load_model(
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
     tp: TensorParallelGroup | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> LlamaForCausalLM:
     """Build the decoder for ``model_dir`` and fill it from its safetensors, in ``dtype`` on ``device``.
 
@@ -282,6 +283,9 @@ def load_model(
         max_positions: length of the rotary table (default: the config's
             ``max_position_embeddings``).
         tp: this process's tensor-parallel rank and world size (default: the whole model).
+        skip: checkpoint names not read: their parameters count as filled but are left
+            uninitialized (``--quantization gguf`` replaces them with GGUF blocks; their
+            pages are never touched).
 
     Raises:
         ModelLoadError: missing files, a tensor of the wrong shape, tensors the model needs but
@@ -323,7 +327,8 @@ def load_model(
                     unexpected.append(name)
                     continue
                 for target in targets:
-                    target.dest.copy_(_read(sf, name, target))
+                    if name not in skip:
+                        target.dest.copy_(_read(sf, name, target))
                     rows = target.rows
                     start = 0 if rows is None else rows.start
                     stop = target.param.shape[0] if rows is None else rows.stop

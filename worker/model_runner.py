@@ -47,7 +47,7 @@ from sluiceway.worker.prompt_logprobs import (
     compute_prompt_logprobs,
     plan_prompt_logprobs,
 )
-from sluiceway.worker.quantized import apply_quantization
+from sluiceway.worker.quantized import plan_quantization
 from sluiceway.worker.sampler import SamplerBuffers, sample
 from sluiceway.worker.step_inputs import (
     ScheduledChunk,
@@ -189,6 +189,12 @@ class ModelRunner:
             max_model_len, self.config.max_position_embeddings
         )
         self._model_id = served_model_name(model_dir)
+        self.attention_backend = get_attention_backend(attention_backend, self._device)
+        check_kv_cache_backend(self.kv_dtype, self.attention_backend)
+        plan = plan_quantization(
+            quantization, model_dir, num_layers=self.config.num_layers, device=self._device,
+            dtype=self._dtype, backend=self.attention_backend, tp=self.tp,
+        )  # fmt: skip
         self.model: LlamaForCausalLM = load_or_check_model(
             model_dir,
             model,
@@ -196,13 +202,10 @@ class ModelRunner:
             device=self._device,
             max_model_len=self._max_model_len,
             tp=self.tp,
+            skip=plan.skipped_names(),
         )
-        self.attention_backend = get_attention_backend(attention_backend, self._device)
         self.model.attention_backend = self.attention_backend
-        check_kv_cache_backend(self.kv_dtype, self.attention_backend)
-        self.quantization = apply_quantization(
-            quantization, self.model, model_dir, dtype=self._dtype, backend=self.attention_backend
-        )
+        self.quantization = plan.apply(self.model)
         # before the CUDA profiling forward and the graph capture, which run the model
         select_linear_kernels(self.model, self.attention_backend, self._dtype)
         hkv = self.model.num_kv_heads  # the rank's

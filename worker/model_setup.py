@@ -75,10 +75,12 @@ def load_or_check_model(
     device: torch.device,
     max_model_len: int,
     tp: TensorParallelGroup,
+    skip: frozenset[str] = frozenset(),
 ) -> LlamaForCausalLM:
     """The runner's model: ``model`` itself when given (checked against the runner's
     settings), else the rank's shard loaded from ``model_dir`` in ``dtype`` on ``device``, its
-    rotary table covering ``max_model_len`` positions.
+    rotary table covering ``max_model_len`` positions, the checkpoint names ``skip`` unread
+    (:func:`worker.loader.load_model`).
 
     Raises:
         worker.loader.ModelLoadError, worker.model.UnsupportedModelError: bad model folder.
@@ -86,7 +88,9 @@ def load_or_check_model(
             positions than ``max_model_len`` or for another tensor-parallel world size.
     """
     if model is None:
-        return load_model(model_dir, dtype=dtype, device=device, max_positions=max_model_len, tp=tp)
+        return load_model(
+            model_dir, dtype=dtype, device=device, max_positions=max_model_len, tp=tp, skip=skip
+        )
     if (
         model.dtype != dtype
         or model.embed_weight.device.type != device.type

@@ -13,6 +13,7 @@ of its weight bytes. ``none`` serves the dequantized weights (the reference).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 from typing import TYPE_CHECKING
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "QUANTIZATION_CHOICES",
-    "apply_quantization",
+    "QuantizationPlan",
+    "plan_quantization",
     "quant_linear_parts",
     "quantization_obstacles",
     "resolve_quantization",
@@ -100,35 +102,110 @@ def resolve_quantization(requested: str, obstacles: list[str]) -> str:
     return requested
 
 
-def apply_quantization(
+@dataclasses.dataclass(frozen=True)
+class QuantizationPlan:
+    """What ``--quantization`` resolved to for one run: ``mode`` (``"gguf"`` or ``"none"``)
+    and, for ``gguf``, the weights served from blocks: ``served`` maps where each lands
+    (``"layers.3.qkv_weight"``, ``"embed"``, ``"lm_head"``) to the blocks of its HF parts in
+    row order (a fused weight only when every part is of a type the GEMM runs)."""
+
+    mode: str
+    served: dict[str, list[tuple[str, GgufBlocks]]] = dataclasses.field(default_factory=dict)
+
+    def skipped_names(self) -> frozenset[str]:
+        """HF names the loader need not read from ``model.safetensors`` (their parameters are
+        replaced by blocks: never reading them keeps their pages untouched)."""
+        return frozenset(name for parts in self.served.values() for name, _ in parts)
+
+    def apply(self, model: LlamaForCausalLM) -> str:
+        """Pack the served weights into ``model`` (each plain parameter emptied). Returns
+        ``mode``. Call before :func:`worker.model_setup.select_linear_kernels` (which packs
+        what is left)."""
+        layers: list[AttentionBlock] = list(model.layers)  # type: ignore[arg-type]
+        for key, parts in self.served.items():
+            weights = [_pack(blocks) for _, blocks in parts]
+            if key.startswith("layers."):
+                _, i, name = key.split(".")
+                layers[int(i)].quantized[name] = weights
+                getattr(layers[int(i)], name).data = torch.empty(0, dtype=model.dtype)
+            else:
+                setattr(model, f"quant_{key}", weights[0])
+                getattr(model, f"{key}_weight").data = torch.empty(0, dtype=model.dtype)
+        return self.mode
+
+
+def plan_quantization(
     requested: str,
-    model: LlamaForCausalLM,
     model_dir: pathlib.Path,
     *,
+    num_layers: int,
+    device: torch.device,
     dtype: torch.dtype,
     backend: AttentionBackend,
-) -> str:
-    """Resolve ``requested`` (:data:`QUANTIZATION_CHOICES`) for ``model`` (a
-    :class:`worker.model.LlamaForCausalLM` just loaded from ``model_dir``) and, for ``gguf``,
-    put its weights on the GGUF blocks (:func:`_quantize`). Returns ``"gguf"`` or ``"none"``.
-    Call before :func:`worker.model_setup.select_linear_kernels` (which packs what is left).
+    tp: TensorParallelGroup,
+) -> QuantizationPlan:
+    """Resolve ``requested`` (:data:`QUANTIZATION_CHOICES`) for a model of ``num_layers``
+    layers in ``model_dir``, before it is loaded; for ``gguf``, which weights its blocks serve.
+    ``auto`` falls back to ``none`` (a log line says why) where ``gguf`` cannot run or no
+    weight is of a type the GEMM runs; weights of other types stay dequantized (logged).
 
     Raises:
-        ValueError: see :func:`resolve_quantization`.
+        ValueError: ``gguf`` asked for where it cannot run, naming why (see
+            :func:`resolve_quantization`), or where no weight is of a type the GEMM runs.
     """
-    device = model.embed_weight.device
     obstacles = quantization_obstacles(
-        model_dir, device=device, dtype=dtype, backend=backend, tp=model.tp
+        model_dir, device=device, dtype=dtype, backend=backend, tp=tp
     )
+    blocks = read_blocks(model_dir) if not obstacles else {}
+    served = _served(blocks, num_layers)
+    if blocks and not served:
+        types = ", ".join(sorted({b.qtype for b in blocks.values()}))
+        obstacles.append(
+            f"none of its quantized weights ({types}) is of a type the GEMM runs "
+            f"({', '.join(q.name for q in SUPPORTED)})"
+        )
     mode = resolve_quantization(requested, obstacles)
     if requested == "auto" and has_blocks(model_dir) and mode == "none":
         log.info("serving the dequantized weights (--quantization none): %s", "; ".join(obstacles))
-    if mode == "gguf":
-        _quantize(model, read_blocks(model_dir))
-    return mode
+    if mode == "none":
+        return QuantizationPlan("none")
+    plan = QuantizationPlan("gguf", served)
+    plain = [name for name in blocks if name not in plan.skipped_names()]
+    if plain:
+        log.warning(
+            "--quantization gguf: %d quantized weights stay dequantized: those of type %s (the "
+            "GEMM runs %s) and the parts fused with them (%s)",
+            len(plain),
+            ", ".join(sorted({blocks[n].qtype for n in plain if not _supported(blocks[n])})),
+            ", ".join(q.name for q in SUPPORTED),
+            ", ".join(plain[:4]) + (", ..." if len(plain) > 4 else ""),
+        )
+    return plan
+
+
+def _served(
+    blocks: dict[str, GgufBlocks], num_layers: int
+) -> dict[str, list[tuple[str, GgufBlocks]]]:
+    """The weights ``blocks`` can serve: each layer's fused weights whose every part is of a
+    supported type, the embedding and a separate logits weight when they are."""
+    served: dict[str, list[tuple[str, GgufBlocks]]] = {}
+    for i in range(num_layers):
+        for name, parts in _LAYER_PARTS.items():
+            names = [f"model.layers.{i}.{part}.weight" for part in parts]
+            found = [blocks.get(n) for n in names]
+            if all(b is not None and _supported(b) for b in found):
+                served[f"layers.{i}.{name}"] = [
+                    (n, b) for n, b in zip(names, found, strict=True) if b
+                ]
+    for hf_name, key in (("model.embed_tokens.weight", "embed"), ("lm_head.weight", "lm_head")):
+        b = blocks.get(hf_name)
+        if b is not None and _supported(b):
+            served[key] = [(hf_name, b)]
+    return served
 
 
 def _pack(blocks: GgufBlocks) -> QuantWeight:
+    """``blocks`` repacked for the GEMM, rows in HF order (llama.cpp's Q/K permutation undone)."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[blocks.qtype]
@@ -137,30 +214,11 @@ def _pack(blocks: GgufBlocks) -> QuantWeight:
     return pack_gguf(blocks.raw, qtype, n, k, rows)
 
 
-def _supported(blocks: GgufBlocks | None) -> bool:
+def _supported(blocks: GgufBlocks) -> bool:
+    """Whether the GEMM runs ``blocks``' type."""
     import gguf
 
-    return blocks is not None and gguf.GGMLQuantizationType[blocks.qtype] in SUPPORTED
-
-
-def _quantize(model: LlamaForCausalLM, blocks: dict[str, GgufBlocks]) -> None:
-    """Each linear weight (every part of a fused one), the embedding and a separate logits
-    weight whose blocks are of a type the GEMM runs: packed from the blocks, the plain
-    parameter emptied. A weight with a part in another type (F16, or a type without a
-    kernel) stays plain (the bfloat16 GEMM)."""
-    layers: list[AttentionBlock] = list(model.layers)  # type: ignore[arg-type]
-    for i, layer in enumerate(layers):
-        for name, parts in _LAYER_PARTS.items():
-            found = [blocks.get(f"model.layers.{i}.{part}.weight") for part in parts]
-            if all(_supported(b) for b in found):
-                layer.quantized[name] = [_pack(b) for b in found if b is not None]
-                getattr(layer, name).data = torch.empty(0, dtype=model.dtype)
-    for hf_name, attr in (("model.embed_tokens.weight", "embed"), ("lm_head.weight", "lm_head")):
-        param = getattr(model, f"{attr}_weight")
-        block = blocks.get(hf_name)
-        if param is not None and block is not None and _supported(block):
-            setattr(model, f"quant_{attr}", _pack(block))
-            param.data = torch.empty(0, dtype=model.dtype)
+    return gguf.GGMLQuantizationType[blocks.qtype] in SUPPORTED
 
 
 def quant_linear_parts(

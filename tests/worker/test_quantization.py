@@ -155,3 +155,47 @@ def test_an_exported_folder_keeps_the_blocks(tmp_path: pathlib.Path) -> None:
     out = export_hf_folder(None, tmp_path / "smollm2")
     assert has_blocks(out) and not (out / "sluiceway.json").exists()
     assert read_blocks(out).keys() == read_blocks(resolve_model(None)).keys()
+
+
+@needs_bf16
+def test_weights_of_other_types_stay_dequantized_or_gguf_is_refused(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file of Q8_0 matrices but one Q5_1 (no GEMM for it): the fused gate/up holding it
+    stays dequantized (logged), the rest is served from blocks, logits bitwise none's; a file
+    all in Q5_1: gguf refused, auto serves none."""
+    from sluiceway.model_files import convert_gguf
+    from tests.worker.test_gguf_types import write_tiny_gguf
+
+    Q = gguf.GGMLQuantizationType
+    mixed = convert_gguf(
+        write_tiny_gguf(tmp_path / "mixed.gguf", lambda n: Q.Q5_1 if "ffn_up" in n else Q.Q8_0),
+        tmp_path / "cache",
+    )
+    runners = {
+        q: ModelRunner(mixed, dtype="bfloat16", quantization=q, kv_cache_memory=1 << 20)
+        for q in ("gguf", "none")
+    }
+    layer = runners["gguf"].model.layers[0]
+    assert sorted(layer.quantized) == ["down_weight", "o_weight", "qkv_weight"]
+    assert runners["gguf"].model.quant_embed is not None
+    assert "2 quantized weights stay dequantized: those of type Q5_1 (" in caplog.text
+    ids = list(range(3, 40))
+    logits = {}
+    for q, runner in runners.items():
+        seq = runner.make_sequence(0, ids, GREEDY)
+        seq.block_table.extend(range(3))
+        logits[q] = step_logits(runner, [ScheduledChunk(seq, 0, len(ids))])[0]
+    assert torch.equal(logits["gguf"], logits["none"])
+
+    q51 = convert_gguf(write_tiny_gguf(tmp_path / "q51.gguf", lambda n: Q.Q5_1), tmp_path / "c")
+    with pytest.raises(ValueError, match=r"none of its quantized weights \(Q5_1\) is of a type"):
+        ModelRunner(q51, dtype="bfloat16", quantization="gguf", kv_cache_memory=1 << 20)
+    assert ModelRunner(q51, dtype="bfloat16", kv_cache_memory=1 << 20).quantization == "none"
+
+
+def test_an_unreadable_blocks_file_is_one_clear_error(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "blocks.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    with pytest.raises(ValueError, match=r"blocks.safetensors is not a readable GGUF blocks file"):
+        read_blocks(tmp_path)
