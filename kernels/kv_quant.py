@@ -20,7 +20,8 @@ scale)`` clamped to ``[-127, 127]`` (0 where ``scale`` is 0); it reads back as `
 (Per-token scales as vLLM's CPU int8 KV path and KIVI's value quantization; symmetric, no
 zero point.) ``fp8_e4m3``: the same layout in ``torch.float8_e4m3fn`` (one byte a value),
 ``scale = amax(|x|) / 448`` (e4m3's largest finite value), ``q = float8_e4m3fn(x / scale)``
-(torch's and c10's cast: round to nearest even, saturating), read back as ``q * scale``. Half the bytes of bfloat16 plus 4 bytes per token per head: at ``D = 64``
+(torch's and c10's cast: round to nearest even, saturating), read back as ``q * scale``.
+Half the bytes of bfloat16 plus 4 bytes per token per head: at ``D = 64``
 ``2 * 64 / 68`` = 1.88x the blocks of bfloat16 in the same memory, 3.76x those of float32.
 """
 

@@ -31,8 +31,10 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
         "convert",
         help="write an HF model folder (config.json, safetensors, tokenizer) from a GGUF file",
         description="Write the HF folder `serve` makes of a GGUF file (float32 safetensors, "
-        "config.json, tokenizer files with the chat template, generation_config.json) into "
-        "--output, for `serve --model DIR`, transformers or another server.",
+        "config.json, tokenizer files with the chat template, generation_config.json, and "
+        "gguf/blocks.safetensors: the quantized weights' own blocks, which `serve "
+        "--quantization gguf` serves) into --output, for `serve --model DIR`, transformers or "
+        "another server.",
     )
     convert.add_argument(
         "--model",

@@ -414,7 +414,8 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE[,...]",
         help="a mode to score against the reference: worker flags as key=value, comma "
         "separated (e.g. dtype=bfloat16; keys: the worker flags that choose how the model "
-        "runs: device, dtype, block_size, attention_backend and later ones); repeat for "
+        "runs: device, dtype, quantization, block_size, kv_cache_dtype, attention_backend); "
+        "repeat for "
         f"several (default: {' '.join(DEFAULT_MODES)})",
     )
     p.add_argument(

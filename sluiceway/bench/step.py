@@ -432,8 +432,8 @@ def step_command(args: argparse.Namespace) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(
         f"{runner.model_id}: {runner.dtype} on {device} ({gpu or platform.processor() or 'cpu'}),"
-        f" {runner.parameter_bytes / 1e9:.2f} GB of weights (quantization {runner.quantization}), {runner.num_kv_blocks} KV blocks of "
-        f"{setup.bytes_per_block} bytes, attention {runner.attention_backend.name}, CUDA graphs "
+        f" {runner.parameter_bytes / 1e9:.2f} GB of weights (quantization {runner.quantization}),"
+        f" {runner.num_kv_blocks} KV blocks of {setup.bytes_per_block} bytes, attention {runner.attention_backend.name}, CUDA graphs "
         f"{'on' if runner.cuda_graphs is not None else 'off'}; ready in {setup.setup_s:.1f} s, "
         f"{torch.get_num_threads()} threads"
     )

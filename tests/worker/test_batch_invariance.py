@@ -1,7 +1,7 @@
 """Batch invariance of the forward in bfloat16, the default dtype, on the default CPU path (the
 C++ kernels, the bfloat16 GEMM or, with --quantization gguf, the quantized one, the bfloat16 ->
-float32 logits GEMM), with SmolLM2's real weights: a prompt's logits at every position are bitwise the same computed alone, beside
-decodes and other prefills in one step, in other chunkings, and over a prefix whose K/V another
+float32 logits GEMM), with SmolLM2's real weights: a prompt's logits at every position are
+bitwise the same computed alone, beside decodes and other prefills in one step, in other chunkings, and over a prefix whose K/V another
 sequence computed (a prefix-cache hit). No tolerance: equal bits. Each test runs with the KV
 pool in bfloat16, in int8 and in fp8 (``--kv-cache-dtype int8|fp8_e4m3``)."""
 
