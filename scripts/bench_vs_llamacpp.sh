@@ -3,7 +3,7 @@
 # the other, the same .gguf file, the same number of threads, the same client.
 #
 #   bash scripts/bench_vs_llamacpp.sh                                    # llama.cpp, sluiceway
-#   MODES="default|--quantization gguf|--quantization gguf --kv-cache-dtype int8" \
+#   MODES="--quantization none|--quantization gguf|--quantization gguf --kv-cache-dtype int8" \
 #       bash scripts/bench_vs_llamacpp.sh                                # three sluiceway modes
 #   NUM_PROMPTS=16 SINGLE_REPS=2 bash scripts/bench_vs_llamacpp.sh       # a smoke run
 #   bash scripts/bench_vs_llamacpp.sh --build                            # build llama-server first

@@ -113,11 +113,19 @@ def test_cli_prints_the_table(
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     table = lines[lines.index(next(ln for ln in lines if ln.startswith("mode "))) :]
-    assert table[0].split() == ["mode", "perplexity", "ratio", "top-1", "agreement", "tokens"]
+    assert table[0].split() == [
+        "mode", "perplexity", "ratio", "top-1", "agreement", "tokens", "weights", "MB"
+    ]  # fmt: skip
     ref, mode = table[1].split(), table[2].split()
-    assert ref[:2] == ["dtype=float32", "(reference)"] and ref[3:] == ["1.0000", "1.0000", "38"]
-    assert mode[0] == "dtype=float32,attention_backend=torch" and mode[-1] == "38"
     report = json.loads(out_json.read_text())
+    weights_mb = [
+        f"{r['model_weight_bytes'] / 1e6:.1f}" for r in (report["reference"], *report["modes"])
+    ]
+    assert ref[:2] == ["dtype=float32,quantization=none", "(reference)"]
+    assert ref[3:] == ["1.0000", "1.0000", "38", weights_mb[0]]
+    assert mode[0] == "dtype=float32,attention_backend=torch"
+    assert mode[-2:] == ["38", weights_mb[1]]
+    assert report["reference"]["quantization"] == report["modes"][0]["quantization"] == "none"
     assert report["num_texts"] == 2 and report["reference"]["tokens_scored"] == 38
     assert report["modes"][0]["attention_backend"] == "torch"
     assert report["modes"][0]["perplexity_ratio"] == pytest.approx(1.0, abs=1e-4)
