@@ -122,37 +122,8 @@ mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 log() { printf '[bench_vs_vllm %(%H:%M:%S)T] %s\n' -1 "$*"; }
 
-# -- clean-up: the server of the moment (its whole process group) -------------------------
-SERVER_PID=""
-stop_server() {
-    [[ -n $SERVER_PID ]] || return 0
-    local pid=$SERVER_PID
-    SERVER_PID=""
-    if kill -0 "$pid" 2>/dev/null; then
-        kill -TERM "$pid" 2>/dev/null || true  # the launcher stops its own children
-        for _ in $(seq 1 60); do  # 30 s to drain and exit
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.5
-        done
-        if kill -0 "$pid" 2>/dev/null; then
-            log "server pid $pid did not stop on SIGTERM: SIGKILL"
-            kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
-        fi
-    fi
-    wait "$pid" 2>/dev/null || true
-    # what outlives the leader in its process group (vLLM's engine core and worker, the
-    # multiprocessing resource tracker, our workers): 10 s to exit on their own
-    for _ in $(seq 1 20); do
-        pgrep -g "$pid" >/dev/null 2>&1 || break
-        sleep 0.5
-    done
-    if pgrep -g "$pid" >/dev/null 2>&1; then
-        log "leftovers of server pid $pid: $(pgrep -g "$pid" | tr '\n' ' ')- SIGTERM, then SIGKILL"
-        kill -TERM -- "-$pid" 2>/dev/null || true
-        sleep 5
-        kill -KILL -- "-$pid" 2>/dev/null || true
-    fi
-}
+# shellcheck source=scripts/bench_servers.sh
+source "$REPO/scripts/bench_servers.sh"  # stop_server, start_server, port_free
 trap 'stop_server' EXIT
 trap 'log "interrupted"; exit 130' INT TERM
 
@@ -231,39 +202,9 @@ workload_flags() {  # the flags both clients take, by the same names
     echo "--num-prompts $NUM_PROMPTS --ignore-eos"
 }
 
-start_server() {  # start_server NAME READY_CHECK CMD...: launch in its own process group, poll
-    local name=$1 check=$2
-    shift 2
-    local logf=$OUT_DIR/$name-server.log
-    log "starting $name: $*"
-    local t0
-    t0=$(date +%s.%N)
-    setsid "$@" >"$logf" 2>&1 < /dev/null &
-    SERVER_PID=$!
-    while ! $check; do
-        if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-            log "$name exited before it was ready; the tail of $logf:"
-            tail -n 40 "$logf" >&2
-            SERVER_PID=""
-            return 1
-        fi
-        if (( $(date +%s) - ${t0%.*} > START_TIMEOUT_S )); then
-            log "$name not ready after $START_TIMEOUT_S s; the tail of $logf:"
-            tail -n 40 "$logf" >&2
-            return 1
-        fi
-        sleep 0.5
-    done
-    STARTUP_S=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
-    log "$name ready in $STARTUP_S s (pid $SERVER_PID)"
-}
 
 vllm_ready() { curl -sf -o /dev/null "http://127.0.0.1:$VLLM_PORT/health" && curl -sf -o /dev/null "http://127.0.0.1:$VLLM_PORT/v1/models"; }
 sluiceway_ready() { grep -q "^sluiceway: OpenAI-compatible API" "$OUT_DIR/$SLUICEWAY_NAME-server.log"; }
-
-port_free() {
-    ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
-}
 
 FAILED=0
 declare -A STARTUP
