@@ -121,14 +121,21 @@ def test_chat_requests_spread_conversations_stick_and_the_index_survives_a_resta
         wait_until(lambda: metrics_answer(urls["scheduler-1"]), 30, "no metrics after restart")
         assert metric_sum(urls["scheduler-1"], "sluiceway:prefix_cache_blocks") == 0
         wait_until(lambda: index_matches_schedulers(urls), 10, "stale index")
+        # A router that had not yet seen the restart sends its first request into the dead
+        # channel, retries it on scheduler-0 and skips scheduler-1 until its next readiness
+        # poll: new prompts (which go to the replica with the fewest blocks) until one lands.
         with stack.client() as client:
-            for topic in TOPICS[:4]:
+            for topic in TOPICS:
                 client.generate(
                     Client.request(
                         messages=[("user", f"{topic}, once more, in other words.")], max_tokens=4
                     ),
                     timeout=120,
                 )
+                if requests_per_replica(urls)["scheduler-1"] > 0:
+                    break
+                time.sleep(0.5)
+        assert requests_per_replica(urls)["scheduler-1"] > 0, "no request reached scheduler-1"
         assert metric_sum(urls["scheduler-1"], "sluiceway:prefix_cache_blocks") > 0
         wait_until(lambda: index_matches_schedulers(urls), 10, "index not rebuilt")
     finally:
