@@ -14,6 +14,7 @@ from sluiceway.options import LOG_FORMAT, LOG_LEVEL, add_option
 from sluiceway.router.config import RouterConfig
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.serve_config import ServeConfig
+from sluiceway.worker.compute_thread import openmp_defaults
 from sluiceway.worker.config import WorkerConfig
 
 
@@ -83,6 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _command(args: argparse.Namespace) -> int:
+    # Before torch loads OpenMP (no import above loads torch): how long idle OpenMP threads
+    # spin, the same for a worker, `bench step` and `generate` (compute_thread.py).
+    openmp_defaults(os.environ)
     if args.command == "generate":
         from sluiceway.generate_cli import generate_command
 
@@ -98,8 +102,6 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "convert":
         return _convert(args)
 
-    # Set before torch loads OpenMP: idle OpenMP threads must not spin on a shared box.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from sluiceway.logs import configure_logging
 
     configure_logging(args.command, args.log_format, args.log_level)
@@ -212,12 +214,12 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     from sluiceway.model_files import resolve_model, served_model_name
     from sluiceway.preflight import check_device
+    from sluiceway.worker.compute_thread import run_on_compute_thread
     from sluiceway.worker.kv_pool import SharedKvPool, allocate_shared_kv_pool
     from sluiceway.worker.model_runner import ModelRunner
     from sluiceway.worker.server import serve
 
     config = WorkerConfig.from_namespace(args)
-    torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
     try:
         check_device(config.device)
         model_dir = resolve_model(config.model)
@@ -251,21 +253,25 @@ def _run_worker(args: argparse.Namespace) -> int:
         return shared[0].tensor
 
     try:
-        runner = ModelRunner(
-            model_dir,
-            device=device,
-            dtype=config.dtype,
-            quantization=config.quantization,
-            block_size=config.block_size,
-            kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            max_model_len=config.max_model_len,
-            kv_pool_factory=shared_pool if config.share_kv_pool else None,
-            attention_backend=config.attention_backend,
-            tensor_parallel_rank=rank,
-            tensor_parallel_size=tp,
-            enforce_eager=config.enforce_eager,
-            kv_cache_dtype=config.kv_cache_dtype,
+        # on the thread that runs every step: one OpenMP pool (compute_thread.py)
+        runner = run_on_compute_thread(
+            lambda: ModelRunner(
+                model_dir,
+                device=device,
+                dtype=config.dtype,
+                quantization=config.quantization,
+                block_size=config.block_size,
+                kv_cache_memory=config.kv_cache_memory,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                max_model_len=config.max_model_len,
+                kv_pool_factory=shared_pool if config.share_kv_pool else None,
+                attention_backend=config.attention_backend,
+                tensor_parallel_rank=rank,
+                tensor_parallel_size=tp,
+                enforce_eager=config.enforce_eager,
+                kv_cache_dtype=config.kv_cache_dtype,
+            ),
+            num_threads=config.num_threads or os.cpu_count() or 1,
         )
     except (ValueError, ImportError, OSError) as e:  # a model, device or /dev/shm problem
         print(f"sluiceway worker: {e}", file=sys.stderr)

@@ -53,6 +53,7 @@ from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.security import api_keys, check_files
 from sluiceway.serve_config import ServeConfig
 from sluiceway.serve_stop import STOP_TIMEOUT_S, StopSignals, stop_stack
+from sluiceway.worker.compute_thread import openmp_defaults
 from sluiceway.worker.config import WorkerConfig
 
 STARTUP_TIMEOUT_S = 600.0
@@ -147,7 +148,7 @@ class Child:
 
 def _spawn(command: str, argv: list[str]) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    openmp_defaults(env)
     return subprocess.Popen(
         [sys.executable, "-m", "sluiceway.cli", command, *argv],
         env=env,

@@ -2,7 +2,8 @@
 
 Keeps each sequence's record (tokens, block table, sampling options) between
 steps, so a step carries only ids and small integers. The model forward runs
-in a thread so the event loop keeps answering health checks meanwhile. Once
+on the compute thread (compute_thread.py) so the event loop keeps answering health checks
+meanwhile. Once
 registered, the worker watches its scheduler and registers again when a new
 scheduler process takes the old one's place (see `stay_registered`).
 """
@@ -34,6 +35,7 @@ from sluiceway.options import port_or_none
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.status import RequestError, abort
 from sluiceway.v1 import inference_pb2
+from sluiceway.worker.compute_thread import compute_executor
 from sluiceway.worker.config import WorkerConfig
 from sluiceway.worker.kv_pool import SharedKvPool, copy_blocks, open_kv_pool
 from sluiceway.worker.metrics import FORWARD_SECONDS, step_phase
@@ -180,8 +182,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, executor: StepExecutor) -> None:
         self.executor = executor
-        # One thread: steps are sequential, and torch keeps its own intra-op threads.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        # The thread that loaded the model (compute_thread.py): steps are sequential, and
+        # torch keeps its own intra-op threads.
+        self._pool = compute_executor()
         self._compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.broken = asyncio.Event()
 
