@@ -239,10 +239,14 @@ def _run_worker(args: argparse.Namespace) -> int:
             return 2
         if device == "cuda" and torch.cuda.device_count() > 1:
             device = f"cuda:{rank % torch.cuda.device_count()}"  # one GPU per rank
+        method = config.distributed_init_method
         try:
+            # On the compute thread: its current CUDA device (set_device) is per thread.
             # A collective waits for peers that compute the same layer: a minute is skew
             # enough; longer only delays noticing a rank that will never come.
-            init_tensor_parallel(rank, tp, config.distributed_init_method, device, timeout_s=60)
+            run_on_compute_thread(
+                lambda: init_tensor_parallel(rank, tp, method, device, timeout_s=60)
+            )
         except ValueError as e:
             print(f"sluiceway worker: {e}", file=sys.stderr)
             return 2
@@ -276,6 +280,9 @@ def _run_worker(args: argparse.Namespace) -> int:
     except (ValueError, ImportError, OSError) as e:  # a model, device or /dev/shm problem
         print(f"sluiceway worker: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the load goes on on the compute thread: do not wait for it
+        print("sluiceway worker: interrupted", file=sys.stderr)
+        _exit_now(130)
     model_id = served_model_name(model_dir, config.served_model_name)
     return _run_async(serve(config, runner, model_id, shared[0] if shared else None))
 

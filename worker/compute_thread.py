@@ -7,7 +7,7 @@ in gguf mode, a decode step of one sequence at context 320, 2 torch threads; doc
 - GNU OpenMP (the torch CPU wheel's runtime) gives every thread that opens a parallel region
   a pool of its own. When the model loaded on the main thread and stepped on another one,
   the process held two pools, 4 OpenMP threads on 2 cores, and libgomp then throttles its
-  spin-wait to a few hundred iterations: each of the step's ~300 parallel regions woke a
+  spin-wait to 100 iterations at most: each of the step's ~300 parallel regions woke a
   sleeping thread (a futex and a cross-core wake-up, tens of microseconds in a VM). The step
   took 23.5 ms there against 7.7 ms with one pool.
 - With one pool, `OMP_WAIT_POLICY=PASSIVE` (threads sleep at once) costs the same wake-ups:
@@ -27,16 +27,18 @@ __all__ = ["OPENMP_ENV", "compute_executor", "openmp_defaults", "run_on_compute_
 
 T = TypeVar("T")
 
-# libgomp's spin-wait, in iterations of its pause loop, before a waiting thread sleeps.
-# OMP_WAIT_POLICY, when the user sets it, takes precedence (PASSIVE: 0, ACTIVE: forever).
+# libgomp's spin-wait, in iterations of its pause loop, before a waiting thread sleeps
+# (libgomp reads GOMP_SPINCOUNT first; OMP_WAIT_POLICY sets the spin only without it: a user
+# who set OMP_WAIT_POLICY gets no GOMP_SPINCOUNT from us, see openmp_defaults).
 OPENMP_ENV = {"GOMP_SPINCOUNT": "30000"}
 
 _executor: ThreadPoolExecutor | None = None
 
 
 def openmp_defaults(env: MutableMapping[str, str]) -> None:
-    """Sets `OPENMP_ENV` in `env` where the user has set neither it nor OMP_WAIT_POLICY.
-    Only effective before the process loads OpenMP (before `import torch`)."""
+    """Sets `OPENMP_ENV` in `env` where the user has set neither it nor OMP_WAIT_POLICY
+    (whose choice would otherwise lose to our GOMP_SPINCOUNT). Only effective before the
+    process loads OpenMP (before `import torch`)."""
     if "OMP_WAIT_POLICY" in env:
         return
     for name, value in OPENMP_ENV.items():

@@ -25,18 +25,21 @@ def test_openmp_defaults_leave_a_users_choice_alone() -> None:
     env = {"GOMP_SPINCOUNT": "5"}
     openmp_defaults(env)
     assert env == {"GOMP_SPINCOUNT": "5"}
-    env = {"OMP_WAIT_POLICY": "PASSIVE"}  # it overrides any spin count: none added
+    env = {"OMP_WAIT_POLICY": "PASSIVE"}  # libgomp would let GOMP_SPINCOUNT win: none added
     openmp_defaults(env)
     assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def test_every_call_runs_on_the_same_thread_with_its_thread_count() -> None:
+    before = torch.get_num_threads()  # torch's count is process-wide: restored at the end
     main = threading.get_ident()
     first = run_on_compute_thread(threading.get_ident, num_threads=1)
     assert first != main
     assert run_on_compute_thread(torch.get_num_threads) == 1
     assert compute_executor().submit(threading.get_ident).result() == first
     assert run_on_compute_thread(torch.get_num_threads, num_threads=2) == 2
+    run_on_compute_thread(lambda: None, num_threads=before)
+    torch.set_num_threads(before)
 
 
 def test_the_cli_sets_the_spin_before_torch_loads() -> None:
