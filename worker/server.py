@@ -2,10 +2,10 @@
 
 Keeps each sequence's record (tokens, block table, sampling options) between
 steps, so a step carries only ids and small integers. The model forward runs
-on the compute thread (compute_thread.py) so the event loop keeps answering health checks
-meanwhile. Once
-registered, the worker watches its scheduler and registers again when a new
-scheduler process takes the old one's place (see `stay_registered`).
+on the compute thread (compute_thread.py) so the event loop keeps answering
+health checks meanwhile. Once registered, the worker watches its scheduler and
+registers again when a new scheduler process takes the old one's place (see
+`stay_registered`).
 """
 
 from __future__ import annotations
