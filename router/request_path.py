@@ -330,6 +330,9 @@ class RequestPath:
             prefix_cache_queries_total=info.kv_cache.prefix_cache_queries_total,
             prefix_cache_hits_total=info.kv_cache.prefix_cache_hits_total,
             num_preemptions_total=info.kv_cache.num_preemptions_total,
+            spec_decode_num_drafts_total=info.kv_cache.spec_decode_num_drafts_total,
+            spec_decode_num_draft_tokens_total=info.kv_cache.spec_decode_num_draft_tokens_total,
+            spec_decode_num_accepted_tokens_total=info.kv_cache.spec_decode_num_accepted_tokens_total,
             step_times=info.step_times,
         )
         reply.step_times.detokenize_seconds_total = self.detokenize.seconds

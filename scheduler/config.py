@@ -18,6 +18,7 @@ from sluiceway.options import (
     metrics_port,
     option,
 )
+from sluiceway.speculative import SpeculativeConfig, speculative_config_arg
 
 
 @dataclass(slots=True, kw_only=True)
@@ -65,6 +66,8 @@ class SchedulerConfig(ProcessConfig):
         model instance prefills and decodes. Otherwise that many instances only prefill and
         that many only decode; a prompt is prefilled on a prefill instance, its KV blocks
         are copied to a decode instance (device to device), which continues the sequence.
+    speculative_config: vLLM's `--speculative-config` JSON (`sluiceway.speculative`; ""
+        off): proposed tokens verified in one forward, the plain run's tokens bitwise.
     metrics_port, metrics_host: Prometheus /metrics (port -1: off, 0: a free port).
     log_format, log_level: the process's log lines (`sluiceway.logs`).
 
@@ -126,6 +129,14 @@ class SchedulerConfig(ProcessConfig):
         "blocks were copied to them from a prefill instance",
         type=non_negative_int,
     )
+    speculative_config: str = option(
+        "",
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}; the '
+        "tokens are those of plain decoding, bitwise (needs a batch-invariant worker); "
+        '"": off',
+        type=speculative_config_arg,
+    )
     max_model_len: int | None = MAX_MODEL_LEN.field()
     metrics_port: int = metrics_port(9401)
     metrics_host: str = METRICS_HOST.field()
@@ -171,6 +182,11 @@ class SchedulerConfig(ProcessConfig):
         if self.long_prefill_token_threshold == 0 and self.max_num_partial_prefills > 1:
             return max(1, int(max_model_len * 0.04))
         return self.long_prefill_token_threshold
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed `speculative_config` (None: off)."""
+        return SpeculativeConfig.parse(self.speculative_config) if self.speculative_config else None
 
     @property
     def is_disaggregated(self) -> bool:

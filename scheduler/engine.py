@@ -14,7 +14,7 @@ import asyncio
 import functools
 import itertools
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -29,6 +29,7 @@ from sluiceway.scheduler.requests import RequestTable
 from sluiceway.scheduler.sequence import Sequence
 from sluiceway.scheduler.step_loop import StepLoop, StepTimeTotals
 from sluiceway.scheduler.worker_group import WorkerGroup, WorkerInfo
+from sluiceway.speculative import SpecDecodeCounts
 from sluiceway.status import FieldError, RequestError, error_from_rpc
 from sluiceway.v1 import inference_pb2
 
@@ -57,6 +58,7 @@ class EngineStats:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     num_preemptions_total: int = 0
+    spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
 
 
 class Engine:
@@ -194,6 +196,7 @@ class Engine:
             st.prefix_cache_queries_total += bm.prefix_cache_queries
             st.prefix_cache_hits_total += bm.prefix_cache_hits
             st.num_preemptions_total += sched.num_preemptions
+            st.spec_decode.merge(sched.spec_decode)
         if st.num_kv_blocks:
             st.kv_usage_perc = (st.num_kv_blocks - st.num_free_kv_blocks) / st.num_kv_blocks
             st.utilization = weighted_utilization / st.num_kv_blocks

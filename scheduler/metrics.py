@@ -113,6 +113,29 @@ class SchedulerCollector(Collector):
             len(set().union(*(bm.cached_hashes for bm in pools))),
         )
         yield counter("num_preemptions", "Sequences preempted (recomputed later).", preemptions)
+        spec = st.spec_decode
+        yield counter(
+            "spec_decode_num_drafts",
+            "Decode steps of a sequence with proposed tokens (speculative decoding).",
+            spec.num_drafts,
+        )
+        yield counter(
+            "spec_decode_num_draft_tokens", "Tokens proposed (speculative decoding).",
+            spec.num_draft_tokens,
+        )  # fmt: skip
+        yield counter(
+            "spec_decode_num_accepted_tokens",
+            "Proposed tokens accepted: equal to what the target model sampled.",
+            spec.num_accepted_tokens,
+        )
+        per_pos = CounterMetricFamily(
+            f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by their place in the proposal (0: the first).",
+            labels=["model_name", "position"],
+        )
+        for pos, n in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric([model, str(pos)], n)
+        yield per_pos
         yield counter(
             "kv_transfers",
             "Sequences whose prompt KV blocks moved from a prefill to a decode worker.",

@@ -58,12 +58,14 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sluiceway.scheduler.block_manager import BlockManager
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.sequence import Sequence, SequenceStatus
+from sluiceway.speculative import NgramProposer, SpecDecodeCounts, SpeculativeConfig
 from sluiceway.v1 import inference_pb2
 
 if TYPE_CHECKING:
@@ -78,7 +80,9 @@ class ScheduledSequence:
     + num_new_tokens); `appended_token_ids` are tokens the worker's record
     lacks (all tokens when `is_new`, else the tokens sampled since).
     `new_block_ids` is the whole block table when `is_new` (cached prefix
-    included), else the blocks added this step.
+    included), else the blocks added this step. `draft_token_ids`: proposed tokens
+    (speculative decoding) the chunk computes after the sequence's last token; then
+    `num_new_tokens` is 1 + their number.
     """
 
     seq: Sequence
@@ -87,11 +91,13 @@ class ScheduledSequence:
     num_computed_tokens: int
     num_new_tokens: int
     new_block_ids: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence, so a token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        end = self.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids)
+        return end == self.seq.num_tokens
 
 
 @dataclass(slots=True)
@@ -136,8 +142,17 @@ class KvUsage:
 class Scheduler:
     """Waiting and running queues over one `BlockManager`. Never touches a tensor."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
-        """`max_model_len` is the model's (or the user's) limit; `self.max_model_len` is
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        speculative: SpeculativeConfig | None = None,
+    ):
+        """`speculative`: propose tokens to decoding sequences (the workers' forward must be
+        batch invariant: see `sluiceway.speculative`); None: plain decoding.
+
+        `max_model_len` is the model's (or the user's) limit; `self.max_model_len` is
         that capped so that every sequence can always run again: at most the tokens the
         whole pool holds (a lone sequence never preempts itself forever) and, without
         chunked prefill, at most `max_num_batched_tokens` (a preempted sequence is
@@ -162,6 +177,8 @@ class Scheduler:
         self.long_prefill_token_threshold = config.resolved_long_prefill_token_threshold(
             max_model_len
         )
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.spec_decode = SpecDecodeCounts()
 
     # -- queue changes ----------------------------------------------------------
 
@@ -232,6 +249,7 @@ class Scheduler:
         self.kv_usage.slots_allocated_total = previous.kv_usage.slots_allocated_total
         self.block_manager.prefix_cache_queries = previous.block_manager.prefix_cache_queries
         self.block_manager.prefix_cache_hits = previous.block_manager.prefix_cache_hits
+        self.spec_decode = previous.spec_decode
 
     @property
     def has_work(self) -> bool:
@@ -302,13 +320,17 @@ class Scheduler:
         self._forgotten_seq_ids = []
         return out
 
-    def apply_sampled(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[TokenUpdate]:
-        """Advances every scheduled sequence and appends its sampled token.
+    def apply_sampled(
+        self, output: SchedulerOutput, sampled: Mapping[int, int | list[int]]
+    ) -> list[TokenUpdate]:
+        """Advances every scheduled sequence and appends its sampled tokens.
 
-        `sampled` maps seq_id to the token the worker sampled for it. A
-        sequence aborted while the step ran is skipped. Blocks filled by the
-        step join the prefix cache. Sequences that hit a stop token,
-        `max_tokens` or `max_model_len` finish here. Raises KeyError if a
+        `sampled` maps seq_id to the token the worker sampled for it, or, for a chunk with
+        proposed tokens, the tokens it emitted in order (the accepted proposals, then the
+        token it sampled after them). A sequence aborted while the step ran is skipped.
+        Blocks filled by the step join the prefix cache. Sequences that hit a stop token,
+        `max_tokens` or `max_model_len` finish here, at the first such token (the tokens
+        after it are dropped, as plain decoding never computes them). Raises KeyError if a
         sequence that should have sampled has no token.
         """
         updates: list[TokenUpdate] = []
@@ -316,16 +338,34 @@ class Scheduler:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
+            if not s.samples:
+                seq.num_computed_tokens += s.num_new_tokens
+                self.block_manager.cache_full_blocks(seq)
                 continue  # a prompt chunk that did not reach the end
-            token = sampled[seq.seq_id]
-            seq.output_token_ids.append(token)
-            reason = self._finish_reason(seq, token)
+            got = sampled[seq.seq_id]
+            tokens = [got] if isinstance(got, int) else list(got)
+            drafts = s.draft_token_ids
+            if not 1 <= len(tokens) <= len(drafts) + 1 or tokens[:-1] != drafts[: len(tokens) - 1]:
+                raise ValueError(
+                    f"sequence {seq.seq_id}: tokens {tokens} do not follow the proposal {drafts}"
+                )
+            if drafts:
+                self.spec_decode.add(len(drafts), len(tokens) - 1)
+            reason = None
+            applied = 0
+            for token in tokens:
+                seq.output_token_ids.append(token)
+                updates.append(TokenUpdate(seq, token))
+                applied += 1
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    break
+            # computed: the chunk's positions whose input was right (its own tokens, then the
+            # accepted proposals; rejected positions' K/V are overwritten when recomputed)
+            seq.num_computed_tokens += s.num_new_tokens - len(drafts) + applied - 1
+            self.block_manager.cache_full_blocks(seq)
             if reason is not None:
                 self.finish(seq, reason)
-            updates.append(TokenUpdate(seq, token))
         self._sample_kv_usage()
         return updates
 
@@ -339,9 +379,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         preempted = False
         i = 0
+        speculate = self._speculates()
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            num_new = self._chunk(remaining, budget)
+            drafts = self._propose(seq, budget - 1) if speculate and remaining == 1 else []
+            if drafts and (new_blocks := bm.allocate_slots(seq, 1 + len(drafts))) is not None:
+                out.scheduled.append(self._schedule(seq, 1 + len(drafts), new_blocks, drafts))
+                budget -= 1 + len(drafts)
+                i += 1
+                continue  # (no block for the proposal: plain decoding, below)
             while (new_blocks := bm.allocate_slots(seq, num_new)) is None:
                 if self._holding:  # static: padding gives way before a live member does
                     self._release_holding()
@@ -398,7 +446,13 @@ class Scheduler:
         a nonzero `long_prefill_token_threshold`)."""
         return 0 < self.long_prefill_token_threshold < remaining
 
-    def _schedule(self, seq: Sequence, num_new: int, new_blocks: list[int]) -> ScheduledSequence:
+    def _schedule(
+        self,
+        seq: Sequence,
+        num_new: int,
+        new_blocks: list[int],
+        drafts: list[int] | None = None,
+    ) -> ScheduledSequence:
         """`seq`'s share of the step, its blocks allocated (`new_blocks` the fresh ones)."""
         is_new = seq.num_tokens_on_worker == 0
         appended = seq.token_ids[seq.num_tokens_on_worker :]
@@ -410,7 +464,31 @@ class Scheduler:
             num_computed_tokens=seq.num_computed_tokens,
             num_new_tokens=num_new,
             new_block_ids=list(seq.block_table) if is_new else new_blocks,
+            draft_token_ids=drafts or [],
         )
+
+    def _speculates(self) -> bool:
+        """Whether this step proposes tokens: speculation is on and the running sequences do
+        not exceed `disable_by_batch_size` (vLLM's rule)."""
+        if self.proposer is None:
+            return False
+        limit = self.proposer.config.disable_by_batch_size
+        return not limit or len(self.running) <= limit
+
+    def _propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Tokens to verify after decoding `seq`'s last token: the n-gram proposal, at most
+        `budget`, never past `max_tokens` or `max_model_len` (the last emitted token is
+        sampled after them), none under structured outputs (the grammar's state is the
+        worker's, advanced per accepted token: not built)."""
+        assert self.proposer is not None
+        if seq.sampling.structured_outputs is not None or not seq.output_token_ids:
+            return []  # (a first token is a prompt's: it carries prompt logprobs, queue time)
+        room = min(
+            budget,
+            seq.sampling.max_tokens - len(seq.output_token_ids) - 1,
+            self.max_model_len - seq.num_tokens,
+        )
+        return self.proposer.propose(seq.seq_id, seq.token_ids, room)
 
     def _waits_for_sibling(self, seq: Sequence) -> bool:
         """Whether waiting `seq`, a sample of a parallel-sampling request with no output yet,
@@ -470,6 +548,8 @@ class Scheduler:
     def _forget(self, seq: Sequence) -> None:
         """Resets `seq`'s progress and has the workers drop their record of it."""
         seq.num_computed_tokens = 0
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
         if seq.wants_prompt_logprobs:
             seq.prompt_logprobs.clear()  # computed again with the prompt
         if seq.num_tokens_on_worker:

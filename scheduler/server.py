@@ -103,6 +103,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 prefix_cache_queries_total=st.prefix_cache_queries_total,
                 prefix_cache_hits_total=st.prefix_cache_hits_total,
                 num_preemptions_total=st.num_preemptions_total,
+                spec_decode_num_drafts_total=st.spec_decode.num_drafts,
+                spec_decode_num_draft_tokens_total=st.spec_decode.num_draft_tokens,
+                spec_decode_num_accepted_tokens_total=st.spec_decode.num_accepted_tokens,
             ),
             step_times=engine.step_times.to_proto(),
         )
@@ -145,6 +148,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             tensor_parallel_size=request.tensor_parallel_size or 1,
             kv_pool=request.kv_pool if request.HasField("kv_pool") else None,
             worker_id=request.worker_id,
+            batch_invariant=request.batch_invariant,
         )
         try:
             max_model_len = await self.engine.register_worker(info)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
@@ -139,6 +140,7 @@ def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepReq
             num_computed_tokens=s.num_computed_tokens,
             num_new_tokens=s.num_new_tokens,
             new_block_ids=s.new_block_ids,
+            draft_token_ids=s.draft_token_ids,
         )
         req.scheduled.append(scheduled)
     return req
@@ -250,19 +252,29 @@ class StepLoop:
         self, sched: Scheduler, out: SchedulerOutput, response: worker_pb2.StepResponse
     ) -> None:
         """Appends the step's sampled tokens and sends each to its request's stream."""
-        by_seq = {s.seq_id: s for s in response.sampled}
-        sampled = {seq_id: s.token_id for seq_id, s in by_seq.items()}
+        by_seq: dict[int, list[worker_pb2.SampledToken]] = {}
+        for s in response.sampled:  # a sequence with proposed tokens: each emitted, in order
+            by_seq.setdefault(s.seq_id, []).append(s)
+        sampled = {seq_id: [s.token_id for s in tokens] for seq_id, tokens in by_seq.items()}
         if response.prompt_logprobs:
             add_prompt_logprobs(out, response.prompt_logprobs)
-        for update in sched.apply_sampled(out, sampled):
+        updates = sched.apply_sampled(out, sampled)
+        applied = Counter(u.seq.seq_id for u in updates)
+        index: dict[int, int] = {}  # the update's place among its sequence's tokens
+        for update in updates:
             seq = update.seq
+            i = index[seq.seq_id] = index.get(seq.seq_id, -1) + 1
             if not self.requests.is_live(seq):
                 continue
+            last = i == applied[seq.seq_id] - 1  # the finish reason goes with the last one
             event = scheduler_pb2.TokenEvent(
-                token_ids=[update.token_id], finish_reason=seq.finish_reason
+                token_ids=[update.token_id],
+                finish_reason=seq.finish_reason
+                if last
+                else inference_pb2.FINISH_REASON_UNSPECIFIED,
             )
             if seq.sampling.logprobs is not None:
-                event.logprobs.append(token_logprobs(by_seq[seq.seq_id]))
+                event.logprobs.append(token_logprobs(by_seq[seq.seq_id][i]))
             if len(seq.output_token_ids) == 1 and seq.prompt_logprobs:
                 event.prompt_logprobs.extend(seq.prompt_logprobs)
                 seq.prompt_logprobs = []

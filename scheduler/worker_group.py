@@ -13,6 +13,7 @@ import asyncio
 from dataclasses import dataclass
 
 import grpc
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluiceway.grpc_server import channel_options
@@ -21,6 +22,8 @@ from sluiceway.scheduler.block_manager import BlockManager
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.scheduler import Scheduler
 from sluiceway.v1 import inference_pb2
+
+log = structlog.get_logger("scheduler")
 
 # A block copy is a few milliseconds per megabyte; a decode worker that does not answer in this
 # long is stuck, and the sequences keep decoding where they were prefilled.
@@ -69,6 +72,7 @@ class WorkerInfo:
     tensor_parallel_size: int = 1
     kv_pool: scheduler_pb2.KvPoolHandle | None = None
     worker_id: str = ""  # random per worker process; "" from a worker that sends none
+    batch_invariant: bool = False  # its forward's rows do not depend on the rest of the step
 
     def same_process(self, other: WorkerInfo) -> bool:
         """Whether `other` is a registration of the very process this one came from (it
@@ -168,10 +172,20 @@ class WorkerGroup:
         num_blocks = min(r.num_kv_blocks for r in self.ranks.values())
         block_size = self.ranks[0].block_size
         previous = self.scheduler
+        speculative = self.config.speculative
+        if speculative is not None and not all(r.batch_invariant for r in self.ranks.values()):
+            log.warning(
+                "speculative_decoding_off",
+                group=self.name,
+                reason="the worker's forward is not batch invariant (README, Reproducibility): "
+                "verified tokens would differ from plain decoding",
+            )
+            speculative = None
         self.scheduler = Scheduler(
             self.config,
             BlockManager(num_blocks, block_size, self.config.enable_prefix_caching),
             max_model_len,
+            speculative,
         )
         if previous is not None:  # counters are "since start": a new worker does not reset them
             self.scheduler.carry_counters_from(previous)

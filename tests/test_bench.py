@@ -28,15 +28,21 @@ def test_server_figures_are_differences_of_counters() -> None:
     before = inference_pb2.ModelInfo(
         kv_cache_tokens_stored_total=100, kv_cache_slots_allocated_total=200,
         prefix_cache_queries_total=50, prefix_cache_hits_total=10, num_preemptions_total=1,
+        spec_decode_num_drafts_total=5, spec_decode_num_draft_tokens_total=20,
+        spec_decode_num_accepted_tokens_total=7,
     )  # fmt: skip
     after = inference_pb2.ModelInfo(
         kv_cache_tokens_stored_total=1060, kv_cache_slots_allocated_total=1200,
         prefix_cache_queries_total=450, prefix_cache_hits_total=110, num_preemptions_total=4,
+        spec_decode_num_drafts_total=15, spec_decode_num_draft_tokens_total=60,
+        spec_decode_num_accepted_tokens_total=32,
     )  # fmt: skip
     assert server_figures(before, after) == {
         "kv_cache_utilization_pct": 96.0,
         "prefix_cache_hit_rate_pct": 25.0,
         "num_preemptions": 3,
+        "spec_decode_acceptance_rate_pct": 62.5,  # 25 of 40 proposed
+        "spec_decode_mean_acceptance_length": 3.5,  # 1 + 25 / 10
     }
 
 
@@ -118,10 +124,11 @@ def test_comparison_table_ratios_follow_the_seed_article() -> None:
     assert improvement(1.0, 0.0, higher_is_better=True) == 0.0
     figures = {
         "static": {"output_throughput": 856.0, "median_e2el_ms": 1200.0, "p99_e2el_ms": 8900.0,
-                   "median_ttft_ms": 100.0, "kv_cache_utilization_pct": 46.0},
+                   "median_ttft_ms": 100.0, "median_tpot_ms": 40.0, "p99_tpot_ms": 90.0,
+                   "kv_cache_utilization_pct": 46.0},
         "continuous": {"output_throughput": 1824.0, "median_e2el_ms": 380.0,
-                       "p99_e2el_ms": 2100.0, "median_ttft_ms": 50.0,
-                       "kv_cache_utilization_pct": 93.0},
+                       "p99_e2el_ms": 2100.0, "median_ttft_ms": 50.0, "median_tpot_ms": 20.0,
+                       "p99_tpot_ms": 30.0, "kv_cache_utilization_pct": 93.0},
     }  # fmt: skip
     table, ratios = comparison_table(["static", "continuous"], figures, "continuous")
     assert ratios["static"]["p99_e2el_ms"] == pytest.approx(8900 / 2100)
@@ -133,7 +140,7 @@ def test_comparison_table_ratios_follow_the_seed_article() -> None:
     assert [c.strip() for c in lines[2].split("|")[1:-1]] == [
         "Throughput (output tokens/s)", "856.0", "1824.0", "2.13x",
     ]  # fmt: skip
-    assert len(lines) == 2 + 5
+    assert len(lines) == 2 + 7
 
 
 def test_compare_configurations() -> None:
@@ -151,6 +158,10 @@ def test_compare_configurations() -> None:
     assert (configs[3].backend, configs[3].batch_size) == ("transformers", 32)
     with pytest.raises(ValueError, match="unknown backend 'vllm'"):
         configurations(["vllm"], ["static"], [256], 32)
+    spec = '{"method":"ngram","num_speculative_tokens":4}'
+    with_spec = configurations(["sluiceway"], ["continuous"], [8], 32, spec)
+    assert [c.label for c in with_spec] == ["continuous", "continuous + spec"]
+    assert with_spec[1].serve_args == [*with_spec[0].serve_args, "--speculative-config", spec]
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
         configurations(["sluiceway"], ["fifo"], [256], 32)
 

@@ -75,7 +75,7 @@ ROUND_TRIP: list[ProcessConfig] = [
         max_num_partial_prefills=3, max_long_partial_prefills=2, max_waiting_requests=5,
         tensor_parallel_size=2, num_prefill_workers=1, num_decode_workers=2,
         max_model_len=512, metrics_port=0, metrics_host="0.0.0.0", log_format="console",
-        log_level="ERROR",
+        log_level="ERROR", speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
     ),
     SchedulerConfig(enable_chunked_prefill=False, scheduling_policy="static", static_batch_size=3),
     WorkerConfig(
@@ -89,7 +89,8 @@ ROUND_TRIP: list[ProcessConfig] = [
     ),
     serve_config(host="0.0.0.0", port=0, metrics_port=-1, http_port=9000, num_replicas=2,
                  num_routers=3, enable_auto_tool_choice=True, tool_call_parser="hermes",
-                 chat_template="/templates/chat.jinja"),
+                 chat_template="/templates/chat.jinja",
+                 speculative_config='{"method": "ngram", "num_speculative_tokens": 2}'),
     serve_config(enable_chunked_prefill=False, long_prefill_token_threshold=0,
                  max_num_partial_prefills=1, max_long_partial_prefills=1, num_prefill_workers=0,
                  num_decode_workers=0, scheduling_policy="static", static_batch_size=3),

@@ -28,14 +28,15 @@ FORWARD_SECONDS = Histogram(
 
 
 def is_decode(chunk: ScheduledChunk) -> bool:
-    """Whether `chunk` is a decode: it computes one token, the generated one sampled last.
-    Any other chunk prefills: prompt tokens, whatever their number (a 1-token prompt's only
-    chunk too), or the generated tokens of a preempted sequence, recomputed."""
+    """Whether `chunk` is a decode: it computes one token, the generated one sampled last
+    (with speculative decoding, that token and the proposed ones after it). Any other chunk
+    prefills: prompt tokens, whatever their number (a 1-token prompt's only chunk too), or
+    the generated tokens of a preempted sequence, recomputed."""
     start = chunk.num_computed_tokens
     return (
-        chunk.num_new_tokens == 1
+        chunk.num_new_tokens == 1 + chunk.num_draft_tokens
         and start >= chunk.seq.num_prompt_tokens
-        and start + 1 == len(chunk.seq.token_ids)
+        and start + 1 + chunk.num_draft_tokens == len(chunk.seq.token_ids)
     )
 
 

@@ -48,7 +48,7 @@ from sluiceway.worker.prompt_logprobs import (
     plan_prompt_logprobs,
 )
 from sluiceway.worker.quantized import plan_quantization
-from sluiceway.worker.sampler import SamplerBuffers, sample
+from sluiceway.worker.sampler import SamplerBuffers, SampleResult, sample
 from sluiceway.worker.step_inputs import (
     ScheduledChunk,
     SequenceData,
@@ -56,6 +56,12 @@ from sluiceway.worker.step_inputs import (
     prepare_step_inputs,
 )
 from sluiceway.worker.structured_output import allow_all_bitmask, apply_token_bitmask
+from sluiceway.worker.verify import (
+    SamplingRows,
+    accepted_count,
+    restore_generators,
+    sampling_rows,
+)
 
 if TYPE_CHECKING:
     from sluiceway.worker.cuda_graphs import DecodeCudaGraphs
@@ -414,10 +420,14 @@ class ModelRunner:
         sequences, positions, block tables and sampling options), in the same order of steps:
         the forward runs collectives.
 
+        A chunk with proposed tokens (``num_draft_tokens``, speculative decoding) samples each
+        of its positions and emits those :mod:`worker.verify` accepts: the tokens plain
+        decoding gives (it needs a batch-invariant forward; the worker's server checks).
+
         Returns:
-            One :class:`SampledToken` per sampling chunk, in chunk order, on rank 0; an empty
-            list on the other ranks. The caller appends the tokens to the sequences (on every
-            rank).
+            One :class:`SampledToken` per sampling chunk (a chunk with proposals: one per
+            token it emits, in order), in chunk order, on rank 0; an empty list on the other
+            ranks. The caller appends the tokens to the sequences (on every rank).
 
         Raises:
             ValueError: an inconsistent chunk (see :meth:`_prepare`).
@@ -449,6 +459,7 @@ class ModelRunner:
             graph = self.cuda_graphs
             if graph is not None and self._is_graph_decode(chunks, graph):
                 sampling = list(range(len(chunks)))
+                rows = sampling_rows(chunks, sampling, sampling)
                 t1 = time.perf_counter()
                 selected = graph.run(
                     [c.seq.token_ids[c.num_computed_tokens] for c in chunks],
@@ -470,8 +481,8 @@ class ModelRunner:
                     timings.prepare_s += t1 - t0
                     timings.forward_s += time.perf_counter() - t1
                     return []
-                rows = [inputs.row_start[i] + chunks[i].num_new_tokens - 1 for i in sampling]
-                rows_t = torch.tensor(rows, dtype=torch.int64, device=self._device)
+                rows = sampling_rows(chunks, sampling, inputs.row_start)
+                rows_t = torch.tensor(rows.hidden_rows, dtype=torch.int64, device=self._device)
                 selected = hidden.index_select(0, rows_t)
             timings.prepare_s += t1 - t0
             fused = self.attention_backend.fused_layer_ops  # the sampler converts if needed
@@ -482,7 +493,7 @@ class ModelRunner:
             timings.forward_s += t2 - t1
             if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
                 return []
-            seqs = [chunks[i].seq for i in sampling]
+            seqs = rows.seqs
             constrained = [j for j, s in enumerate(seqs) if s.constraint is not None]
             if constrained:
                 logits = self._mask_logits(logits, seqs, constrained)
@@ -490,26 +501,12 @@ class ModelRunner:
                 logits,
                 [s.sampling for s in seqs],
                 [s.generator for s in seqs],
-                [s.token_ids for s in seqs],
+                rows.seen,
                 [s.num_prompt_tokens for s in seqs],
                 cpu_kernels=fused,
                 buffers=self._sampler_buffers,
             )
-            out = [
-                SampledToken(s.seq_id, t, lp)
-                for s, t, lp in zip(
-                    seqs, result.token_ids.tolist(), result.logprobs.tolist(), strict=True
-                )
-            ]
-            if result.top_ids is not None and result.top_logprobs is not None:
-                top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
-                for i, (s, token) in enumerate(zip(seqs, out, strict=True)):
-                    n = s.sampling.logprobs
-                    if n:  # tokens the grammar or min_tokens masked (-inf) are no alternative
-                        pairs = zip(top_ids[i][:n], top_lps[i][:n], strict=True)
-                        kept = [(t, lp) for t, lp in pairs if lp != float("-inf")]
-                        token.top_ids = [t for t, _ in kept]
-                        token.top_logprobs = [lp for _, lp in kept]
+            out = _sampled_tokens(chunks, sampling, rows, result)
             timings.sample_s += time.perf_counter() - t2
         return out
 
@@ -560,3 +557,38 @@ class ModelRunner:
             head_dim=self.config.head_dim,
             device=self._device,
         )
+
+
+def _sampled_tokens(
+    chunks: Sequence[ScheduledChunk],
+    sampling: Sequence[int],
+    rows: SamplingRows,
+    result: SampleResult,
+) -> list[SampledToken]:
+    """The step's answer from the sampled rows: a token per sampling chunk, or for a chunk
+    with proposals the tokens it emits (:func:`worker.verify.accepted_count`; its seeded
+    generator put back to one draw per emitted token), each with its logprobs."""
+    tokens, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
+    top_ids = top_lps = None
+    if result.top_ids is not None and result.top_logprobs is not None:
+        top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
+    out: list[SampledToken] = []
+    emitted: dict[int, int] = {}
+    row = 0
+    for i in sampling:
+        seq, d = chunks[i].seq, chunks[i].num_draft_tokens
+        n = accepted_count(seq.token_ids[-d:], tokens[row : row + d + 1]) if d else 1
+        emitted[i] = n
+        for r in range(row, row + n):
+            token = SampledToken(seq.seq_id, tokens[r], logprobs[r])
+            k = seq.sampling.logprobs
+            if k and top_ids is not None and top_lps is not None:
+                # tokens the grammar or min_tokens masked (-inf) are no alternative
+                pairs = zip(top_ids[r][:k], top_lps[r][:k], strict=True)
+                kept = [(t, lp) for t, lp in pairs if lp != float("-inf")]
+                token.top_ids = [t for t, _ in kept]
+                token.top_logprobs = [lp for _, lp in kept]
+            out.append(token)
+        row += d + 1
+    restore_generators(rows.draws, emitted)
+    return out

@@ -121,19 +121,19 @@ class StepExecutor:
                 prompt_tokens=len(new.prompt_token_ids),
             )
         chunks: list[ScheduledChunk] = []
-        for s in request.scheduled:
-            seq = self.sequences.get(s.seq_id)
-            if seq is None:
-                raise ValueError(f"step {request.step_id} names unknown sequence {s.seq_id}")
-            seq.append(s.appended_token_ids)
-            seq.block_table.extend(s.new_block_ids)
-            if s.num_computed_tokens + s.num_new_tokens > len(seq.token_ids):
-                raise ValueError(
-                    f"sequence {s.seq_id}: positions up to "
-                    f"{s.num_computed_tokens + s.num_new_tokens} but {len(seq.token_ids)} tokens"
-                )
-            chunks.append(ScheduledChunk(seq, s.num_computed_tokens, s.num_new_tokens))
-        sampled = self.runner.execute(chunks)
+        try:
+            for s in request.scheduled:
+                seq = self.sequences.get(s.seq_id)
+                if seq is None:
+                    raise ValueError(f"step {request.step_id} names unknown sequence {s.seq_id}")
+                seq.append(s.appended_token_ids)
+                seq.block_table.extend(s.new_block_ids)
+                chunks.append(self._chunk(seq, s))
+            sampled = self.runner.execute(chunks)
+        finally:  # proposed tokens live for the step only: the next step sends those accepted
+            for chunk in chunks:
+                if chunk.num_draft_tokens:
+                    del chunk.seq.token_ids[-chunk.num_draft_tokens :]
         timings = self.runner.last_timings
         if chunks:
             FORWARD_SECONDS.labels(self.model_name, step_phase(chunks)).observe(
@@ -157,6 +157,39 @@ class StepExecutor:
             prompt_logprobs=[_prompt_logprobs(p) for p in self.runner.last_prompt_logprobs],
             step_seconds=time.perf_counter() - t0,
         )
+
+    def _chunk(self, seq: SequenceData, s: worker_pb2.ScheduledSequence) -> ScheduledChunk:
+        """The runner's chunk of `s` for record `seq`; proposed tokens are appended to the
+        record for the step (the caller takes them off after it).
+
+        Raises ValueError: positions past the record's tokens, or proposed tokens on a chunk
+        that does not decode the last token, on a sequence under a grammar, or where the
+        forward is not batch invariant (their verification would not be exact).
+        """
+        drafts = list(s.draft_token_ids)
+        if drafts:
+            if s.num_new_tokens != 1 + len(drafts) or s.num_computed_tokens + 1 != len(
+                seq.token_ids
+            ):
+                raise ValueError(
+                    f"sequence {s.seq_id}: {len(drafts)} proposed tokens on a chunk of "
+                    f"{s.num_new_tokens} at {s.num_computed_tokens} of {len(seq.token_ids)} "
+                    "tokens (they follow the last token, one chunk of 1 + their number)"
+                )
+            if seq.constraint is not None or not self.runner.batch_invariant:
+                raise ValueError(
+                    f"sequence {s.seq_id}: proposed tokens on a sequence under a grammar or "
+                    "a forward that is not batch invariant"
+                )
+            if max(drafts) >= self.runner.vocab_size:
+                raise ValueError(f"sequence {s.seq_id}: a proposed token outside the vocabulary")
+            seq.token_ids.extend(drafts)
+        elif s.num_computed_tokens + s.num_new_tokens > len(seq.token_ids):
+            raise ValueError(
+                f"sequence {s.seq_id}: positions up to "
+                f"{s.num_computed_tokens + s.num_new_tokens} but {len(seq.token_ids)} tokens"
+            )
+        return ScheduledChunk(seq, s.num_computed_tokens, s.num_new_tokens, len(drafts))
 
     def copy_blocks(self, request: worker_pb2.CopyBlocksRequest) -> worker_pb2.CopyBlocksResponse:
         """Copies blocks of the peer pool `request.source` into this worker's pool.
@@ -282,6 +315,7 @@ async def register(
         tensor_parallel_size=placement.tensor_parallel_size,
         kv_pool=kv_pool.handle if kv_pool is not None else None,
         worker_id=worker_id,
+        batch_invariant=runner.batch_invariant,
     )
     options = [
         *channel_options(),

@@ -58,6 +58,9 @@ class ScheduledChunk:
     seq: SequenceData
     num_computed_tokens: int  # tokens of seq.token_ids whose K/V are already in the pool
     num_new_tokens: int  # compute positions [num_computed, num_computed + num_new)
+    # speculative decoding: the last num_draft_tokens of seq.token_ids (for this step) are
+    # proposed tokens, each position sampled and verified (worker.verify)
+    num_draft_tokens: int = 0
 
 
 @dataclass(slots=True)

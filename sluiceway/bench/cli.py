@@ -10,6 +10,7 @@ from sluiceway.bench.grammar import add_grammar_args
 from sluiceway.bench.quality import add_quality_args
 from sluiceway.bench.step import add_step_args
 from sluiceway.bench.workload import add_workload_args
+from sluiceway.speculative import speculative_config_arg
 from sluiceway.targets import DEFAULT_TARGET, TARGET_HELP, add_connection_args, grpc_target
 
 
@@ -76,6 +77,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=None,
         help="the column the ratios compare against: a label or its start, e.g. static "
         "(default: continuous)",
+    )
+    compare.add_argument(
+        "--speculative-config",
+        type=speculative_config_arg,
+        default="",
+        help="speculative decoding (`sluiceway serve`'s flag, vLLM's JSON): each continuous "
+        'configuration runs a second time with it, in a column "... + spec" ("": none)',
     )
     compare.add_argument(
         "--serve-args",

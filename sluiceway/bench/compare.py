@@ -37,6 +37,8 @@ TABLE_ROWS = (
     ("P50 latency (E2E, ms)", "median_e2el_ms", False),
     ("P99 latency (E2E, ms)", "p99_e2el_ms", False),
     ("P50 TTFT (ms)", "median_ttft_ms", False),
+    ("P50 TPOT (ms)", "median_tpot_ms", False),
+    ("P99 TPOT (ms)", "p99_tpot_ms", False),
     ("KV memory utilization (%)", "kv_cache_utilization_pct", True),
 )
 
@@ -56,10 +58,15 @@ class Configuration:
 
 
 def configurations(
-    backends: list[str], policies: list[str], max_num_seqs: list[int], static_batch_size: int
+    backends: list[str],
+    policies: list[str],
+    max_num_seqs: list[int],
+    static_batch_size: int,
+    speculative_config: str = "",
 ) -> list[Configuration]:
     """The columns, in order: each policy of sluiceway (continuous once per
-    `max_num_seqs` value), then the transformers baseline.
+    `max_num_seqs` value, and once more with `speculative_config` when given: "... + spec"),
+    then the transformers baseline.
 
     Raises ValueError for an unknown backend or policy, or no configuration.
     """
@@ -86,13 +93,11 @@ def configurations(
             elif policy == "continuous":
                 for m in max_num_seqs:
                     label = "continuous" if len(max_num_seqs) == 1 else f"continuous ({m} seqs)"
-                    configs.append(
-                        Configuration(
-                            label,
-                            "sluiceway",
-                            ["--scheduling-policy", "fcfs", "--max-num-seqs", str(m)],
-                        )
-                    )
+                    flags = ["--scheduling-policy", "fcfs", "--max-num-seqs", str(m)]
+                    configs.append(Configuration(label, "sluiceway", flags))
+                    if speculative_config:
+                        spec = [*flags, "--speculative-config", speculative_config]
+                        configs.append(Configuration(f"{label} + spec", "sluiceway", spec))
             else:
                 raise ValueError(f"--policies: unknown policy {policy!r} (static, continuous)")
     if not configs:
@@ -213,6 +218,7 @@ def compare_command(args: argparse.Namespace) -> int:
         configs = configurations(
             _split(args.backend), _split(args.policies),
             [int(m) for m in _split(args.max_num_seqs)], args.static_batch_size,
+            args.speculative_config,
         )  # fmt: skip
     except ValueError as e:
         print(f"sluiceway bench compare: {e}", file=sys.stderr)

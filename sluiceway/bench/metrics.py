@@ -69,10 +69,19 @@ def server_figures(
     slots = after.kv_cache_slots_allocated_total - before.kv_cache_slots_allocated_total
     queries = after.prefix_cache_queries_total - before.prefix_cache_queries_total
     hits = after.prefix_cache_hits_total - before.prefix_cache_hits_total
+    drafts = after.spec_decode_num_drafts_total - before.spec_decode_num_drafts_total
+    proposed = after.spec_decode_num_draft_tokens_total - before.spec_decode_num_draft_tokens_total
+    accepted = (
+        after.spec_decode_num_accepted_tokens_total - before.spec_decode_num_accepted_tokens_total
+    )
     return {
         "kv_cache_utilization_pct": 100 * stored / slots if slots else 0.0,
         "prefix_cache_hit_rate_pct": 100 * hits / queries if queries else 0.0,
         "num_preemptions": after.num_preemptions_total - before.num_preemptions_total,
+        # speculative decoding (vLLM's report): accepted / proposed, and tokens per step of
+        # a sequence with a proposal (its accepted ones plus the token sampled after them)
+        "spec_decode_acceptance_rate_pct": 100 * accepted / proposed if proposed else 0.0,
+        "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
     }
 
 

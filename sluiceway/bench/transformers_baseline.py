@@ -125,6 +125,8 @@ def run_transformers(
     figures["kv_cache_utilization_pct"] = 100 * stored_total / slots_total if slots_total else 0.0
     figures["prefix_cache_hit_rate_pct"] = 0.0
     figures["num_preemptions"] = 0
+    figures["spec_decode_acceptance_rate_pct"] = 0.0
+    figures["spec_decode_mean_acceptance_length"] = 0.0
     return BenchRun(finished, figures, [])
 
 

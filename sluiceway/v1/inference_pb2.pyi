@@ -259,7 +259,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "num_free_kv_blocks", "kv_cache_utilization", "kv_cache_tokens_stored_total", "kv_cache_slots_allocated_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total", "step_times")
+    __slots__ = ("model_id", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "num_free_kv_blocks", "kv_cache_utilization", "kv_cache_tokens_stored_total", "kv_cache_slots_allocated_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total", "step_times", "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,9 @@ class ModelInfo(_message.Message):
     PREFIX_CACHE_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEP_TIMES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     max_model_len: int
     vocab_size: int
@@ -288,7 +291,10 @@ class ModelInfo(_message.Message):
     prefix_cache_hits_total: int
     num_preemptions_total: int
     step_times: StepTimes
-    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_cache_utilization: _Optional[float] = ..., kv_cache_tokens_stored_total: _Optional[int] = ..., kv_cache_slots_allocated_total: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., step_times: _Optional[_Union[StepTimes, _Mapping]] = ...) -> None: ...
+    spec_decode_num_drafts_total: int
+    spec_decode_num_draft_tokens_total: int
+    spec_decode_num_accepted_tokens_total: int
+    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_cache_utilization: _Optional[float] = ..., kv_cache_tokens_stored_total: _Optional[int] = ..., kv_cache_slots_allocated_total: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., step_times: _Optional[_Union[StepTimes, _Mapping]] = ..., spec_decode_num_drafts_total: _Optional[int] = ..., spec_decode_num_draft_tokens_total: _Optional[int] = ..., spec_decode_num_accepted_tokens_total: _Optional[int] = ...) -> None: ...
 
 class StepTimes(_message.Message):
     __slots__ = ("num_steps_total", "schedule_seconds_total", "execute_seconds_total", "worker_step_seconds_total", "worker_prepare_seconds_total", "worker_forward_seconds_total", "worker_sample_seconds_total", "apply_seconds_total", "detokenize_seconds_total", "detokenized_tokens_total", "num_step_loops")

@@ -68,23 +68,29 @@ class SchedulerInfo(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache: _Optional[_Union[KvCacheStats, _Mapping]] = ..., step_times: _Optional[_Union[_inference_pb2.StepTimes, _Mapping]] = ...) -> None: ...
 
 class KvCacheStats(_message.Message):
-    __slots__ = ("utilization", "tokens_stored_total", "slots_allocated_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total")
+    __slots__ = ("utilization", "tokens_stored_total", "slots_allocated_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total", "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
     UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_STORED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SLOTS_ALLOCATED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     utilization: float
     tokens_stored_total: int
     slots_allocated_total: int
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
     num_preemptions_total: int
-    def __init__(self, utilization: _Optional[float] = ..., tokens_stored_total: _Optional[int] = ..., slots_allocated_total: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ...) -> None: ...
+    spec_decode_num_drafts_total: int
+    spec_decode_num_draft_tokens_total: int
+    spec_decode_num_accepted_tokens_total: int
+    def __init__(self, utilization: _Optional[float] = ..., tokens_stored_total: _Optional[int] = ..., slots_allocated_total: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., spec_decode_num_drafts_total: _Optional[int] = ..., spec_decode_num_draft_tokens_total: _Optional[int] = ..., spec_decode_num_accepted_tokens_total: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("address", "rank", "model_id", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "worker_group", "tensor_parallel_size", "kv_pool", "worker_id")
+    __slots__ = ("address", "rank", "model_id", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "worker_group", "tensor_parallel_size", "kv_pool", "worker_id", "batch_invariant")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +102,7 @@ class RegisterWorkerRequest(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     address: str
     rank: int
     model_id: str
@@ -107,7 +114,8 @@ class RegisterWorkerRequest(_message.Message):
     tensor_parallel_size: int
     kv_pool: KvPoolHandle
     worker_id: str
-    def __init__(self, address: _Optional[str] = ..., rank: _Optional[int] = ..., model_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_group: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolHandle, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    batch_invariant: bool
+    def __init__(self, address: _Optional[str] = ..., rank: _Optional[int] = ..., model_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_group: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolHandle, _Mapping]] = ..., worker_id: _Optional[str] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
 
 class KvPoolHandle(_message.Message):
     __slots__ = ("shm_path", "cuda_ipc_handle", "shape", "dtype", "device_index", "owner")

@@ -26,7 +26,7 @@ from sluiceway.internal.v1 import scheduler_pb2 as sluiceway_dot_internal_dot_v1
 from sluiceway.v1 import inference_pb2 as sluiceway_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"sluiceway/internal/v1/worker.proto\x12\x15sluiceway.internal.v1\x1a%sluiceway/internal/v1/scheduler.proto\x1a\x1csluiceway/v1/inference.proto\";\n PrepareStructuredOutputsResponse\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\"v\n\x11\x43opyBlocksRequest\x12\x33\n\x06source\x18\x01 \x01(\x0b\x32#.sluiceway.internal.v1.KvPoolHandle\x12\x15\n\rsrc_block_ids\x18\x02 \x03(\r\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\"8\n\x12\x43opyBlocksResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x96\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.sluiceway.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\"\xa7\x01\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x61ppended_token_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\r\x12\x15\n\rnew_block_ids\x18\x05 \x03(\rJ\x04\x08\x06\x10\x07R\x14\x63opied_last_block_id\"\xc4\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x39\n\rnew_sequences\x18\x02 \x03(\x0b\x32\".sluiceway.internal.v1.NewSequence\x12;\n\tscheduled\x18\x03 \x03(\x0b\x32(.sluiceway.internal.v1.ScheduledSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\x04J\x04\x08\x05\x10\x06R\x0c\x62lock_copies\"n\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\xf5\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x07sampled\x18\x02 \x03(\x0b\x32#.sluiceway.internal.v1.SampledToken\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\x04 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x06 \x01(\x01\x12>\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32%.sluiceway.internal.v1.PromptLogprobs\"j\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x19\n\x11\x66irst_token_index\x18\x02 \x01(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.sluiceway.v1.TokenLogprobs2\xb9\x02\n\x06Worker\x12V\n\x0b\x45xecuteStep\x12\".sluiceway.internal.v1.StepRequest\x1a#.sluiceway.internal.v1.StepResponse\x12\x61\n\nCopyBlocks\x12(.sluiceway.internal.v1.CopyBlocksRequest\x1a).sluiceway.internal.v1.CopyBlocksResponse\x12t\n\x18PrepareStructuredOutputs\x12\x1f.sluiceway.v1.StructuredOutputs\x1a\x37.sluiceway.internal.v1.PrepareStructuredOutputsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"sluiceway/internal/v1/worker.proto\x12\x15sluiceway.internal.v1\x1a%sluiceway/internal/v1/scheduler.proto\x1a\x1csluiceway/v1/inference.proto\";\n PrepareStructuredOutputsResponse\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\"v\n\x11\x43opyBlocksRequest\x12\x33\n\x06source\x18\x01 \x01(\x0b\x32#.sluiceway.internal.v1.KvPoolHandle\x12\x15\n\rsrc_block_ids\x18\x02 \x03(\r\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\"8\n\x12\x43opyBlocksResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x96\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.sluiceway.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\"\xc0\x01\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1a\n\x12\x61ppended_token_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\r\x12\x15\n\rnew_block_ids\x18\x05 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x07 \x03(\rJ\x04\x08\x06\x10\x07R\x14\x63opied_last_block_id\"\xc4\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x39\n\rnew_sequences\x18\x02 \x03(\x0b\x32\".sluiceway.internal.v1.NewSequence\x12;\n\tscheduled\x18\x03 \x03(\x0b\x32(.sluiceway.internal.v1.ScheduledSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\x04J\x04\x08\x05\x10\x06R\x0c\x62lock_copies\"n\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\xf5\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x07sampled\x18\x02 \x03(\x0b\x32#.sluiceway.internal.v1.SampledToken\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\x04 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x06 \x01(\x01\x12>\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32%.sluiceway.internal.v1.PromptLogprobs\"j\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x19\n\x11\x66irst_token_index\x18\x02 \x01(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.sluiceway.v1.TokenLogprobs2\xb9\x02\n\x06Worker\x12V\n\x0b\x45xecuteStep\x12\".sluiceway.internal.v1.StepRequest\x1a#.sluiceway.internal.v1.StepResponse\x12\x61\n\nCopyBlocks\x12(.sluiceway.internal.v1.CopyBlocksRequest\x1a).sluiceway.internal.v1.CopyBlocksResponse\x12t\n\x18PrepareStructuredOutputs\x12\x1f.sluiceway.v1.StructuredOutputs\x1a\x37.sluiceway.internal.v1.PrepareStructuredOutputsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,15 +42,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NEWSEQUENCE']._serialized_start=370
   _globals['_NEWSEQUENCE']._serialized_end=520
   _globals['_SCHEDULEDSEQUENCE']._serialized_start=523
-  _globals['_SCHEDULEDSEQUENCE']._serialized_end=690
-  _globals['_STEPREQUEST']._serialized_start=693
-  _globals['_STEPREQUEST']._serialized_end=889
-  _globals['_SAMPLEDTOKEN']._serialized_start=891
-  _globals['_SAMPLEDTOKEN']._serialized_end=1001
-  _globals['_STEPRESPONSE']._serialized_start=1004
-  _globals['_STEPRESPONSE']._serialized_end=1249
-  _globals['_PROMPTLOGPROBS']._serialized_start=1251
-  _globals['_PROMPTLOGPROBS']._serialized_end=1357
-  _globals['_WORKER']._serialized_start=1360
-  _globals['_WORKER']._serialized_end=1673
+  _globals['_SCHEDULEDSEQUENCE']._serialized_end=715
+  _globals['_STEPREQUEST']._serialized_start=718
+  _globals['_STEPREQUEST']._serialized_end=914
+  _globals['_SAMPLEDTOKEN']._serialized_start=916
+  _globals['_SAMPLEDTOKEN']._serialized_end=1026
+  _globals['_STEPRESPONSE']._serialized_start=1029
+  _globals['_STEPRESPONSE']._serialized_end=1274
+  _globals['_PROMPTLOGPROBS']._serialized_start=1276
+  _globals['_PROMPTLOGPROBS']._serialized_end=1382
+  _globals['_WORKER']._serialized_start=1385
+  _globals['_WORKER']._serialized_end=1698
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,223 @@
+"""Speculative decoding: `--speculative-config` (vLLM's JSON shape) and the n-gram proposer.
+
+A decoding sequence gets up to ``num_speculative_tokens`` (K) proposed tokens; the worker
+computes its last token and the K proposals in one forward (K + 1 positions), samples every
+position exactly as plain decoding would (the forward is batch invariant, so a position's
+logits do not depend on how many positions share the step; a seeded sequence draws its
+uniforms in position order), and keeps the longest prefix of the proposal that equals what it
+sampled, plus the first token that differs. The output is bitwise the output of the same
+request without speculation (Leviathan et al., "Fast Inference from Transformers via
+Speculative Decoding", ICML 2023, with the rejection rule of greedy / exact-match
+verification, which a draw equal to the plain run's makes lossless for sampling too).
+
+The n-gram proposer is prompt lookup decoding (Saxena 2023; vLLM's ``ngram`` method,
+llama.cpp's ``--lookup``): the longest suffix of the sequence's tokens, between
+``prompt_lookup_min`` and ``prompt_lookup_max`` tokens long, that occurred earlier in the
+sequence (prompt and output), and the tokens that followed its most recent earlier
+occurrence. No model runs.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from dataclasses import dataclass, field
+
+__all__ = [
+    "METHODS",
+    "NgramProposer",
+    "SpecDecodeCounts",
+    "SpeculativeConfig",
+    "speculative_config_arg",
+]
+
+METHODS = ("ngram",)
+# vLLM's defaults: both bounds 5 when neither is given, else the one given for both
+_DEFAULT_LOOKUP = 5
+_KEYS = frozenset(
+    {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+     "disable_by_batch_size", "model"}
+)  # fmt: skip
+MAX_SPECULATIVE_TOKENS = 15  # at most a block of positions beyond the last token
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """A resolved `--speculative-config`.
+
+    method: ``"ngram"`` (prompt lookup). num_speculative_tokens: K, proposals per step and
+    sequence, 1..15. prompt_lookup_min / prompt_lookup_max: the n-gram sizes tried, longest
+    first (1 <= min <= max). disable_by_batch_size: no proposal in a step whose running
+    sequences exceed this many (vLLM's meaning; 0: never off): at large batches the step is
+    bound by compute and the extra positions cost more than they save.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    disable_by_batch_size: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """The config of `text`, a JSON object with vLLM's keys.
+
+        Raises:
+            ValueError: not a JSON object, an unknown or unsupported key or method, a value
+                out of its range (the message names the key).
+        """
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config: not JSON ({e.msg})") from None
+        if not isinstance(raw, dict):
+            raise ValueError("speculative_config: a JSON object, e.g. "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')  # fmt: skip
+        unknown = sorted(set(raw) - _KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(_KEYS))})")  # fmt: skip
+        method = raw.get("method")
+        if method == "draft_model" or "model" in raw:
+            raise ValueError("speculative_config: method draft_model is not built yet "
+                             "(supported: ngram)")  # fmt: skip
+        if method not in METHODS:
+            raise ValueError(f"speculative_config.method: one of {', '.join(METHODS)}, "
+                             f"got {method!r}")  # fmt: skip
+        k = _int(raw, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+        lo = _int(raw, "prompt_lookup_min", None, 1, None)
+        hi = _int(raw, "prompt_lookup_max", None, 1, None)
+        if lo is None and hi is None:
+            lo = hi = _DEFAULT_LOOKUP
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        assert lo is not None and hi is not None and k is not None
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= "
+                             f"prompt_lookup_max ({hi})")  # fmt: skip
+        off = _int(raw, "disable_by_batch_size", 0, 0, None)
+        assert off is not None
+        return cls(method, k, lo, hi, off)
+
+    def to_json(self) -> str:
+        """The canonical JSON of this config (what `parse` reads back)."""
+        return json.dumps(
+            {
+                "method": self.method,
+                "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_max": self.prompt_lookup_max,
+                "prompt_lookup_min": self.prompt_lookup_min,
+                "disable_by_batch_size": self.disable_by_batch_size,
+            },
+            separators=(",", ":"),
+        )
+
+
+def _int(raw: dict[str, object], key: str, default: int | None, lo: int, hi: int | None
+         ) -> int | None:  # fmt: skip
+    value = raw.get(key, default)
+    if value is None:
+        if default is None and key == "num_speculative_tokens":
+            raise ValueError(f"speculative_config.{key} is required")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"speculative_config.{key}: an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"speculative_config.{key} must be {bound}, got {value}")
+    return value
+
+
+def speculative_config_arg(text: str) -> str:
+    """argparse type of `--speculative-config`: the canonical JSON of a valid config, or ""
+    (off).
+
+    Raises:
+        argparse.ArgumentTypeError: what `SpeculativeConfig.parse` refuses.
+    """
+    import argparse
+
+    if not text:
+        return ""
+    try:
+        return SpeculativeConfig.parse(text).to_json()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+class NgramProposer:
+    """Prompt lookup over one sequence's tokens, kept as a growing uint32 buffer per
+    sequence so that each step encodes only the tokens added since (the search is bytes.rfind,
+    in C)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._tokens: dict[int, array[int]] = {}
+
+    def propose(self, seq_id: int, token_ids: list[int], max_tokens: int) -> list[int]:
+        """Up to ``min(K, max_tokens)`` tokens that followed the most recent earlier occurrence
+        of the longest matching suffix of ``token_ids`` (prompt + output of sequence
+        ``seq_id``), longest n-gram first; [] when none occurs or ``max_tokens`` < 1."""
+        k = min(self.config.num_speculative_tokens, max_tokens)
+        if k < 1:
+            return []
+        buf = self._tokens.get(seq_id)
+        if buf is None or len(buf) > len(token_ids):
+            buf = self._tokens[seq_id] = array("I")
+        buf.extend(token_ids[len(buf) :])
+        data = buf.tobytes()
+        n = len(buf)
+        for size in range(
+            min(self.config.prompt_lookup_max, n - 1), self.config.prompt_lookup_min - 1, -1
+        ):
+            pattern = data[4 * (n - size) :]
+            end = 4 * (n - 1)  # an earlier occurrence ends before the suffix's last token
+            while True:
+                at = data.rfind(pattern, 0, end)
+                if at < 0:
+                    break
+                if at % 4 == 0:  # token-aligned
+                    start = at // 4 + size
+                    return buf[start : start + k].tolist()
+                end = at + 4 * size - 1
+        return []
+
+    def forget(self, seq_id: int) -> None:
+        """Drops a finished or preempted sequence's buffer."""
+        self._tokens.pop(seq_id, None)
+
+
+@dataclass(slots=True)
+class SpecDecodeCounts:
+    """Speculative decoding since start (vLLM's `spec_decode_*` counters): steps with a
+    proposal (`num_drafts`), proposed and accepted tokens, and accepted tokens by position
+    in the proposal (index 0: the first proposed token)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def merge(self, other: SpecDecodeCounts) -> None:
+        """Adds `other`'s counts to these (several worker groups' sum)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        self.accepted_per_pos = [
+            a + b
+            for a, b in zip(
+                self.accepted_per_pos + [0] * (width - len(self.accepted_per_pos)),
+                other.accepted_per_pos + [0] * (width - len(other.accepted_per_pos)),
+                strict=True,
+            )
+        ]
+
+    def add(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_drafted:
+            self.accepted_per_pos += [0] * (num_drafted - len(self.accepted_per_pos))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1

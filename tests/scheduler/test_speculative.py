@@ -1,0 +1,146 @@
+"""Speculative decoding's scheduler half: `--speculative-config`, the n-gram proposer, the
+slots reserved for a proposal, and what the emitted tokens do to a sequence."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sluiceway.sampling_params import SamplingParams
+from sluiceway.scheduler.block_manager import BlockManager
+from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.scheduler.scheduler import Scheduler
+from sluiceway.scheduler.sequence import Sequence
+from sluiceway.speculative import NgramProposer, SpeculativeConfig
+from sluiceway.v1 import inference_pb2
+
+EOS = 2
+
+
+def test_the_config_takes_vllms_keys_and_refuses_the_rest() -> None:
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max, c.disable_by_batch_size) == (5, 5, 0)
+    c = SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    )
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+    assert SpeculativeConfig.parse(c.to_json()) == c
+    refused = {
+        '{"method": "ngram"}': "num_speculative_tokens is required",
+        '{"method": "ngram", "num_speculative_tokens": 0}': r"must be \[1, 15\], got 0",
+        '{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}': "unknown key.*foo",
+        '{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}': "draft_model",
+        '{"method": "eagle", "num_speculative_tokens": 2}': "method: one of ngram",
+        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
+        '"prompt_lookup_max": 3}': "prompt_lookup_min .4. must be <= prompt_lookup_max .3.",
+        "[1]": "a JSON object",
+        "{": "not JSON",
+    }
+    for text, message in refused.items():
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.parse(text)
+    with pytest.raises(ValueError, match="speculative_config"):
+        SchedulerConfig(speculative_config='{"method": "ngram"}')
+
+
+def _reference(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+    """The proposal by brute force: longest suffix n-gram first, its latest earlier start."""
+    n = len(tokens)
+    for size in range(min(hi, n - 1), lo - 1, -1):
+        suffix = tokens[n - size :]
+        for start in range(n - size - 1, -1, -1):
+            if tokens[start : start + size] == suffix:
+                return tokens[start + size : start + size + k]
+    return []
+
+
+def test_the_ngram_proposer_matches_a_brute_force_search() -> None:
+    config = SpeculativeConfig("ngram", 3, 2, 4)
+    proposer = NgramProposer(config)
+    assert proposer.propose(1, [1, 2, 3, 9, 8, 1, 2, 3], 5) == [9, 8, 1]
+    assert proposer.propose(1, [1, 2, 3, 9, 8, 1, 2, 3, 7], 5) == []  # (grown in place)
+    assert proposer.propose(2, [5, 6, 5, 6], 5) == [5, 6]
+    assert proposer.propose(2, [5, 6, 5, 6], 1) == [5]
+    assert proposer.propose(3, [5, 6, 5, 6], 0) == []
+    # ids whose bytes repeat across token boundaries: a match must start on a token
+    vocab = [0, 1, 256, 257, 65536, 1 << 24]
+    rng = random.Random(0)
+    for _ in range(400):
+        tokens = [rng.choice(vocab) for _t in range(rng.randint(1, 40))]
+        proposer.forget(9)
+        assert proposer.propose(9, tokens, 3) == _reference(tokens, 2, 4, 3), tokens
+
+
+def _scheduler(num_blocks: int = 32, **spec: int) -> Scheduler:
+    cfg = SchedulerConfig()
+    spec_config = SpeculativeConfig("ngram", spec.get("k", 4), 1, 3, spec.get("off", 0))
+    return Scheduler(cfg, BlockManager(num_blocks, 16), 1024, spec_config)
+
+
+def _decoding(sched: Scheduler, seq_id: int, prompt: list[int], max_tokens: int) -> Sequence:
+    """A sequence past its prompt step, its first token 7 sampled (7 for the others too)."""
+    seq = Sequence(
+        seq_id=seq_id,
+        request_id=f"r{seq_id}",
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=(EOS,)),
+    )
+    sched.add(seq)
+    out = sched.schedule()
+    sched.apply_sampled(out, {s.seq.seq_id: 7 for s in out.scheduled if s.samples})
+    return seq
+
+
+def test_a_proposal_gets_its_slots_and_the_accepted_tokens_advance_the_sequence() -> None:
+    sched = _scheduler()
+    seq = _decoding(sched, 1, [7, 8, 9, 10, 11, 12, 5, 6, 7, 8, 9] + [40] * 4, max_tokens=50)
+    out = sched.schedule()
+    (s,) = out.scheduled
+    # no earlier [40, 40, 7] nor [40, 7]: what followed the latest earlier 7 (index 8)
+    assert s.draft_token_ids == [8, 9, 40, 40]
+    assert (s.num_computed_tokens, s.num_new_tokens) == (15, 5)
+    assert len(seq.block_table) == 2  # positions 15..19
+    updates = sched.apply_sampled(out, {1: [8, 9, 3]})  # two accepted, then 3 sampled
+    assert [u.token_id for u in updates] == [8, 9, 3]
+    assert seq.output_token_ids == [7, 8, 9, 3]
+    assert seq.num_computed_tokens == 18 and seq.num_tokens == 19
+    counts = sched.spec_decode
+    assert (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) == (1, 4, 2)
+    assert counts.accepted_per_pos == [1, 1, 0, 0]
+    with pytest.raises(ValueError, match="do not follow the proposal"):
+        out = sched.schedule()
+        sched.apply_sampled(out, {1: [99, 98]})
+
+
+def test_proposals_stop_at_max_tokens_and_a_stop_token_among_them_ends_the_sequence() -> None:
+    sched = _scheduler()
+    seq = _decoding(sched, 1, [7, 8, 9, 10, 11, 12, 5], max_tokens=3)
+    out = sched.schedule()
+    assert out.scheduled[0].draft_token_ids == [8]  # 1 output + 1 proposed + 1 sampled = 3
+    sched.apply_sampled(out, {1: [8, 9]})
+    assert seq.output_token_ids == [7, 8, 9] and seq.is_finished
+    assert seq.finish_reason == inference_pb2.FINISH_REASON_LENGTH
+
+    seq = _decoding(sched, 2, [7, EOS, 4, 4, 4, 5], max_tokens=20)
+    out = sched.schedule()
+    assert out.scheduled[0].draft_token_ids == [EOS, 4, 4, 4]
+    updates = sched.apply_sampled(out, {2: [EOS, 4, 4]})  # EOS accepted: the end
+    assert [u.token_id for u in updates] == [EOS] and seq.output_token_ids == [7, EOS]
+    assert seq.finish_reason == inference_pb2.FINISH_REASON_STOP
+    assert sched.block_manager.num_free_blocks == 32
+
+
+def test_no_proposal_above_disable_by_batch_size_or_for_a_first_token() -> None:
+    sched = _scheduler(off=1)
+    _decoding(sched, 1, [7, 8, 7], max_tokens=20)
+    assert sched.schedule().scheduled[0].draft_token_ids == [7]  # [7, 8, 7] + 7: after index 2
+    sched = _scheduler(off=1)
+    _decoding(sched, 1, [7, 8, 7], max_tokens=20)
+    _decoding(sched, 2, [7, 8, 7], max_tokens=20)
+    assert [s.draft_token_ids for s in sched.schedule().scheduled] == [[], []]
+    sched = _scheduler()
+    seq = Sequence(seq_id=3, request_id="r3", prompt_token_ids=[7, 8, 7],
+                   sampling=SamplingParams(temperature=0, max_tokens=9))  # fmt: skip
+    sched.add(seq)
+    assert sched.schedule().scheduled[0].draft_token_ids == []  # the prompt's step

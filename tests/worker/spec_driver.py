@@ -1,0 +1,80 @@
+"""A scheduler and a worker in one process, without gRPC: the step loop's own translation
+(`build_step_request`) to the worker's `StepExecutor` and back, for tests that compare the
+tokens of whole generations (speculative decoding against plain decoding)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sluiceway.sampling_params import SamplingParams
+from sluiceway.scheduler.block_manager import BlockManager
+from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.scheduler.scheduler import Scheduler
+from sluiceway.scheduler.sequence import Sequence as SchedSeq
+from sluiceway.scheduler.step_loop import build_step_request
+from sluiceway.worker.model_runner import ModelRunner
+from sluiceway.worker.server import StepExecutor
+
+
+@dataclass
+class Generation:
+    """Per request (in order): its output tokens, the chosen tokens' logprobs and finish
+    reason; the steps that computed anything and the scheduler (its counters)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finish: list[int]
+    num_steps: int
+    scheduler: Scheduler
+
+
+def generate(
+    runner: ModelRunner,
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+    *,
+    speculative_config: str = "",
+    num_blocks: int | None = None,
+    **config: object,
+) -> Generation:
+    """Runs every prompt to its end, all admitted at once (a scheduler of `config`'s flags over
+    `num_blocks` blocks, default the runner's pool)."""
+    cfg = SchedulerConfig(speculative_config=speculative_config, **config)  # type: ignore[arg-type]
+    bm = BlockManager(num_blocks or runner.num_kv_blocks, runner.block_size)
+    sched = Scheduler(cfg, bm, runner.max_model_len, cfg.speculative)
+    executor = StepExecutor(runner)
+    seqs = []
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        resolved = p.resolve(
+            prompt_len=len(prompt),
+            max_model_len=sched.max_model_len,
+            vocab_size=runner.vocab_size,
+            eos_token_ids=runner.eos_token_ids,
+        )
+        seq = SchedSeq(
+            seq_id=i, request_id=f"r{i}", prompt_token_ids=list(prompt), sampling=resolved
+        )
+        sched.add(seq)
+        seqs.append(seq)
+    logprobs: list[list[float]] = [[] for _ in seqs]
+    steps = 0
+    step_id = 0
+    while sched.has_work:
+        out = sched.schedule()
+        step_id += 1
+        response = executor.execute(build_step_request(step_id, out))
+        steps += bool(out.scheduled)
+        sampled: dict[int, list[int]] = {}
+        for s in response.sampled:
+            sampled.setdefault(s.seq_id, []).append(s.token_id)
+            logprobs[s.seq_id].append(s.logprob)  # (past a finish: cut below)
+        sched.apply_sampled(out, sampled)
+    assert bm.num_free_blocks == bm.num_blocks, "a block was not given back"
+    return Generation(
+        [s.output_token_ids for s in seqs],
+        [lp[: len(s.output_token_ids)] for lp, s in zip(logprobs, seqs, strict=True)],
+        [s.finish_reason for s in seqs],
+        steps,
+        sched,
+    )
