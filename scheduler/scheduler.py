@@ -65,7 +65,12 @@ from typing import TYPE_CHECKING
 from sluiceway.scheduler.block_manager import BlockManager
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.sequence import Sequence, SequenceStatus
-from sluiceway.speculative import NgramProposer, SpecDecodeCounts, SpeculativeConfig
+from sluiceway.speculative import (
+    AdaptiveLength,
+    NgramProposer,
+    SpecDecodeCounts,
+    SpeculativeConfig,
+)
 from sluiceway.v1 import inference_pb2
 
 if TYPE_CHECKING:
@@ -178,6 +183,7 @@ class Scheduler:
             max_model_len
         )
         self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.pace = AdaptiveLength(speculative.num_speculative_tokens if speculative else 0)
         self.spec_decode = SpecDecodeCounts()
 
     # -- queue changes ----------------------------------------------------------
@@ -351,6 +357,7 @@ class Scheduler:
                 )
             if drafts:
                 self.spec_decode.add(len(drafts), len(tokens) - 1)
+                self.pace.record(seq.seq_id, len(drafts), len(tokens) - 1)
             reason = None
             applied = 0
             for token in tokens:
@@ -478,12 +485,13 @@ class Scheduler:
     def _propose(self, seq: Sequence, budget: int) -> list[int]:
         """Tokens to verify after decoding `seq`'s last token: the n-gram proposal, at most
         `budget`, never past `max_tokens` or `max_model_len` (the last emitted token is
-        sampled after them), none under structured outputs (the grammar's state is the
-        worker's, advanced per accepted token: not built)."""
+        sampled after them); none for a first token (a prompt's step: it carries the prompt
+        logprobs and the queue time)."""
         assert self.proposer is not None
-        if seq.sampling.structured_outputs is not None or not seq.output_token_ids:
-            return []  # (a first token is a prompt's: it carries prompt logprobs, queue time)
+        if not seq.output_token_ids:
+            return []
         room = min(
+            self.pace.allowed(seq.seq_id),
             budget,
             seq.sampling.max_tokens - len(seq.output_token_ids) - 1,
             self.max_model_len - seq.num_tokens,
@@ -550,6 +558,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         if self.proposer is not None:
             self.proposer.forget(seq.seq_id)
+            self.pace.forget(seq.seq_id)
         if seq.wants_prompt_logprobs:
             seq.prompt_logprobs.clear()  # computed again with the prompt
         if seq.num_tokens_on_worker:

@@ -114,3 +114,37 @@ def sample_requests(
     if len(out) < num_requests:
         raise ValueError(f"only {len(out)} ShareGPT requests fit, {num_requests} asked")
     return out
+
+
+def repeat_requests(
+    tokenizer: Any,
+    num_requests: int,
+    *,
+    conversations: list[list[dict[str, Any]]],
+    seed: int = 0,
+    paragraph_len: int = 96,
+    output_len: int = 128,
+) -> list[SampledRequest]:
+    """A repetitive workload (text the model copies: what speculative decoding speeds up): for
+    each shuffled conversation whose reply has at least `paragraph_len` tokens, the reply's
+    first `paragraph_len` tokens as a paragraph P and the prompt "Repeat this paragraph 3
+    times.\n\nP\n\nP\n\n"; `output_len` tokens asked.
+
+    Raises:
+        ValueError: fewer than `num_requests` replies are long enough.
+    """
+    convs = list(conversations)
+    random.Random(seed).shuffle(convs)
+    out: list[SampledRequest] = []
+    for conv in convs:
+        if len(out) == num_requests:
+            break
+        ids = tokenizer(conv[1]["value"]).input_ids
+        if len(ids) < paragraph_len:
+            continue
+        paragraph = tokenizer.decode(ids[:paragraph_len]).strip()
+        prompt = f"Repeat this paragraph 3 times.\n\n{paragraph}\n\n{paragraph}\n\n"
+        out.append(SampledRequest(prompt, len(tokenizer(prompt).input_ids), output_len))
+    if len(out) < num_requests:
+        raise ValueError(f"only {len(out)} ShareGPT replies are long enough, {num_requests} asked")
+    return out

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "METHODS",
+    "AdaptiveLength",
     "NgramProposer",
     "SpecDecodeCounts",
     "SpeculativeConfig",
@@ -185,6 +186,51 @@ class NgramProposer:
     def forget(self, seq_id: int) -> None:
         """Drops a finished or preempted sequence's buffer."""
         self._tokens.pop(seq_id, None)
+
+
+@dataclass(slots=True)
+class _Pace:
+    k: int  # tokens the next proposal may have
+    misses: int = 0  # proposals in a row of which none was accepted
+    wait: int = 0  # steps to skip before the next proposal
+
+
+class AdaptiveLength:
+    """How many tokens each sequence's next proposal may have: the speculation turns itself
+    down where it does not pay. A proposal costs its positions in the forward whether or not
+    they are accepted (nearly nothing at batch 1, where a step reads the weights once for
+    every row; about a row's share of a step at large batches); what matters is how many
+    are accepted. So, per sequence: the next proposal has at most one token more than the
+    last one accepted (K at most, 1 at least: K shrinks to what the text gives), and after
+    a proposal of which nothing was accepted the sequence skips 1, 2, 4 ... 32 steps before
+    proposing again (plain decoding meanwhile), back to no wait at the first acceptance."""
+
+    MAX_WAIT = 32
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self._pace: dict[int, _Pace] = {}
+
+    def allowed(self, seq_id: int) -> int:
+        """Tokens the sequence may propose this step (0: it waits). Counts the step."""
+        pace = self._pace.setdefault(seq_id, _Pace(self.k))
+        if pace.wait:
+            pace.wait -= 1
+            return 0
+        return pace.k
+
+    def record(self, seq_id: int, proposed: int, accepted: int) -> None:
+        """The outcome of a proposal of `proposed` tokens, `accepted` of them accepted."""
+        pace = self._pace.setdefault(seq_id, _Pace(self.k))
+        pace.k = max(1, min(self.k, accepted + 1))
+        if accepted:
+            pace.misses = pace.wait = 0
+        else:
+            pace.wait = min(self.MAX_WAIT, 1 << pace.misses)
+            pace.misses += 1
+
+    def forget(self, seq_id: int) -> None:
+        self._pace.pop(seq_id, None)
 
 
 @dataclass(slots=True)

@@ -494,9 +494,8 @@ class ModelRunner:
             if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
                 return []
             seqs = rows.seqs
-            constrained = [j for j, s in enumerate(seqs) if s.constraint is not None]
-            if constrained:
-                logits = self._mask_logits(logits, seqs, constrained)
+            if any(s.constraint is not None for s in seqs):
+                logits = self._mask_logits(logits, rows)
             result = sample(
                 logits,
                 [s.sampling for s in seqs],
@@ -510,21 +509,23 @@ class ModelRunner:
             timings.sample_s += time.perf_counter() - t2
         return out
 
-    def _mask_logits(
-        self, logits: torch.Tensor, seqs: list[SequenceData], constrained: list[int]
-    ) -> torch.Tensor:
-        """``logits`` (``[R, V]``) as float32 with every token the grammar of row ``j`` (for
-        ``j`` in ``constrained``) does not allow next set to ``-inf``. The bitmask is kept
-        between steps: a matcher writes its whole row, the other rows are not read."""
+    def _mask_logits(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+        """``logits`` (``[R, V]``) as float32 with every token the grammar of a row's
+        sequence does not allow next set to ``-inf`` (a chunk with proposals: each row after
+        the proposals before it, :meth:`ConstraintMatcher.fill_along`). The bitmask is kept
+        between steps: a matcher writes its whole rows, the other rows are not read."""
         logits = logits.float()
-        rows, vocab = logits.shape
-        if self._bitmask.shape[0] < rows or self._bitmask.shape[1] != (vocab + 31) // 32:
-            self._bitmask = allow_all_bitmask(rows, vocab)
-        for j in constrained:
-            matcher = seqs[j].constraint
-            assert matcher is not None
-            matcher.fill(self._bitmask, j)
-        apply_token_bitmask(logits, self._bitmask[:rows], constrained)
+        num_rows, vocab = logits.shape
+        if self._bitmask.shape[0] < num_rows or self._bitmask.shape[1] != (vocab + 31) // 32:
+            self._bitmask = allow_all_bitmask(num_rows, vocab)
+        constrained: list[int] = []
+        for first, drafts in rows.chunk_rows:
+            matcher = rows.seqs[first].constraint
+            if matcher is None:
+                continue
+            matcher.fill_along(self._bitmask, first, drafts)
+            constrained += range(first, first + len(drafts) + 1)
+        apply_token_bitmask(logits, self._bitmask[:num_rows], constrained)
         return logits
 
     def _is_graph_decode(self, chunks: list[ScheduledChunk], graph: DecodeCudaGraphs) -> bool:

@@ -163,8 +163,8 @@ class StepExecutor:
         record for the step (the caller takes them off after it).
 
         Raises ValueError: positions past the record's tokens, or proposed tokens on a chunk
-        that does not decode the last token, on a sequence under a grammar, or where the
-        forward is not batch invariant (their verification would not be exact).
+        that does not decode the last token or where the forward is not batch invariant
+        (their verification would not be exact).
         """
         drafts = list(s.draft_token_ids)
         if drafts:
@@ -176,10 +176,10 @@ class StepExecutor:
                     f"{s.num_new_tokens} at {s.num_computed_tokens} of {len(seq.token_ids)} "
                     "tokens (they follow the last token, one chunk of 1 + their number)"
                 )
-            if seq.constraint is not None or not self.runner.batch_invariant:
+            if not self.runner.batch_invariant:
                 raise ValueError(
-                    f"sequence {s.seq_id}: proposed tokens on a sequence under a grammar or "
-                    "a forward that is not batch invariant"
+                    f"sequence {s.seq_id}: proposed tokens on a forward that is not batch "
+                    "invariant (their verification would not be exact)"
                 )
             if max(drafts) >= self.runner.vocab_size:
                 raise ValueError(f"sequence {s.seq_id}: a proposed token outside the vocabulary")

