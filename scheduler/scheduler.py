@@ -121,6 +121,14 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled and not self.finished_seq_ids
 
+    @property
+    def is_decode_only(self) -> bool:
+        """Whether every share decodes its last token (and its proposals): no prompt chunk."""
+        return bool(self.scheduled) and all(
+            s.num_new_tokens == 1 + len(s.draft_token_ids) and s.seq.output_token_ids
+            for s in self.scheduled
+        )
+
 
 @dataclass(slots=True)
 class TokenUpdate:
@@ -386,12 +394,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         preempted = False
         i = 0
-        speculate = self._speculates()
+        on = self.proposer is not None and self.proposer.config.allows(len(self.running))
+        limit = self.pace.step_limit(len(self.running)) if on else 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
             num_new = self._chunk(remaining, budget)
-            drafts = self._propose(seq, budget - 1) if speculate and remaining == 1 else []
+            drafts = self._propose(seq, min(limit, budget - 1)) if limit and remaining == 1 else []
             if drafts and (new_blocks := bm.allocate_slots(seq, 1 + len(drafts))) is not None:
                 out.scheduled.append(self._schedule(seq, 1 + len(drafts), new_blocks, drafts))
                 budget -= 1 + len(drafts)
@@ -474,14 +483,6 @@ class Scheduler:
             draft_token_ids=drafts or [],
         )
 
-    def _speculates(self) -> bool:
-        """Whether this step proposes tokens: speculation is on and the running sequences do
-        not exceed `disable_by_batch_size` (vLLM's rule)."""
-        if self.proposer is None:
-            return False
-        limit = self.proposer.config.disable_by_batch_size
-        return not limit or len(self.running) <= limit
-
     def _propose(self, seq: Sequence, budget: int) -> list[int]:
         """Tokens to verify after decoding `seq`'s last token: the n-gram proposal, at most
         `budget`, never past `max_tokens` or `max_model_len` (the last emitted token is
@@ -496,7 +497,7 @@ class Scheduler:
             seq.sampling.max_tokens - len(seq.output_token_ids) - 1,
             self.max_model_len - seq.num_tokens,
         )
-        return self.proposer.propose(seq.seq_id, seq.token_ids, room)
+        return self.proposer.propose(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids, room)
 
     def _waits_for_sibling(self, seq: Sequence) -> bool:
         """Whether waiting `seq`, a sample of a parallel-sampling request with no output yet,

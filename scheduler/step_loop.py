@@ -196,6 +196,8 @@ class StepLoop:
                 continue
             t2 = time.perf_counter()
             self._apply(sched, out, response)
+            if out.is_decode_only:  # what a decode step of its size costs: speculation's pace
+                sched.pace.observe_step(out.num_batched_tokens, t2 - t1)
             self._record(out, response, t0, t1, t2)
             if self.after_step is not None:
                 await self.after_step()

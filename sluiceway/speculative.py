@@ -100,6 +100,10 @@ class SpeculativeConfig:
         assert off is not None
         return cls(method, k, lo, hi, off)
 
+    def allows(self, batch: int) -> bool:
+        """Whether a step of `batch` running sequences may propose (`disable_by_batch_size`)."""
+        return not self.disable_by_batch_size or batch <= self.disable_by_batch_size
+
     def to_json(self) -> str:
         """The canonical JSON of this config (what `parse` reads back)."""
         return json.dumps(
@@ -155,17 +159,22 @@ class NgramProposer:
         self.config = config
         self._tokens: dict[int, array[int]] = {}
 
-    def propose(self, seq_id: int, token_ids: list[int], max_tokens: int) -> list[int]:
+    def propose(
+        self, seq_id: int, prompt: list[int], output: list[int], max_tokens: int
+    ) -> list[int]:
         """Up to ``min(K, max_tokens)`` tokens that followed the most recent earlier occurrence
-        of the longest matching suffix of ``token_ids`` (prompt + output of sequence
-        ``seq_id``), longest n-gram first; [] when none occurs or ``max_tokens`` < 1."""
+        of the longest matching suffix of ``prompt + output`` (sequence ``seq_id``'s tokens),
+        longest n-gram first; [] when none occurs or ``max_tokens`` < 1. Only the tokens
+        added since the last call are copied (the two lists are not joined)."""
         k = min(self.config.num_speculative_tokens, max_tokens)
         if k < 1:
             return []
         buf = self._tokens.get(seq_id)
-        if buf is None or len(buf) > len(token_ids):
+        if buf is None or len(buf) > len(prompt) + len(output):
             buf = self._tokens[seq_id] = array("I")
-        buf.extend(token_ids[len(buf) :])
+        if len(buf) < len(prompt):
+            buf.extend(prompt[len(buf) :])
+        buf.extend(output[len(buf) - len(prompt) :])
         data = buf.tobytes()
         n = len(buf)
         for size in range(
@@ -197,19 +206,76 @@ class _Pace:
 
 class AdaptiveLength:
     """How many tokens each sequence's next proposal may have: the speculation turns itself
-    down where it does not pay. A proposal costs its positions in the forward whether or not
-    they are accepted (nearly nothing at batch 1, where a step reads the weights once for
-    every row; about a row's share of a step at large batches); what matters is how many
-    are accepted. So, per sequence: the next proposal has at most one token more than the
-    last one accepted (K at most, 1 at least: K shrinks to what the text gives), and after
-    a proposal of which nothing was accepted the sequence skips 1, 2, 4 ... 32 steps before
-    proposing again (plain decoding meanwhile), back to no wait at the first acceptance."""
+    down where it does not pay.
+
+    A proposed token costs a row of the step's forward whether or not it is accepted. With a
+    step of ``rows`` rows taking ``T = a + b * rows`` (``a``: what a step costs whatever its
+    rows, the weights read once; ``b``: a row's compute), a batch of ``B`` decodes makes ``B``
+    tokens in ``a + b B``, and a proposed token accepted with probability ``p`` adds ``p``
+    tokens for ``b``: it pays when ``p / b > B / (a + b B)``, i.e. ``p > b B / (a + b B)``
+    (nearly any ``p`` at batch 1 on a CPU, where ``a`` dominates; close to 1 at large
+    batches, where rows dominate), with a proposed row counted as `ROW_COST_FACTOR` rows. ``a`` and ``b`` are fitted to the decode steps the
+    scheduler times (least squares, recent steps weighted more: `observe_step`; prompt
+    chunks' rows cost otherwise); ``p`` per position of
+    the proposal from recent outcomes. `step_limit` is the longest proposal whose last token
+    still pays (with a one-token probe every `PROBE_EVERY` steps so that the estimates follow
+    a workload that turns repetitive).
+
+    Per sequence on top: the next proposal has at most one token more than the last one
+    accepted (K shrinks to what the text gives), and after a proposal of which nothing was
+    accepted the sequence skips 1, 2, 4 ... 32 steps (plain decoding meanwhile), back to no
+    wait at the first acceptance."""
 
     MAX_WAIT = 32
+    PROBE_EVERY = 32
+    DECAY = 0.98  # weight of older steps and outcomes, per new one
+    # A proposed token's row costs more than the fitted decode row: its chunk of several
+    # queries takes the prefill attention path, and it adds a logits and a sampling row.
+    # Measured (scripts/bench_spec.sh, ShareGPT at 32 streams, 76-78% accepted): with the
+    # fitted cost alone speculation ran 0.95-0.97x plain with TPOT P50 15-21% longer.
+    ROW_COST_FACTOR = 2.0
 
     def __init__(self, k: int) -> None:
         self.k = k
         self._pace: dict[int, _Pace] = {}
+        # per position of a proposal: decayed counts of proposals that reached it and of
+        # those whose token there was accepted (a prior of one accepted each: start on)
+        self._reached = [1.0] * k
+        self._accepted = [1.0] * k
+        # decayed sums for the fit of step seconds on rows: weight, x, y, xx, xy
+        self._fit = [0.0] * 5
+        self._cost: tuple[float, float] | None = None  # the last (a, b) the fit could tell
+        self._steps = 0
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A finished step of `rows` batched tokens that took `seconds` (scheduler's view)."""
+        w, x, y, xx, xy = (v * self.DECAY for v in self._fit)
+        self._fit = [w + 1, x + rows, y + seconds, xx + rows * rows, xy + rows * seconds]
+
+    def break_even(self, batch: int) -> float:
+        """The acceptance probability a proposed token needs to pay at `batch` decodes (0
+        until the fit has seen steps of different sizes; while recent steps are all of one
+        size, the last cost it could tell)."""
+        w, x, y, xx, xy = self._fit
+        var = xx / w - (x / w) ** 2 if w else 0.0
+        if w >= 4 and var >= 1.0:
+            b = max(0.0, (xy / w - (x / w) * (y / w)) / var)
+            self._cost = (max(1e-9, y / w - b * x / w), b)
+        if self._cost is None:
+            return 0.0
+        a, b = self._cost
+        return self.ROW_COST_FACTOR * b * batch / (a + b * batch)
+
+    def step_limit(self, batch: int) -> int:
+        """The longest proposal worth making in this step of `batch` decodes."""
+        self._steps += 1
+        need = self.break_even(batch)
+        limit = 0
+        while limit < self.k and self._accepted[limit] / self._reached[limit] > need:
+            limit += 1
+        if limit == 0 and self._steps % self.PROBE_EVERY == 0:
+            return 1
+        return limit
 
     def allowed(self, seq_id: int) -> int:
         """Tokens the sequence may propose this step (0: it waits). Counts the step."""
@@ -221,6 +287,12 @@ class AdaptiveLength:
 
     def record(self, seq_id: int, proposed: int, accepted: int) -> None:
         """The outcome of a proposal of `proposed` tokens, `accepted` of them accepted."""
+        for j in range(self.k):
+            self._reached[j] *= self.DECAY
+            self._accepted[j] *= self.DECAY
+        for j in range(proposed):
+            self._reached[j] += 1
+            self._accepted[j] += j < accepted
         pace = self._pace.setdefault(seq_id, _Pace(self.k))
         pace.k = max(1, min(self.k, accepted + 1))
         if accepted:

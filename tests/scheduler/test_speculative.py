@@ -12,7 +12,7 @@ from sluiceway.scheduler.block_manager import BlockManager
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.scheduler import Scheduler
 from sluiceway.scheduler.sequence import Sequence
-from sluiceway.speculative import NgramProposer, SpeculativeConfig
+from sluiceway.speculative import AdaptiveLength, NgramProposer, SpeculativeConfig
 from sluiceway.v1 import inference_pb2
 
 EOS = 2
@@ -58,18 +58,21 @@ def _reference(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
 def test_the_ngram_proposer_matches_a_brute_force_search() -> None:
     config = SpeculativeConfig("ngram", 3, 2, 4)
     proposer = NgramProposer(config)
-    assert proposer.propose(1, [1, 2, 3, 9, 8, 1, 2, 3], 5) == [9, 8, 1]
-    assert proposer.propose(1, [1, 2, 3, 9, 8, 1, 2, 3, 7], 5) == []  # (grown in place)
-    assert proposer.propose(2, [5, 6, 5, 6], 5) == [5, 6]
-    assert proposer.propose(2, [5, 6, 5, 6], 1) == [5]
-    assert proposer.propose(3, [5, 6, 5, 6], 0) == []
+    assert proposer.propose(1, [1, 2, 3, 9], [8, 1, 2, 3], 5) == [9, 8, 1]
+    assert proposer.propose(1, [1, 2, 3, 9], [8, 1, 2, 3, 7], 5) == []  # (grown in place)
+    assert proposer.propose(2, [5, 6, 5, 6], [], 5) == [5, 6]
+    assert proposer.propose(2, [5, 6, 5, 6], [], 1) == [5]
+    assert proposer.propose(3, [5, 6, 5, 6], [], 0) == []
     # ids whose bytes repeat across token boundaries: a match must start on a token
     vocab = [0, 1, 256, 257, 65536, 1 << 24]
     rng = random.Random(0)
     for _ in range(400):
         tokens = [rng.choice(vocab) for _t in range(rng.randint(1, 40))]
         proposer.forget(9)
-        assert proposer.propose(9, tokens, 3) == _reference(tokens, 2, 4, 3), tokens
+        cut = rng.randint(1, len(tokens))  # the prompt; then the output grows a token a step
+        for end in range(cut, len(tokens) + 1):
+            got = proposer.propose(9, tokens[:cut], tokens[cut:end], 3)
+            assert got == _reference(tokens[:end], 2, 4, 3), tokens[:end]
 
 
 def _scheduler(num_blocks: int = 32, **spec: int) -> Scheduler:
@@ -144,3 +147,49 @@ def test_no_proposal_above_disable_by_batch_size_or_for_a_first_token() -> None:
                    sampling=SamplingParams(temperature=0, max_tokens=9))  # fmt: skip
     sched.add(seq)
     assert sched.schedule().scheduled[0].draft_token_ids == []  # the prompt's step
+
+
+def test_the_proposal_length_follows_what_a_row_costs_and_what_is_accepted() -> None:
+    """Steps of 9 ms + 0.75 ms a row (this CPU's gguf step), a proposed row counted twice: a
+    proposed token accepted half the time pays at 1 decode (break-even 0.15), not at 4
+    (0.50), 32 (1.45) nor 200 (1.89: never)."""
+    pace = AdaptiveLength(4)
+    assert pace.break_even(32) == 0.0  # no steps seen: no cost known, speculate
+    rng = random.Random(0)
+    for _ in range(300):
+        rows = rng.choice([1, 5, 32, 64, 160])
+        pace.observe_step(rows, 0.009 + 0.00075 * rows)
+    assert [round(pace.break_even(b), 2) for b in (1, 4, 32, 200)] == [0.15, 0.5, 1.45, 1.89]
+    for _ in range(200):  # the first position accepted 90% of the time, the others half
+        pace.record(1, 4, 1)
+        for _ in range(4):
+            pace.record(1, 4, 4)
+        for _ in range(4):
+            pace.record(1, 4, 0 if _ == 0 else 1)
+    limits = [pace.step_limit(b) for b in (1, 4, 32, 200)]
+    assert limits == [4, 1, 0, 0]
+    probes = sum(pace.step_limit(200) for _ in range(64))
+    assert probes == 2  # a one-token probe every 32 steps
+
+
+def test_per_sequence_the_length_shrinks_to_what_was_accepted_and_misses_wait() -> None:
+    pace = AdaptiveLength(4)
+    assert pace.allowed(1) == 4
+    pace.record(1, 4, 1)
+    assert pace.allowed(1) == 2
+    pace.record(1, 2, 0)
+    assert [pace.allowed(1) for _ in range(3)] == [0, 1, 1]  # waited 1 step
+    pace.record(1, 1, 0)
+    assert [pace.allowed(1) for _ in range(3)] == [0, 0, 1]  # then 2
+    pace.record(1, 1, 1)
+    assert pace.allowed(1) == 2
+
+
+def test_steps_of_one_size_keep_the_cost_the_fit_last_told() -> None:
+    pace = AdaptiveLength(4)
+    for rows in (1, 32) * 20:
+        pace.observe_step(rows, 0.009 + 0.00075 * rows)
+    before = pace.break_even(32)
+    for _ in range(500):  # 32 decodes and nothing else: no spread to fit a slope on
+        pace.observe_step(32, 0.033)
+    assert pace.break_even(32) == before > 1
