@@ -195,8 +195,9 @@ class StepLoop:
             if response is None:
                 continue
             t2 = time.perf_counter()
+            decode_only = out.is_decode_only  # (before the step's tokens are applied)
             self._apply(sched, out, response)
-            if out.is_decode_only:  # what a decode step of its size costs: speculation's pace
+            if decode_only:  # what a decode step of its size costs: speculation's pace
                 sched.pace.observe_step(out.num_batched_tokens, t2 - t1)
             self._record(out, response, t0, t1, t2)
             if self.after_step is not None:

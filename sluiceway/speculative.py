@@ -49,8 +49,8 @@ class SpeculativeConfig:
     method: ``"ngram"`` (prompt lookup). num_speculative_tokens: K, proposals per step and
     sequence, 1..15. prompt_lookup_min / prompt_lookup_max: the n-gram sizes tried, longest
     first (1 <= min <= max). disable_by_batch_size: no proposal in a step whose running
-    sequences exceed this many (vLLM's meaning; 0: never off): at large batches the step is
-    bound by compute and the extra positions cost more than they save.
+    sequences exceed this many (0: never off; vLLM counts enqueued requests): at large
+    batches the step is bound by compute and the extra positions cost more than they save.
     """
 
     method: str
@@ -78,9 +78,14 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} "
                              f"(known: {', '.join(sorted(_KEYS))})")  # fmt: skip
-        method = raw.get("method")
-        if method == "draft_model" or "model" in raw:
-            raise ValueError("speculative_config: method draft_model is not built yet "
+        method, model = raw.get("method"), raw.get("model")
+        if method is None and model in ("ngram", "[ngram]"):
+            method = "ngram"  # vLLM's older spelling of the method
+        elif model is not None:
+            raise ValueError(f"speculative_config.model: a draft model is not built yet (got "
+                             f'{model!r}; supported: "method": "ngram")')  # fmt: skip
+        if method == "draft_model":
+            raise ValueError("speculative_config.method: draft_model is not built yet "
                              "(supported: ngram)")  # fmt: skip
         if method not in METHODS:
             raise ValueError(f"speculative_config.method: one of {', '.join(METHODS)}, "

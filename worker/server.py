@@ -129,6 +129,7 @@ class StepExecutor:
                 seq.append(s.appended_token_ids)
                 seq.block_table.extend(s.new_block_ids)
                 chunks.append(self._chunk(seq, s))
+            phase = step_phase(chunks)  # (while the records hold the proposals)
             sampled = self.runner.execute(chunks)
         finally:  # proposed tokens live for the step only: the next step sends those accepted
             for chunk in chunks:
@@ -136,7 +137,7 @@ class StepExecutor:
                     del chunk.seq.token_ids[-chunk.num_draft_tokens :]
         timings = self.runner.last_timings
         if chunks:
-            FORWARD_SECONDS.labels(self.model_name, step_phase(chunks)).observe(
+            FORWARD_SECONDS.labels(self.model_name, phase).observe(
                 timings.prepare_s + timings.forward_s + timings.sample_s
             )
         return worker_pb2.StepResponse(

@@ -26,11 +26,14 @@ def test_the_config_takes_vllms_keys_and_refuses_the_rest() -> None:
     )
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
     assert SpeculativeConfig.parse(c.to_json()) == c
+    legacy = SpeculativeConfig.parse('{"model": "[ngram]", "num_speculative_tokens": 3}')
+    assert legacy.method == "ngram"
     refused = {
         '{"method": "ngram"}': "num_speculative_tokens is required",
         '{"method": "ngram", "num_speculative_tokens": 0}': r"must be \[1, 15\], got 0",
         '{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}': "unknown key.*foo",
-        '{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}': "draft_model",
+        '{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}': "model: a draft",
+        '{"method": "draft_model", "num_speculative_tokens": 2}': "method: draft_model is not",
         '{"method": "eagle", "num_speculative_tokens": 2}': "method: one of ngram",
         '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
         '"prompt_lookup_max": 3}': "prompt_lookup_min .4. must be <= prompt_lookup_max .3.",

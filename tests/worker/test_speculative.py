@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from transformers import AutoTokenizer
 
 from sluiceway.kernels import cpu_ops
@@ -101,13 +102,19 @@ def test_alone_and_beside_20_streams_the_tokens_are_the_same(
 def test_repetitive_prompts_take_under_0_6_forward_steps_per_token(
     runner: ModelRunner, prompts: list[list[int]]
 ) -> None:
+    def steps(phase: str) -> float:  # the worker's step counter (forward_seconds)
+        labels = {"model_name": "", "phase": phase}
+        return REGISTRY.get_sample_value("sluiceway:forward_seconds_count", labels) or 0.0
+
     for prompt in prompts[-2:]:
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
         plain = generate(runner, [prompt], [params])
+        before = steps("prefill"), steps("decode")
         spec = generate(runner, [prompt], [params], speculative_config=NGRAM)
         assert spec.tokens == plain.tokens and len(spec.tokens[0]) == 64
         decode_steps = spec.num_steps - 1  # the prompt's step samples the first token
         assert decode_steps / 63 < 0.6, (decode_steps, spec.scheduler.spec_decode)
+        assert (steps("prefill") - before[0], steps("decode") - before[1]) == (1, decode_steps)
 
 
 def test_penalties_min_tokens_logprobs_and_an_exact_max_tokens(
