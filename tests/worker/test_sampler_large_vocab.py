@@ -224,6 +224,11 @@ class _FixedMask:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row] = self.words[self.step % 2]
 
+    def fill_along(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        # ConstraintMatcher.fill_along's contract: row + i allows what follows drafts[:i]
+        for i in range(len(drafts) + 1):
+            bitmask[row + i] = self.words[(self.step + i) % 2]
+
     def allowed(self, token: int, step: int) -> bool:
         return bool((int(self.words[step % 2, token // 32]) >> (token % 32)) & 1)
 
