@@ -1,4 +1,4 @@
-"""The `sluiceway bench serve|compare|step|grammar|quality` flags (vLLM's names where vLLM has the flag)."""
+"""The `sluiceway bench serve|compare|step|grammar|quality|roofline` flags (vLLM's names where vLLM has the flag)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from sluiceway.argtypes import positive_int
 from sluiceway.bench.grammar import add_grammar_args
 from sluiceway.bench.quality import add_quality_args
+from sluiceway.bench.roofline import ROOFLINE_HELP, add_roofline_args
 from sluiceway.bench.step import add_step_args
 from sluiceway.bench.workload import add_workload_args
 from sluiceway.speculative import speculative_config_arg
@@ -97,7 +98,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="dtype of the transformers baseline (auto: as the worker resolves it)",
     )
     add_workload_args(compare)
-
     step = bench_sub.add_parser(
         "step", help="time the worker's model step on a synthetic decode batch (the hot path)"
     )
@@ -114,6 +114,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "dtype=bfloat16) against a float32 reference, over ShareGPT turns",
     )
     add_quality_args(quality)
+    add_roofline_args(bench_sub.add_parser("roofline", help=ROOFLINE_HELP))
 
 
 def bench_command(args: argparse.Namespace) -> int:
@@ -125,6 +126,10 @@ def bench_command(args: argparse.Namespace) -> int:
         from sluiceway.bench.quality import quality_command
 
         return quality_command(args)
+    if args.bench_command == "roofline":
+        from sluiceway.bench.roofline import roofline_command
+
+        return roofline_command(args)
     if args.bench_command == "grammar":
         from sluiceway.bench.grammar import grammar_command
 

@@ -25,7 +25,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-from sluiceway.bench.serve import BenchRun, json_safe, print_figures, run_workload
+from sluiceway.bench.machine_rates import cpu_model
+from sluiceway.bench.serve import BenchRun, json_safe, per_request, print_figures, run_workload
 from sluiceway.bench.workload import load_requests, request_intervals
 from sluiceway.ports import free_port
 
@@ -192,18 +193,10 @@ def run_sluiceway(
 
 def machine_description() -> dict[str, object]:
     """CPU model, core count, OS and torch build, for the saved results."""
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
     import torch
 
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -253,8 +246,15 @@ def compare_command(args: argparse.Namespace) -> int:
     rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate} req/s"
     print(f"\n{len(requests)} {args.dataset_name} prompts, {rate}")
     print(table)
+    roofline = None
+    if args.roofline:
+        from sluiceway.bench.roofline import roofline_of_results
+
+        roofline = roofline_of_results(
+            args, [(label, run.results, run.figures["duration_s"]) for label, run in runs.items()]
+        )
     if args.save_result:
-        _save(args, configs, runs, reference, ratios, table)
+        _save(args, configs, runs, reference, ratios, table, roofline)
         print(f"results saved to {args.save_result}")
     if args.plot:
         from sluiceway.bench.plot import PlotSeries, plot_runs
@@ -289,7 +289,7 @@ def _split(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _save(args, configs, runs, reference, ratios, table) -> None:  # type: ignore[no-untyped-def]
+def _save(args, configs, runs, reference, ratios, table, roofline=None) -> None:  # type: ignore[no-untyped-def]
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["sluiceway", *sys.argv[1:]]),
@@ -305,9 +305,11 @@ def _save(args, configs, runs, reference, ratios, table) -> None:  # type: ignor
                 "errors": runs[c.label].errors,
                 "e2e_ms": [r.e2e * 1e3 for r in runs[c.label].results if r.ok],
                 "ttft_ms": [r.ttft * 1e3 for r in runs[c.label].results if r.ok],
+                "requests": per_request(runs[c.label].results),
             }
             for c in configs
         ],
+        **({"roofline": roofline} if roofline else {}),
     }
     with open(args.save_result, "w") as f:
         json.dump(json_safe(result), f, indent=2, default=str)

@@ -194,16 +194,23 @@ def per_request(results: list[RequestResult]) -> list[dict[str, object]]:
 
 
 def report(args: argparse.Namespace, label: str, run: BenchRun) -> int:
-    """Prints the figures; writes `--save-result` (the args, every figure, the errors and
-    the per-request figures) and `--plot` (series `label`) when asked. Returns the exit code:
-    1 when a request failed, else 0."""
+    """Prints the figures (and, with `--roofline`, the duration as a fraction of the run's
+    limit: :func:`sluiceway.bench.roofline.roofline_of_results`); writes `--save-result` (the
+    args, every figure, the errors, the per-request figures and the roofline's) and `--plot`
+    (series `label`) when asked. Returns the exit code: 1 when a request failed, else 0."""
     print_figures(run.figures, run.errors)
+    roofline = None
+    if getattr(args, "roofline", False):
+        from sluiceway.bench.roofline import roofline_of_results
+
+        roofline = roofline_of_results(args, [(label, run.results, run.figures["duration_s"])])
     if args.save_result:
         result = {
             "args": vars(args),
             **run.figures,
             "errors": run.errors,
             "requests": per_request(run.results),
+            **({"roofline": roofline[0]} if roofline else {}),
         }
         with open(args.save_result, "w") as f:
             json.dump(json_safe(result), f, indent=2, default=str)

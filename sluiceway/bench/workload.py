@@ -248,3 +248,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         metavar="PATH.png",
         help="plot the latency CDFs and the throughput (default: none)",
     )
+    p.add_argument(
+        "--roofline",
+        action="store_true",
+        help="after the run, measure this machine's GEMM rate and memory bandwidth (a few "
+        "seconds; the server must run here) and print the duration as a fraction of the run's "
+        "limit (`bench roofline`)",
+    )
