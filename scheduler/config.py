@@ -68,6 +68,12 @@ class SchedulerConfig(ProcessConfig):
         are copied to a decode instance (device to device), which continues the sequence.
     speculative_config: vLLM's `--speculative-config` JSON (`sluiceway.speculative`; ""
         off): proposed tokens verified in one forward, the plain run's tokens bitwise.
+    async_scheduling: build step N+1 while the workers run step N (vLLM's
+        `--async-scheduling`): a sequence decoding in step N decodes in N+1 the token N
+        samples, which the worker puts in itself (`append_last_sampled`); one that step N
+        ends by a stop token has computed one token for nothing. Single-rank groups that
+        both prefill and decode; not with speculative decoding (a proposal follows the
+        last token). The tokens are those of the synchronous loop.
     metrics_port, metrics_host: Prometheus /metrics (port -1: off, 0: a free port).
     log_format, log_level: the process's log lines (`sluiceway.logs`).
 
@@ -137,6 +143,11 @@ class SchedulerConfig(ProcessConfig):
         '"": off',
         type=speculative_config_arg,
     )
+    async_scheduling: bool = option(
+        False,
+        "build the next step while the workers run this one (vLLM's); single-rank "
+        "instances that prefill and decode, not with --speculative-config",
+    )
     max_model_len: int | None = MAX_MODEL_LEN.field()
     metrics_port: int = metrics_port(9401)
     metrics_host: str = METRICS_HOST.field()
@@ -167,6 +178,8 @@ class SchedulerConfig(ProcessConfig):
                 "need 1 <= max_long_partial_prefills <= max_num_partial_prefills, got "
                 f"{self.max_long_partial_prefills} and {self.max_num_partial_prefills}"
             )
+        if self.async_scheduling:
+            self._check_async_scheduling()
         if not self.enable_chunked_prefill and (
             self.long_prefill_token_threshold > 0 or self.max_num_partial_prefills > 1
         ):
@@ -174,6 +187,21 @@ class SchedulerConfig(ProcessConfig):
                 "long_prefill_token_threshold and max_num_partial_prefills > 1 need "
                 "enable_chunked_prefill"
             )
+
+    def _check_async_scheduling(self) -> None:
+        """Raises ValueError for what async scheduling does not serve (only rank 0 samples,
+        so only a lone rank has the token it puts in itself)."""
+        if self.speculative_config:
+            raise ValueError(
+                "async_scheduling cannot be combined with speculative_config (a proposal "
+                "follows the last token, which async scheduling does not have yet)"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size 1")
+        if self.is_disaggregated:
+            raise ValueError("async_scheduling cannot be combined with disaggregated prefill")
+        if self.scheduling_policy == "static":
+            raise ValueError("async_scheduling cannot be combined with the static policy")
 
     def resolved_long_prefill_token_threshold(self, max_model_len: int) -> int:
         """The chunk cap of a long prefill, tokens (0: none): `long_prefill_token_threshold`,

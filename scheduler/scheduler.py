@@ -59,11 +59,11 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sluiceway.scheduler.block_manager import BlockManager
 from sluiceway.scheduler.config import SchedulerConfig
+from sluiceway.scheduler.outputs import KvUsage, ScheduledSequence, SchedulerOutput, TokenUpdate
 from sluiceway.scheduler.sequence import Sequence, SequenceStatus
 from sluiceway.speculative import (
     AdaptiveLength,
@@ -76,80 +76,7 @@ from sluiceway.v1 import inference_pb2
 if TYPE_CHECKING:
     from sluiceway.v1.inference_pb2 import FinishReason
 
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    """One sequence's share of a step.
-
-    The worker computes positions [num_computed_tokens, num_computed_tokens
-    + num_new_tokens); `appended_token_ids` are tokens the worker's record
-    lacks (all tokens when `is_new`, else the tokens sampled since).
-    `new_block_ids` is the whole block table when `is_new` (cached prefix
-    included), else the blocks added this step. `draft_token_ids`: proposed tokens
-    (speculative decoding) the chunk computes after the sequence's last token; then
-    `num_new_tokens` is 1 + their number.
-    """
-
-    seq: Sequence
-    is_new: bool
-    appended_token_ids: list[int]
-    num_computed_tokens: int
-    num_new_tokens: int
-    new_block_ids: list[int]
-    draft_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so a token is sampled."""
-        end = self.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids)
-        return end == self.seq.num_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """Everything one step sends to the workers."""
-
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    finished_seq_ids: list[int] = field(default_factory=list)  # workers forget these first
-
-    @property
-    def num_batched_tokens(self) -> int:
-        """Tokens the step computes, every sequence's chunk together."""
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.finished_seq_ids
-
-    @property
-    def is_decode_only(self) -> bool:
-        """Whether every share decodes its last token (and its proposals): no prompt chunk."""
-        return bool(self.scheduled) and all(
-            s.num_new_tokens == 1 + len(s.draft_token_ids) and s.seq.output_token_ids
-            for s in self.scheduled
-        )
-
-
-@dataclass(slots=True)
-class TokenUpdate:
-    """A token applied to a sequence; `seq.finish_reason` tells whether it was the last."""
-
-    seq: Sequence
-    token_id: int
-
-
-@dataclass(slots=True)
-class KvUsage:
-    """KV memory utilization: tokens of live sequences stored / slots of allocated blocks.
-
-    Sampled after every step; the totals are sums over steps, so the mean
-    over any window is (difference of `tokens_stored_total`) / (difference
-    of `slots_allocated_total`).
-    """
-
-    utilization: float = 0.0  # last step
-    tokens_stored_total: int = 0
-    slots_allocated_total: int = 0
+__all__ = ["KvUsage", "ScheduledSequence", "Scheduler", "SchedulerOutput", "TokenUpdate"]
 
 
 class Scheduler:
@@ -348,13 +275,15 @@ class Scheduler:
         sequence that should have sampled has no token.
         """
         updates: list[TokenUpdate] = []
+        advanced = output.advanced
         for s in output.scheduled:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             if not s.samples:
-                seq.num_computed_tokens += s.num_new_tokens
-                self.block_manager.cache_full_blocks(seq)
+                if not advanced:
+                    seq.num_computed_tokens += s.num_new_tokens
+                self.block_manager.cache_full_blocks(seq, s.num_computed_tokens + s.num_new_tokens)
                 continue  # a prompt chunk that did not reach the end
             got = sampled[seq.seq_id]
             tokens = [got] if isinstance(got, int) else list(got)
@@ -366,6 +295,8 @@ class Scheduler:
             if drafts:
                 self.spec_decode.add(len(drafts), len(tokens) - 1)
                 self.pace.record(seq.seq_id, len(drafts), len(tokens) - 1)
+            if advanced:
+                seq.num_pending_tokens -= 1
             reason = None
             applied = 0
             for token in tokens:
@@ -377,12 +308,28 @@ class Scheduler:
                     break
             # computed: the chunk's positions whose input was right (its own tokens, then the
             # accepted proposals; rejected positions' K/V are overwritten when recomputed)
-            seq.num_computed_tokens += s.num_new_tokens - len(drafts) + applied - 1
-            self.block_manager.cache_full_blocks(seq)
+            computed = s.num_new_tokens - len(drafts) + applied - 1
+            if not advanced:
+                seq.num_computed_tokens += computed
+            self.block_manager.cache_full_blocks(seq, s.num_computed_tokens + computed)
             if reason is not None:
                 self.finish(seq, reason)
         self._sample_kv_usage()
         return updates
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """Counts step `output` as computed before its tokens come (async scheduling: the
+        next step is built while it runs): each share's positions join
+        `num_computed_tokens`, and a share that samples leaves a pending token, which the
+        next step decodes (`append_last_sampled`) and `apply_sampled` then resolves. Raises
+        ValueError for a step with proposed tokens (how many are computed depends on the
+        answer)."""
+        for s in output.scheduled:
+            if s.draft_token_ids:
+                raise ValueError("a step with proposed tokens cannot be advanced")
+            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.num_pending_tokens += s.samples
+        output.advanced = True
 
     # -- helpers ----------------------------------------------------------------
 
@@ -398,9 +345,13 @@ class Scheduler:
         limit = self.pace.step_limit(len(self.running)) if on else 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            if seq.num_pending_tokens and self._ends_at_pending(seq):
+                i += 1  # its pending token is its last: nothing to compute
+                continue
+            remaining = seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens
             num_new = self._chunk(remaining, budget)
-            drafts = self._propose(seq, min(limit, budget - 1)) if limit and remaining == 1 else []
+            proposes = limit and remaining == 1 and not seq.num_pending_tokens
+            drafts = self._propose(seq, min(limit, budget - 1)) if proposes else []
             if drafts and (new_blocks := bm.allocate_slots(seq, 1 + len(drafts))) is not None:
                 out.scheduled.append(self._schedule(seq, 1 + len(drafts), new_blocks, drafts))
                 budget -= 1 + len(drafts)
@@ -438,7 +389,7 @@ class Scheduler:
         keeps the record it had before the step. Returns the share's tokens."""
         index = next(j for j, s in enumerate(out.scheduled) if s.seq is seq)
         share = out.scheduled.pop(index)
-        seq.num_tokens_on_worker = seq.num_tokens - len(share.appended_token_ids)
+        seq.num_tokens_on_worker -= len(share.appended_token_ids) + share.append_last_sampled
         return share.num_new_tokens
 
     def _queue_by_priority(self, seq: Sequence) -> None:
@@ -448,7 +399,16 @@ class Scheduler:
     @staticmethod
     def _remaining(s: ScheduledSequence) -> int:
         """Tokens `s.seq` had left to compute before this step."""
-        return s.seq.num_tokens - s.num_computed_tokens
+        return s.seq.num_tokens + s.seq.num_pending_tokens - s.num_computed_tokens
+
+    def _ends_at_pending(self, seq: Sequence) -> bool:
+        """Whether `seq`'s pending tokens reach `max_tokens` or `max_model_len`: it
+        finishes when they come, whatever they are."""
+        num_output = len(seq.output_token_ids) + seq.num_pending_tokens
+        return (
+            num_output >= seq.sampling.max_tokens
+            or seq.num_tokens + seq.num_pending_tokens >= self.max_model_len
+        )
 
     def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens to compute this step for a sequence with `remaining` uncomputed tokens:
@@ -472,7 +432,7 @@ class Scheduler:
         """`seq`'s share of the step, its blocks allocated (`new_blocks` the fresh ones)."""
         is_new = seq.num_tokens_on_worker == 0
         appended = seq.token_ids[seq.num_tokens_on_worker :]
-        seq.num_tokens_on_worker = seq.num_tokens
+        seq.num_tokens_on_worker = seq.num_tokens + seq.num_pending_tokens
         return ScheduledSequence(
             seq=seq,
             is_new=is_new,
@@ -481,6 +441,7 @@ class Scheduler:
             num_new_tokens=num_new,
             new_block_ids=list(seq.block_table) if is_new else new_blocks,
             draft_token_ids=drafts or [],
+            append_last_sampled=seq.num_pending_tokens > 0,
         )
 
     def _propose(self, seq: Sequence, budget: int) -> list[int]:
@@ -516,7 +477,9 @@ class Scheduler:
                 continue
             if sibling.prompt_token_ids != seq.prompt_token_ids:
                 continue  # not a sample of the same request (a router would not do this)
-            if sibling.num_computed_tokens >= num_shared:
+            # its blocks hashed (cached) so far: with async scheduling `num_computed_tokens`
+            # also counts a step still running
+            if len(sibling.block_hashes) * self.block_manager.block_size >= num_shared:
                 return False  # cached: take them now
             computing = True
         return computing
@@ -557,6 +520,7 @@ class Scheduler:
     def _forget(self, seq: Sequence) -> None:
         """Resets `seq`'s progress and has the workers drop their record of it."""
         seq.num_computed_tokens = 0
+        seq.num_pending_tokens = 0  # (a step in flight samples it: dropped when it comes)
         if self.proposer is not None:
             self.proposer.forget(seq.seq_id)
             self.pace.forget(seq.seq_id)

@@ -29,6 +29,9 @@ class Sequence:
     tokens whose K/V are in the KV pool; the next token is sampled once it equals
     `num_tokens`. `num_tokens_on_worker` is how many of `token_ids` the worker's own record
     holds (0 = the worker has not heard of this sequence, or forgot it on preemption).
+    `num_pending_tokens` (async scheduling) counts tokens a step in flight samples for it,
+    not yet received: scheduling counts them in its length, `num_computed_tokens` and
+    `num_tokens_on_worker` already include their positions.
     """
 
     seq_id: int
@@ -41,6 +44,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_tokens_on_worker: int = 0
+    num_pending_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of each full block of token_ids
     finish_reason: FinishReason = inference_pb2.FINISH_REASON_UNSPECIFIED

@@ -4,6 +4,11 @@ One asyncio task per worker group (scheduler/worker_group.py) in the scheduler p
 iteration builds a step (`Scheduler.schedule`), sends it with a watchdog bound, appends the
 sampled tokens (`Scheduler.apply_sampled`) and puts each on its request's queue. A failed step
 costs what its kind costs (scheduler/faults.py).
+
+With `--async-scheduling` (vLLM v1's async scheduling) the loop builds and sends step N+1
+while the worker runs step N (`Scheduler.advance` counts N as done, its sampled tokens
+pending), so that the worker finds its next step waiting instead of waiting on the RPC, the
+token updates and the scheduler; N+1 names N as the step to run first.
 """
 
 from __future__ import annotations
@@ -54,6 +59,21 @@ def step_timeout_s(out: SchedulerOutput) -> float:
         + STEP_TIMEOUT_PER_TOKEN_S * out.num_batched_tokens
         + STEP_TIMEOUT_PER_SEQ_S * len(out.scheduled)
     )
+
+
+@dataclass(slots=True)
+class SentStep:
+    """A step sent to the workers: its scheduler, what it holds, the task awaiting the
+    answer; `t0` when it was built, `t1` when it was sent, or when the step before it was
+    answered if that was later (the worker's start, for the step-time figures)."""
+
+    sched: Scheduler
+    out: SchedulerOutput
+    step_id: int
+    timeout_s: float
+    task: asyncio.Task[worker_pb2.StepResponse | None]
+    t0: float
+    t1: float
 
 
 @dataclass(slots=True)
@@ -117,9 +137,14 @@ def add_prompt_logprobs(out: SchedulerOutput, chunks: Iterable[worker_pb2.Prompt
             seq.prompt_logprobs.extend(chunk.logprobs)
 
 
-def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepRequest:
-    """Translates a `SchedulerOutput` into the wire message of one step."""
-    req = worker_pb2.StepRequest(step_id=step_id, finished_seq_ids=out.finished_seq_ids)
+def build_step_request(
+    step_id: int, out: SchedulerOutput, previous_step_id: int = 0
+) -> worker_pb2.StepRequest:
+    """Translates a `SchedulerOutput` into the wire message of one step (`previous_step_id`:
+    the step sent before it still running, async scheduling)."""
+    req = worker_pb2.StepRequest(
+        step_id=step_id, finished_seq_ids=out.finished_seq_ids, previous_step_id=previous_step_id
+    )
     for s in out.scheduled:
         if s.is_new:
             sampling = s.seq.sampling.to_proto()
@@ -141,6 +166,7 @@ def build_step_request(step_id: int, out: SchedulerOutput) -> worker_pb2.StepReq
             num_new_tokens=s.num_new_tokens,
             new_block_ids=s.new_block_ids,
             draft_token_ids=s.draft_token_ids,
+            append_last_sampled=s.append_last_sampled,
         )
         req.scheduled.append(scheduled)
     return req
@@ -172,36 +198,83 @@ class StepLoop:
         """Runs until cancelled: steps while there is work, probes the workers while idle."""
         group = self.group
         await group.ready.wait()
-        while True:
-            sched = group.scheduler
-            assert sched is not None
-            if not sched.has_work:
-                group.wakeup.clear()
-                try:
-                    await asyncio.wait_for(group.wakeup.wait(), IDLE_PROBE_INTERVAL_S)
-                except TimeoutError:
-                    await self.faults.probe_idle(group)
-                continue
-            t0 = time.perf_counter()
-            out = self._schedule(sched)
-            t1 = time.perf_counter()
-            if out.is_empty:
-                # Nothing fits right now (e.g. every block held by a step in flight);
-                # wait for an abort or a new request to change that.
-                group.wakeup.clear()
-                await group.wakeup.wait()
-                continue
-            response = await self._execute(sched, out)
-            if response is None:
-                continue
-            t2 = time.perf_counter()
-            decode_only = out.is_decode_only  # (before the step's tokens are applied)
-            self._apply(sched, out, response)
-            if decode_only:  # what a decode step of its size costs: speculation's pace
-                sched.pace.observe_step(out.num_batched_tokens, t2 - t1)
-            self._record(out, response, t0, t1, t2)
-            if self.after_step is not None:
-                await self.after_step()
+        ahead: SentStep | None = None  # built and sent while the step before it ran
+        try:
+            while True:
+                sched = group.scheduler
+                assert sched is not None
+                if ahead is not None and ahead.sched is sched:
+                    step, ahead = ahead, None
+                else:  # (one a replaced scheduler sent answers None: dropped)
+                    ahead = None
+                    if not sched.has_work:
+                        group.wakeup.clear()
+                        try:
+                            await asyncio.wait_for(group.wakeup.wait(), IDLE_PROBE_INTERVAL_S)
+                        except TimeoutError:
+                            await self.faults.probe_idle(group)
+                        continue
+                    t0 = time.perf_counter()
+                    out = self._schedule(sched)
+                    if out.is_empty:
+                        # Nothing fits right now (e.g. every block held by a step in flight);
+                        # wait for an abort or a new request to change that.
+                        group.wakeup.clear()
+                        await group.wakeup.wait()
+                        continue
+                    step = self._send(sched, out, t0)
+                if self._overlaps(sched, step.out):
+                    ahead = self._send_next(sched, step)
+                await self._finish(sched, step, ahead)
+        finally:
+            if ahead is not None:
+                ahead.task.cancel()
+
+    def _overlaps(self, sched: Scheduler, out: SchedulerOutput) -> bool:
+        """Whether to build the next step while `out` runs (async scheduling; the config
+        refuses what it does not serve)."""
+        return (
+            sched.config.async_scheduling
+            and self.after_step is None
+            and not any(s.draft_token_ids for s in out.scheduled)
+        )
+
+    def _send_next(self, sched: Scheduler, running: SentStep) -> SentStep | None:
+        """Counts `running` as done, then builds and sends the step after it, named to run
+        after it; None when there is nothing to send."""
+        sched.advance(running.out)
+        t0 = time.perf_counter()
+        out = self._schedule(sched)
+        if out.is_empty:
+            return None
+        return self._send(sched, out, t0, previous=running)
+
+    def _send(
+        self, sched: Scheduler, out: SchedulerOutput, t0: float, previous: SentStep | None = None
+    ) -> SentStep:
+        """Sends `out` to the workers (after `previous`, which they run first: its watchdog
+        bound is added to this one's)."""
+        step_id = next(self.step_ids)
+        timeout_s = step_timeout_s(out) + (previous.timeout_s if previous else 0.0)
+        request = build_step_request(step_id, out, previous.step_id if previous else 0)
+        task = asyncio.create_task(self._execute(sched, out, request, timeout_s))
+        return SentStep(sched, out, step_id, timeout_s, task, t0, time.perf_counter())
+
+    async def _finish(self, sched: Scheduler, step: SentStep, ahead: SentStep | None) -> None:
+        """Awaits `step`'s answer and applies it (the step after it, `ahead`, is running)."""
+        response = await step.task
+        if response is None:
+            return
+        t2 = time.perf_counter()
+        if ahead is not None:
+            ahead.t1 = max(ahead.t1, t2)
+        decode_only = step.out.is_decode_only  # (before the step's tokens are applied)
+        self._apply(sched, step.out, response)
+        if decode_only and not step.out.advanced:  # a decode step's cost: speculation's pace
+            sched.pace.observe_step(step.out.num_batched_tokens, t2 - step.t1)
+        self._record(step.out, response, step.t0, step.t1, t2)
+        if self.after_step is not None:
+            await self.after_step()
 
     def _schedule(self, sched: Scheduler) -> SchedulerOutput:
         preemptions = sched.num_preemptions
@@ -221,14 +294,16 @@ class StepLoop:
         return out
 
     async def _execute(
-        self, sched: Scheduler, out: SchedulerOutput
+        self,
+        sched: Scheduler,
+        out: SchedulerOutput,
+        request: worker_pb2.StepRequest,
+        timeout_s: float,
     ) -> worker_pb2.StepResponse | None:
         """Runs the step on every rank; None when it failed (the fault handled by its kind)
         or when a rank registered again while it ran (the group has failed those sequences)."""
         group = self.group
-        timeout_s = step_timeout_s(out)
         try:
-            request = build_step_request(next(self.step_ids), out)
             response = await asyncio.wait_for(group.execute(request), timeout_s)
         except TimeoutError:
             if sched is group.scheduler:

@@ -48,7 +48,7 @@ FLAGS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
          "enable_prefix_caching", "long_prefill_token_threshold", "max_num_partial_prefills",
          "max_long_partial_prefills", "scheduling_policy", "static_batch_size",
          "max_waiting_requests", "tensor_parallel_size", "num_prefill_workers",
-         "num_decode_workers", "speculative_config"),
+         "num_decode_workers", "speculative_config", "async_scheduling"),
     ),
     (None, ("num_replicas", "num_routers")),
     ("scheduler", ("max_model_len", "log_format", "log_level")),

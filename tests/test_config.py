@@ -78,6 +78,7 @@ ROUND_TRIP: list[ProcessConfig] = [
         log_level="ERROR", speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
     ),
     SchedulerConfig(enable_chunked_prefill=False, scheduling_policy="static", static_batch_size=3),
+    SchedulerConfig(async_scheduling=True),
     WorkerConfig(
         listen="0.0.0.0:7000", advertise="w:7000", scheduler="s:50052", worker_group=1,
         share_kv_pool=True, rank=1, distributed_init_method="tcp://127.0.0.1:29500",
@@ -94,6 +95,8 @@ ROUND_TRIP: list[ProcessConfig] = [
     serve_config(enable_chunked_prefill=False, long_prefill_token_threshold=0,
                  max_num_partial_prefills=1, max_long_partial_prefills=1, num_prefill_workers=0,
                  num_decode_workers=0, scheduling_policy="static", static_batch_size=3),
+    serve_config(async_scheduling=True, tensor_parallel_size=1, num_prefill_workers=0,
+                 num_decode_workers=0),
 ]  # fmt: skip
 
 

@@ -39,7 +39,7 @@ from sluiceway.worker.compute_thread import compute_executor
 from sluiceway.worker.config import WorkerConfig
 from sluiceway.worker.kv_pool import SharedKvPool, copy_blocks, open_kv_pool
 from sluiceway.worker.metrics import FORWARD_SECONDS, step_phase
-from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
+from sluiceway.worker.model_runner import ModelRunner, SampledToken, ScheduledChunk, SequenceData
 from sluiceway.worker.prompt_logprobs import PromptLogprobs
 from sluiceway.worker.structured_output import ConstraintError, GrammarCompiler
 
@@ -88,6 +88,11 @@ def _prompt_logprobs(p: PromptLogprobs) -> worker_pb2.PromptLogprobs:
     )
 
 
+# Async scheduling: how long a step waits for the one the scheduler sent before it (they
+# travel on one channel, so it is normally there first; this only bounds a lost one).
+PREVIOUS_STEP_WAIT_S = 30.0
+
+
 class StepExecutor:
     """Applies a `StepRequest` to the per-sequence records and runs it on the model.
 
@@ -127,6 +132,8 @@ class StepExecutor:
                 if seq is None:
                     raise ValueError(f"step {request.step_id} names unknown sequence {s.seq_id}")
                 seq.append(s.appended_token_ids)
+                if s.append_last_sampled:
+                    seq.append(self._last_sampled(seq, request.step_id))
                 seq.block_table.extend(s.new_block_ids)
                 chunks.append(self._chunk(seq, s))
             phase = step_phase(chunks)  # (while the records hold the proposals)
@@ -135,6 +142,7 @@ class StepExecutor:
             for chunk in chunks:
                 if chunk.num_draft_tokens:
                     del chunk.seq.token_ids[-chunk.num_draft_tokens :]
+        self._keep_sampled(sampled)
         timings = self.runner.last_timings
         if chunks:
             FORWARD_SECONDS.labels(self.model_name, phase).observe(
@@ -158,6 +166,30 @@ class StepExecutor:
             prompt_logprobs=[_prompt_logprobs(p) for p in self.runner.last_prompt_logprobs],
             step_seconds=time.perf_counter() - t0,
         )
+
+    def _keep_sampled(self, sampled: list[SampledToken]) -> None:
+        """Keeps on each record the tokens the step emitted for it, for a next step that
+        says `append_last_sampled` (sent before the scheduler had them: async scheduling).
+        Only rank 0 samples: the others never keep any (the scheduler sends such steps to
+        single-rank groups only)."""
+        emitted: dict[int, list[int]] = {}
+        for t in sampled:
+            emitted.setdefault(t.seq_id, []).append(t.token_id)
+        for seq_id, tokens in emitted.items():
+            self.sequences[seq_id].last_sampled = tokens
+
+    @staticmethod
+    def _last_sampled(seq: SequenceData, step_id: int) -> list[int]:
+        """The tokens the record's previous step emitted, taken off it. Raises ValueError
+        when there are none (no step sampled it since they were last taken)."""
+        tokens = seq.last_sampled
+        if tokens is None:
+            raise ValueError(
+                f"step {step_id}: sequence {seq.seq_id} takes its last sampled token, but "
+                "this worker sampled none for it since"
+            )
+        seq.last_sampled = None
+        return tokens
 
     def _chunk(self, seq: SequenceData, s: worker_pb2.ScheduledSequence) -> ScheduledChunk:
         """The runner's chunk of `s` for record `seq`; proposed tokens are appended to the
@@ -221,6 +253,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._pool = compute_executor()
         self._compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.broken = asyncio.Event()
+        # the last step handed to the compute thread, which runs them in that order
+        self._last_started_step_id = 0
+        self._started = asyncio.Condition()
 
     async def ExecuteStep(
         self, request: worker_pb2.StepRequest, context: grpc.aio.ServicerContext
@@ -232,7 +267,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         UNAVAILABLE, and the worker exits."""
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._pool, self.executor.execute, request)
+            if request.previous_step_id:
+                await self._wait_started(request.previous_step_id)
+            step = loop.run_in_executor(self._pool, self.executor.execute, request)
+            async with self._started:
+                self._last_started_step_id = max(self._last_started_step_id, request.step_id)
+                self._started.notify_all()
+            return await step
         except RequestError as e:
             await abort(context, e)
         except ValueError as e:
@@ -247,6 +288,23 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await abort(
                 context, RequestError(grpc.StatusCode.UNAVAILABLE, "tensor-parallel group broken")
             )
+
+    async def _wait_started(self, previous_step_id: int) -> None:
+        """Waits until step `previous_step_id` (or a later one: step ids only grow) has gone
+        to the compute thread. Raises RequestError (INVALID_ARGUMENT) after
+        PREVIOUS_STEP_WAIT_S: that step never came (the scheduler fails this one's requests)."""
+        async with self._started:
+            try:
+                await asyncio.wait_for(
+                    self._started.wait_for(lambda: self._last_started_step_id >= previous_step_id),
+                    PREVIOUS_STEP_WAIT_S,
+                )
+            except TimeoutError:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"step {previous_step_id}, to run before this one, did not come within "
+                    f"{PREVIOUS_STEP_WAIT_S:.0f} s",
+                ) from None
 
     async def PrepareStructuredOutputs(
         self, request: inference_pb2.StructuredOutputs, context: grpc.aio.ServicerContext

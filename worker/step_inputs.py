@@ -39,6 +39,9 @@ class SequenceData:
     generator: torch.Generator | None = None  # created by ModelRunner when sampling.seed is set
     num_prompt_tokens: int = 0  # the original prompt's length; the rest of token_ids is output
     constraint: ConstraintMatcher | None = None  # structured outputs: its grammar's state
+    # the tokens this worker's last step emitted for it, until the scheduler confirms them
+    # (async scheduling: `ScheduledSequence.append_last_sampled`)
+    last_sampled: list[int] | None = None
 
     def append(self, token_ids: Sequence[int]) -> None:
         """Appends tokens generated since the last step (and moves the constraint on)."""

@@ -39,8 +39,18 @@ BYTES_PER_BLOCK = 30 * 2 * 3 * 64 * 4 * 16  # SmolLM2, fp32, 16 tokens
             "--max-num-seqs",
             "64",
         ],
+        # the next step built while one runs, under the same preemptions
+        [
+            "--async-scheduling",
+            "--kv-cache-memory",
+            str(48 * BYTES_PER_BLOCK),
+            "--max-num-batched-tokens",
+            "64",
+            "--max-num-seqs",
+            "64",
+        ],
     ],
-    ids=["unchunked", "no-prefix-cache-chunks-512", "static-8", "48-blocks"],
+    ids=["unchunked", "no-prefix-cache-chunks-512", "static-8", "48-blocks", "async-48-blocks"],
 )
 def test_greedy_tokens_are_the_same_in_every_mode(
     flags: list[str],

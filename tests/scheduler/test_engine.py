@@ -19,7 +19,9 @@ NUM_BLOCKS = 32
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
-    """Samples token 100 + len(record) for every sequence that reaches its end; records steps."""
+    """Samples token 100 + len(record) for every sequence that reaches its end; records steps.
+    Runs a step after the one it names to run first (async scheduling), putting in the
+    token it sampled last where the step says so."""
 
     def __init__(self, fail: bool = False) -> None:
         self.records: dict[int, list[int]] = {}
@@ -31,6 +33,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.address = ""  # set by _serve
         self.server: grpc.aio.Server | None = None  # set by _serve
         self.gate: asyncio.Event | None = None  # when set, steps that compute wait for it
+        self.last_sampled: dict[int, int] = {}
+        self.started: set[int] = set()  # step ids
 
     async def ExecuteStep(self, request, context):  # type: ignore[no-untyped-def]
         if self.fail:
@@ -38,6 +42,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         if self.refuse is not None and request.scheduled:
             error, self.refuse = self.refuse, None
             await abort(context, error)
+        while request.previous_step_id and request.previous_step_id not in self.started:
+            await asyncio.sleep(0.001)
+        self.started.add(request.step_id)
         self.steps.append(request)
         if self.gate is not None and request.scheduled:
             await self.gate.wait()
@@ -49,8 +56,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         for s in request.scheduled:
             rec = self.records[s.seq_id]
             rec.extend(s.appended_token_ids)
+            if s.append_last_sampled:
+                rec.append(self.last_sampled.pop(s.seq_id))
             if s.num_computed_tokens + s.num_new_tokens == len(rec):
                 sampled.append(worker_pb2.SampledToken(seq_id=s.seq_id, token_id=100 + len(rec)))
+                self.last_sampled[s.seq_id] = 100 + len(rec)
         await asyncio.sleep(0.001)
         return worker_pb2.StepResponse(step_id=request.step_id, sampled=sampled)
 
@@ -141,6 +151,47 @@ def test_cancelled_stream_frees_blocks_and_worker_forgets(fake: FakeWorker) -> N
             await asyncio.sleep(0.01)
         assert fake.records == {}
         assert fake.steps[-1].finished_seq_ids and not fake.steps[-1].scheduled
+        await close()
+
+    asyncio.run(main())
+
+
+def test_async_scheduling_sends_each_step_while_the_one_before_runs(fake: FakeWorker) -> None:
+    """The same tokens as the synchronous loop; decoding steps name the step before them
+    and take the token it sampled; a stream cancelled meanwhile gives its blocks back."""
+
+    async def main() -> None:
+        stub, close = await _serve(fake, SchedulerConfig(max_num_seqs=8, async_scheduling=True))
+
+        async def collect(i: int) -> list[int]:
+            return [
+                t
+                async for e in stub.AddRequest(add_request(5 + i, 6, f"r{i}"))
+                for t in e.token_ids
+            ]
+
+        outs = await asyncio.gather(*(collect(i) for i in range(8)))
+        assert outs == [[100 + 5 + i + k for k in range(6)] for i in range(8)]
+        overlapped = [s for s in fake.steps if s.previous_step_id]
+        assert len(overlapped) >= 5  # 6 tokens: the steps after the prompts' one
+        # every decode but the first after a prompt's step (sent with it) or a later one
+        taken = sum(x.append_last_sampled for s in overlapped for x in s.scheduled)
+        assert 8 * 4 <= taken <= 8 * 5
+        # max_tokens known in advance: no step computes past a sequence's 6th token
+        assert sum(len(s.scheduled) for s in fake.steps) == 8 * 6
+        assert await free_blocks(stub) == NUM_BLOCKS
+
+        call = stub.AddRequest(add_request(40, 200))
+        it = call.__aiter__()
+        for _ in range(3):
+            await it.__anext__()
+        call.cancel()
+        for _ in range(200):
+            if await free_blocks(stub) == NUM_BLOCKS and not fake.records:
+                break
+            await asyncio.sleep(0.01)
+        assert await free_blocks(stub) == NUM_BLOCKS
+        assert fake.records == {}
         await close()
 
     asyncio.run(main())

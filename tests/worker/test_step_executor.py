@@ -94,3 +94,51 @@ def test_a_copy_outside_the_pool_is_refused(tiny_models: dict[str, pathlib.Path]
             StepExecutor(runner).copy_blocks(request)
     finally:
         peer.close()
+
+
+def test_a_step_takes_the_token_the_worker_sampled_last_where_it_says_so(
+    tiny_models: dict[str, pathlib.Path],
+) -> None:
+    """Async scheduling: `append_last_sampled` puts in the token the previous step emitted,
+    as `appended_token_ids` would; without one to take the step is refused."""
+    runner = ModelRunner(
+        tiny_models["llama-untied"], dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 20
+    )
+    greedy = inference_pb2.SamplingParams(temperature=0, top_p=1, repetition_penalty=1)
+
+    def run(executor: StepExecutor, sent: bool) -> list[int]:
+        prompt = worker_pb2.StepRequest(
+            step_id=1,
+            new_sequences=[
+                worker_pb2.NewSequence(seq_id=1, prompt_token_ids=PROMPT, sampling=greedy)
+            ],
+            scheduled=[
+                worker_pb2.ScheduledSequence(
+                    seq_id=1, num_computed_tokens=0, num_new_tokens=10, new_block_ids=[0, 1, 2]
+                )
+            ],
+        )
+        tokens = [executor.execute(prompt).sampled[0].token_id]
+        for step_id in range(2, 6):
+            decode = worker_pb2.ScheduledSequence(
+                seq_id=1, num_computed_tokens=9 + step_id - 1, num_new_tokens=1
+            )
+            if sent:
+                decode.appended_token_ids.append(tokens[-1])
+            else:
+                decode.append_last_sampled = True
+            if step_id == 3:
+                decode.new_block_ids.append(3)
+            request = worker_pb2.StepRequest(step_id=step_id, scheduled=[decode])
+            tokens.append(executor.execute(request).sampled[0].token_id)
+        return tokens
+
+    assert run(StepExecutor(runner), sent=False) == run(StepExecutor(runner), sent=True)
+    executor = StepExecutor(runner)
+    run(executor, sent=True)
+    missing = worker_pb2.ScheduledSequence(
+        seq_id=1, num_computed_tokens=14, num_new_tokens=1, append_last_sampled=True
+    )
+    executor.sequences[1].last_sampled = None
+    with pytest.raises(ValueError, match="sampled none for it"):
+        executor.execute(worker_pb2.StepRequest(step_id=9, scheduled=[missing]))
