@@ -218,17 +218,17 @@ class BlockManager:
 
     # -- the cache and the way back -----------------------------------------------
 
-    def cache_full_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
-        """Registers the hashes of `seq`'s blocks that its first `num_computed` tokens
-        (default: `seq.num_computed_tokens`) have filled.
+    def cache_full_blocks(self, seq: Sequence, num_computed: int) -> None:
+        """Registers the hashes of `seq`'s blocks that its first `num_computed` tokens have
+        filled.
 
-        Call after the step that computed them succeeded (with async scheduling
-        `num_computed_tokens` also counts a step still running: pass what the finished step
-        computed). A block whose prefix is already cached under another block id stays
+        Call after the step that computed them succeeded, with the tokens computed through
+        it (with async scheduling `seq.num_computed_tokens` also counts a step still
+        running). A block whose prefix is already cached under another block id stays
         unhashed.
         """
         bs = self.block_size
-        num_full = (seq.num_computed_tokens if num_computed is None else num_computed) // bs
+        num_full = num_computed // bs
         tokens = seq.token_ids
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)

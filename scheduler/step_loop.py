@@ -223,21 +223,12 @@ class StepLoop:
                         await group.wakeup.wait()
                         continue
                     step = self._send(sched, out, t0)
-                if self._overlaps(sched, step.out):
+                if sched.config.async_scheduling:  # (the config refuses what it cannot serve)
                     ahead = self._send_next(sched, step)
                 await self._finish(sched, step, ahead)
         finally:
             if ahead is not None:
                 ahead.task.cancel()
-
-    def _overlaps(self, sched: Scheduler, out: SchedulerOutput) -> bool:
-        """Whether to build the next step while `out` runs (async scheduling; the config
-        refuses what it does not serve)."""
-        return (
-            sched.config.async_scheduling
-            and self.after_step is None
-            and not any(s.draft_token_ids for s in out.scheduled)
-        )
 
     def _send_next(self, sched: Scheduler, running: SentStep) -> SentStep | None:
         """Counts `running` as done, then builds and sends the step after it, named to run
@@ -254,11 +245,12 @@ class StepLoop:
     ) -> SentStep:
         """Sends `out` to the workers (after `previous`, which they run first: its watchdog
         bound is added to this one's)."""
+        t1 = time.perf_counter()  # (building the request counts as the RPC's, as before)
         step_id = next(self.step_ids)
         timeout_s = step_timeout_s(out) + (previous.timeout_s if previous else 0.0)
         request = build_step_request(step_id, out, previous.step_id if previous else 0)
         task = asyncio.create_task(self._execute(sched, out, request, timeout_s))
-        return SentStep(sched, out, step_id, timeout_s, task, t0, time.perf_counter())
+        return SentStep(sched, out, step_id, timeout_s, task, t0, t1)
 
     async def _finish(self, sched: Scheduler, step: SentStep, ahead: SentStep | None) -> None:
         """Awaits `step`'s answer and applies it (the step after it, `ahead`, is running)."""

@@ -111,6 +111,12 @@ def add_request(n_prompt: int, max_tokens: int, rid: str = "r") -> scheduler_pb2
     )
 
 
+async def collect(stub: scheduler_pb2_grpc.SchedulerStub, i: int) -> list[int]:
+    """The tokens of request r{i}: a prompt of 5 + i tokens, 6 tokens out."""
+    events = await _collect(stub, add_request(5 + i, 6, f"r{i}"))
+    return [t for e in events for t in e.token_ids]
+
+
 async def free_blocks(stub: scheduler_pb2_grpc.SchedulerStub) -> int:
     info = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
     return info.num_free_kv_blocks
@@ -163,14 +169,7 @@ def test_async_scheduling_sends_each_step_while_the_one_before_runs(fake: FakeWo
     async def main() -> None:
         stub, close = await _serve(fake, SchedulerConfig(max_num_seqs=8, async_scheduling=True))
 
-        async def collect(i: int) -> list[int]:
-            return [
-                t
-                async for e in stub.AddRequest(add_request(5 + i, 6, f"r{i}"))
-                for t in e.token_ids
-            ]
-
-        outs = await asyncio.gather(*(collect(i) for i in range(8)))
+        outs = await asyncio.gather(*(collect(stub, i) for i in range(8)))
         assert outs == [[100 + 5 + i + k for k in range(6)] for i in range(8)]
         overlapped = [s for s in fake.steps if s.previous_step_id]
         assert len(overlapped) >= 5  # 6 tokens: the steps after the prompts' one
@@ -233,14 +232,7 @@ def test_concurrent_requests_share_steps(fake: FakeWorker) -> None:
     async def main() -> None:
         stub, close = await _serve(fake, SchedulerConfig(max_num_seqs=8))
 
-        async def collect(i: int) -> list[int]:
-            return [
-                t
-                async for e in stub.AddRequest(add_request(5 + i, 6, f"r{i}"))
-                for t in e.token_ids
-            ]
-
-        outs = await asyncio.gather(*(collect(i) for i in range(8)))
+        outs = await asyncio.gather(*(collect(stub, i) for i in range(8)))
         for i, out in enumerate(outs):
             n = 5 + i
             assert out == [100 + n + k for k in range(6)]

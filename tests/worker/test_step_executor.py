@@ -27,6 +27,25 @@ def _slot(pool: torch.Tensor, block: int, offset: int, head_dim: int) -> torch.T
     ])  # fmt: skip
 
 
+GREEDY = inference_pb2.SamplingParams(temperature=0, top_p=1, repetition_penalty=1)
+
+
+def prompt_step(step_id: int, seq_id: int) -> worker_pb2.StepRequest:
+    """A step that adds sequence `seq_id` (PROMPT, greedy) and computes its whole prompt into
+    blocks 0-2."""
+    return worker_pb2.StepRequest(
+        step_id=step_id,
+        new_sequences=[
+            worker_pb2.NewSequence(seq_id=seq_id, prompt_token_ids=PROMPT, sampling=GREEDY)
+        ],
+        scheduled=[
+            worker_pb2.ScheduledSequence(
+                seq_id=seq_id, num_computed_tokens=0, num_new_tokens=10, new_block_ids=[0, 1, 2]
+            )
+        ],
+    )
+
+
 def test_a_sample_starting_from_cached_blocks_computes_its_partial_block_in_its_own(
     tiny_models: dict[str, pathlib.Path],
 ) -> None:
@@ -34,20 +53,7 @@ def test_a_sample_starting_from_cached_blocks_computes_its_partial_block_in_its_
         tiny_models["llama-untied"], dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 20
     )
     executor = StepExecutor(runner)
-    greedy = inference_pb2.SamplingParams(temperature=0, top_p=1, repetition_penalty=1)
-    first = executor.execute(
-        worker_pb2.StepRequest(
-            step_id=1,
-            new_sequences=[
-                worker_pb2.NewSequence(seq_id=1, prompt_token_ids=PROMPT, sampling=greedy)
-            ],
-            scheduled=[
-                worker_pb2.ScheduledSequence(
-                    seq_id=1, num_computed_tokens=0, num_new_tokens=10, new_block_ids=[0, 1, 2]
-                )
-            ],
-        )
-    )
+    first = executor.execute(prompt_step(1, seq_id=1))
     token = first.sampled[0].token_id
     pool = runner.kv_pool
     d = runner.config.head_dim
@@ -59,7 +65,7 @@ def test_a_sample_starting_from_cached_blocks_computes_its_partial_block_in_its_
         worker_pb2.StepRequest(
             step_id=2,
             new_sequences=[
-                worker_pb2.NewSequence(seq_id=2, prompt_token_ids=PROMPT, sampling=greedy)
+                worker_pb2.NewSequence(seq_id=2, prompt_token_ids=PROMPT, sampling=GREEDY)
             ],
             scheduled=[
                 worker_pb2.ScheduledSequence(
@@ -104,21 +110,9 @@ def test_a_step_takes_the_token_the_worker_sampled_last_where_it_says_so(
     runner = ModelRunner(
         tiny_models["llama-untied"], dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 20
     )
-    greedy = inference_pb2.SamplingParams(temperature=0, top_p=1, repetition_penalty=1)
 
     def run(executor: StepExecutor, sent: bool) -> list[int]:
-        prompt = worker_pb2.StepRequest(
-            step_id=1,
-            new_sequences=[
-                worker_pb2.NewSequence(seq_id=1, prompt_token_ids=PROMPT, sampling=greedy)
-            ],
-            scheduled=[
-                worker_pb2.ScheduledSequence(
-                    seq_id=1, num_computed_tokens=0, num_new_tokens=10, new_block_ids=[0, 1, 2]
-                )
-            ],
-        )
-        tokens = [executor.execute(prompt).sampled[0].token_id]
+        tokens = [executor.execute(prompt_step(1, seq_id=1)).sampled[0].token_id]
         for step_id in range(2, 6):
             decode = worker_pb2.ScheduledSequence(
                 seq_id=1, num_computed_tokens=9 + step_id - 1, num_new_tokens=1
