@@ -64,8 +64,9 @@ def step_timeout_s(out: SchedulerOutput) -> float:
 @dataclass(slots=True)
 class SentStep:
     """A step sent to the workers: its scheduler, what it holds, the task awaiting the
-    answer; `t0` when it was built, `t1` when it was sent, or when the step before it was
-    answered if that was later (the worker's start, for the step-time figures)."""
+    answer; `t0` when its building began, `sent` when it was sent, `t1` when the workers
+    could start it: `sent`, or when the step before it was answered if that was later (the
+    step-time figures: build = sent - t0, execute = answer - t1)."""
 
     sched: Scheduler
     out: SchedulerOutput
@@ -73,6 +74,7 @@ class SentStep:
     timeout_s: float
     task: asyncio.Task[worker_pb2.StepResponse | None]
     t0: float
+    sent: float
     t1: float
 
 
@@ -250,7 +252,7 @@ class StepLoop:
         timeout_s = step_timeout_s(out) + (previous.timeout_s if previous else 0.0)
         request = build_step_request(step_id, out, previous.step_id if previous else 0)
         task = asyncio.create_task(self._execute(sched, out, request, timeout_s))
-        return SentStep(sched, out, step_id, timeout_s, task, t0, t1)
+        return SentStep(sched, out, step_id, timeout_s, task, t0, t1, t1)
 
     async def _finish(self, sched: Scheduler, step: SentStep, ahead: SentStep | None) -> None:
         """Awaits `step`'s answer and applies it (the step after it, `ahead`, is running)."""
@@ -264,7 +266,7 @@ class StepLoop:
         self._apply(sched, step.out, response)
         if decode_only and not step.out.advanced:  # a decode step's cost: speculation's pace
             sched.pace.observe_step(step.out.num_batched_tokens, t2 - step.t1)
-        self._record(step.out, response, step.t0, step.t1, t2)
+        self._record(step, response, t2)
         if self.after_step is not None:
             await self.after_step()
 
@@ -352,27 +354,20 @@ class StepLoop:
                 event.queue_seconds = seq.first_scheduled_time - seq.arrival_time
             self.requests.send(seq, event)
 
-    def _record(
-        self,
-        out: SchedulerOutput,
-        response: worker_pb2.StepResponse,
-        t0: float,
-        t1: float,
-        t2: float,
-    ) -> None:
-        """Adds one step (scheduled at t0, sent at t1, answered at t2) to the totals and, when
-        it computed anything (not only told the workers to forget finished sequences), to
-        the histograms."""
+    def _record(self, step: SentStep, response: worker_pb2.StepResponse, t2: float) -> None:
+        """Adds one step (answered at t2) to the totals and, when it computed anything (not
+        only told the workers to forget finished sequences), to the histograms."""
+        out, build_s, execute_s = step.out, step.sent - step.t0, t2 - step.t1
         times = self.times
         times.num_steps += 1
-        times.schedule_s += t1 - t0
-        times.execute_s += t2 - t1
+        times.schedule_s += build_s
+        times.execute_s += execute_s
         times.apply_s += time.perf_counter() - t2
         times.add_worker(response)
         if not out.scheduled:
             return
         model = self.model_id()
-        metrics.SCHEDULER_STEP_SECONDS.labels(model).observe(t1 - t0)
-        metrics.MODEL_STEP_SECONDS.labels(model).observe(t2 - t1)
+        metrics.SCHEDULER_STEP_SECONDS.labels(model).observe(build_s)
+        metrics.MODEL_STEP_SECONDS.labels(model).observe(execute_s)
         metrics.BATCH_SIZE.labels(model).observe(len(out.scheduled))
         metrics.BATCHED_TOKENS.labels(model).observe(out.num_batched_tokens)
