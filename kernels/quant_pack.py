@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import torch
 
-__all__ = ["BITS", "SUPPORTED", "QuantWeight", "pack_gguf"]
+__all__ = ["BITS", "SUPPORTED", "QuantWeight", "merge_row_parts", "pack_gguf"]
 
 Q = gguf.GGMLQuantizationType
 SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K)
@@ -134,3 +134,21 @@ def pack_gguf(
         parts.append(s.view(np.uint8).reshape(groups, subs, -1))
     packed = np.ascontiguousarray(np.concatenate(parts, axis=-1))
     return QuantWeight(torch.from_numpy(packed), n, k, qtype)
+
+
+def merge_row_parts(parts: list[QuantWeight]) -> list[QuantWeight]:
+    """A fused weight's parts (q, k, v or gate, up, in row order) with each run of adjacent
+    parts of one type and K joined into one weight (their chunk groups concatenated), so that
+    one GEMM call computes them: ``[Q4_1 576, Q4_1 192, Q4_1 192]`` becomes one ``Q4_1 960``.
+    A part whose ``n`` is not a multiple of 16 ends its run (its last group is padded). An
+    output column's value does not depend on the other columns (quant_gemm.cpp reduces each
+    over K alone), so the merged GEMM's columns are bitwise the parts'."""
+    merged: list[QuantWeight] = []
+    for part in parts:
+        last = merged[-1] if merged else None
+        if last is not None and last.qtype == part.qtype and last.k == part.k and last.n % 16 == 0:
+            packed = torch.cat((last.packed, part.packed))
+            merged[-1] = QuantWeight(packed, last.n + part.n, last.k, last.qtype)
+        else:
+            merged.append(part)
+    return merged

@@ -23,7 +23,7 @@ import torch
 from sluiceway.gguf_blocks import GgufBlocks, has_blocks, read_blocks
 from sluiceway.kernels import cpu_ops
 from sluiceway.kernels.backend import AttentionBackend
-from sluiceway.kernels.quant_pack import SUPPORTED, QuantWeight, pack_gguf
+from sluiceway.kernels.quant_pack import SUPPORTED, QuantWeight, merge_row_parts, pack_gguf
 from sluiceway.worker.config import QUANTIZATION_CHOICES
 from sluiceway.worker.parallel import TensorParallelGroup
 
@@ -123,7 +123,9 @@ class QuantizationPlan:
         what is left)."""
         layers: list[AttentionBlock] = list(model.layers)  # type: ignore[arg-type]
         for key, parts in self.served.items():
-            weights = [_pack(blocks) for _, blocks in parts]
+            # one GEMM call per run of parts of one type (fewer calls a step: at batch 1
+            # each costs its dispatch and a parallel region)
+            weights = merge_row_parts([_pack(blocks) for _, blocks in parts])
             if key.startswith("layers."):
                 _, i, name = key.split(".")
                 layers[int(i)].quantized[name] = weights

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from sluiceway.kernels import cpu_ops
-from sluiceway.kernels.quant_pack import BITS, SUPPORTED, pack_gguf
+from sluiceway.kernels.quant_pack import BITS, SUPPORTED, merge_row_parts, pack_gguf
 from sluiceway.model_files import reverse_permute
+from sluiceway.worker.quantized import quant_linear_parts
 
 Q = gguf.GGMLQuantizationType
 if not cpu_ops.bf16_gemm_supported():
@@ -137,6 +138,29 @@ def test_fused_qkv_of_three_types() -> None:
         refs.append(dequantized(raw, qtype, n, k))
         at += n
     assert torch.equal(bits(qkv), bits(reference(x, torch.cat(refs))))
+
+
+@pytest.mark.parametrize("m", [1, 5, 300])
+def test_merged_parts_are_the_parts_bitwise(m: int) -> None:
+    # q, k, v of one type joined into one weight (one GEMM call), a Q8_0 part after them
+    # left apart: the merged GEMM's columns equal the parts' GEMMs', and the reference's
+    k, parts = 576, [(Q.Q4_1, 576), (Q.Q4_1, 192), (Q.Q4_1, 192), (Q.Q8_0, 64)]
+    raws = [random_blocks(q, n, k, seed=i + 3) for i, (q, n) in enumerate(parts)]
+    weights = [pack_gguf(raw, q, n, k) for raw, (q, n) in zip(raws, parts, strict=True)]
+    merged = merge_row_parts(weights)
+    assert [(w.qtype, w.n) for w in merged] == [(Q.Q4_1, 960), (Q.Q8_0, 64)]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    bias = torch.randn(1024, generator=torch.Generator().manual_seed(9)).bfloat16()
+    one_by_one = quant_linear_parts(x, weights, bias)
+    assert torch.equal(bits(quant_linear_parts(x, merged, bias)), bits(one_by_one))
+    refs = torch.cat([dequantized(r, q, n, k) for r, (q, n) in zip(raws, parts, strict=True)])
+    assert torch.equal(bits(one_by_one), bits(reference(x, refs, bias)))
+
+
+def test_a_part_of_padded_rows_ends_its_run() -> None:
+    k = 64
+    weights = [pack_gguf(random_blocks(Q.Q8_0, n, k, seed=n), Q.Q8_0, n, k) for n in (8, 16, 32)]
+    assert [w.n for w in merge_row_parts(weights)] == [8, 48]
 
 
 def test_row_permutation_is_llamas_rotary_undone() -> None:
