@@ -98,18 +98,25 @@ class StepExecutor:
 
     Raises ValueError for a step that names an unknown sequence or positions
     beyond a sequence's record (a scheduler bug, reported as INVALID_ARGUMENT).
+
+    A step that fails leaves its sequences out of every later step until the scheduler says
+    they finished: the scheduler fails them (scheduler/faults.py), but with async scheduling
+    the step after it was sent naming them before the failure was known, and without their
+    sampled tokens it would be refused with every other request it holds.
     """
 
     def __init__(self, runner: ModelRunner, model_name: str = "") -> None:
         self.runner = runner
         self.model_name = model_name
         self.sequences: dict[int, SequenceData] = {}
+        self.failed_seq_ids: set[int] = set()  # of a failed step, until finished
         self.grammars = GrammarCompiler(runner.model_dir, runner.vocab_size, runner.eos_token_ids)
 
     def execute(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         t0 = time.perf_counter()
         for seq_id in request.finished_seq_ids:
             self.sequences.pop(seq_id, None)
+            self.failed_seq_ids.discard(seq_id)
         for new in request.new_sequences:
             params = SamplingParams.from_proto(new.sampling)
             record = self.runner.make_sequence(
@@ -128,6 +135,8 @@ class StepExecutor:
         chunks: list[ScheduledChunk] = []
         try:
             for s in request.scheduled:
+                if s.seq_id in self.failed_seq_ids:
+                    continue  # failed already; the scheduler drops whatever it gets for it
                 seq = self.sequences.get(s.seq_id)
                 if seq is None:
                     raise ValueError(f"step {request.step_id} names unknown sequence {s.seq_id}")
@@ -138,6 +147,9 @@ class StepExecutor:
                 chunks.append(self._chunk(seq, s))
             phase = step_phase(chunks)  # (while the records hold the proposals)
             sampled = self.runner.execute(chunks)
+        except BaseException:
+            self.failed_seq_ids.update(s.seq_id for s in request.scheduled)
+            raise
         finally:  # proposed tokens live for the step only: the next step sends those accepted
             for chunk in chunks:
                 if chunk.num_draft_tokens:

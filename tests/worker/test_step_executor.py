@@ -136,3 +136,31 @@ def test_a_step_takes_the_token_the_worker_sampled_last_where_it_says_so(
     executor.sequences[1].last_sampled = None
     with pytest.raises(ValueError, match="sampled none for it"):
         executor.execute(worker_pb2.StepRequest(step_id=9, scheduled=[missing]))
+
+
+def test_a_later_step_leaves_out_the_sequences_of_a_failed_step(
+    tiny_models: dict[str, pathlib.Path],
+) -> None:
+    """Async scheduling: step 3 was sent before step 2 failed; it runs its other sequences
+    (here a new prompt, with the token a step of its own gives) and leaves out step 2's,
+    which have no sampled token to take, until the scheduler says they finished."""
+    runner = ModelRunner(
+        tiny_models["llama-untied"], dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 20
+    )
+    alone = StepExecutor(runner).execute(prompt_step(1, seq_id=2)).sampled[0].token_id
+    executor = StepExecutor(runner)
+    executor.execute(prompt_step(1, seq_id=1))
+    decode_1 = worker_pb2.ScheduledSequence(
+        seq_id=1, num_computed_tokens=10, num_new_tokens=1, append_last_sampled=True
+    )
+    unknown = worker_pb2.ScheduledSequence(seq_id=99, num_computed_tokens=0, num_new_tokens=1)
+    with pytest.raises(ValueError, match="unknown sequence 99"):
+        executor.execute(worker_pb2.StepRequest(step_id=2, scheduled=[decode_1, unknown]))
+    assert executor.failed_seq_ids == {1, 99}
+    step_3 = prompt_step(3, seq_id=2)
+    step_3.scheduled[0].new_block_ids[:] = [3, 4, 5]
+    step_3.scheduled.append(decode_1)
+    sampled = executor.execute(step_3).sampled
+    assert [(t.seq_id, t.token_id) for t in sampled] == [(2, alone)]
+    executor.execute(worker_pb2.StepRequest(step_id=4, finished_seq_ids=[1, 99]))
+    assert executor.failed_seq_ids == set() and 1 not in executor.sequences
