@@ -197,7 +197,10 @@ class SchedulerConfig(ProcessConfig):
                 "follows the last token, which async scheduling does not have yet)"
             )
         if self.tensor_parallel_size > 1:
-            raise ValueError("async_scheduling needs tensor_parallel_size 1")
+            raise ValueError(
+                "async_scheduling needs tensor_parallel_size 1 (only rank 0 samples: the other "
+                "ranks would need each step's tokens before they could put them in themselves)"
+            )
         if self.is_disaggregated:
             raise ValueError("async_scheduling cannot be combined with disaggregated prefill")
         if self.scheduling_policy == "static":

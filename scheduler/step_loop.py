@@ -245,11 +245,12 @@ class StepLoop:
     def _send(
         self, sched: Scheduler, out: SchedulerOutput, t0: float, previous: SentStep | None = None
     ) -> SentStep:
-        """Sends `out` to the workers (after `previous`, which they run first: its watchdog
-        bound is added to this one's)."""
+        """Sends `out` to the workers (after `previous`, which they run first: its own
+        watchdog bound is added to this one's; not its whole wait, which covers the step
+        before it, answered by now: the bounds would add up over every step)."""
         t1 = time.perf_counter()  # (building the request counts as the RPC's, as before)
         step_id = next(self.step_ids)
-        timeout_s = step_timeout_s(out) + (previous.timeout_s if previous else 0.0)
+        timeout_s = step_timeout_s(out) + (step_timeout_s(previous.out) if previous else 0.0)
         request = build_step_request(step_id, out, previous.step_id if previous else 0)
         task = asyncio.create_task(self._execute(sched, out, request, timeout_s))
         return SentStep(sched, out, step_id, timeout_s, task, t0, t1, t1)

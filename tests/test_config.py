@@ -232,3 +232,27 @@ def test_serve_config_checks() -> None:
     with pytest.raises(ValueError) as err:
         ServeConfig(router=RouterConfig(model="a"), worker=WorkerConfig(model="b"))
     assert str(err.value) == "model differs between the router and worker configs"
+
+
+@pytest.mark.parametrize(
+    ("other", "refusal"),
+    [
+        (
+            {"speculative_config": '{"method":"ngram","num_speculative_tokens":2}'},
+            "cannot be combined with speculative_config",
+        ),
+        ({"tensor_parallel_size": 2}, "needs tensor_parallel_size 1 \\(only rank 0 samples"),
+        (
+            {"num_prefill_workers": 1, "num_decode_workers": 1},
+            "cannot be combined with disaggregated prefill",
+        ),
+        ({"scheduling_policy": "static"}, "cannot be combined with the static policy"),
+    ],
+    ids=["speculative", "tensor-parallel", "disaggregated", "static"],
+)
+def test_async_scheduling_refuses_what_it_cannot_serve(
+    other: dict[str, object], refusal: str
+) -> None:
+    SchedulerConfig(**other)  # type: ignore[arg-type]  # (each is fine alone)
+    with pytest.raises(ValueError, match=f"^async_scheduling {refusal}"):
+        SchedulerConfig(async_scheduling=True, **other)  # type: ignore[arg-type]

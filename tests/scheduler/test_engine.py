@@ -9,6 +9,7 @@ import pytest
 
 from sluiceway.grpc_server import bind, new_server
 from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from sluiceway.scheduler import step_loop
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.engine import Engine
 from sluiceway.scheduler.server import SchedulerService
@@ -194,6 +195,36 @@ def test_async_scheduling_sends_each_step_while_the_one_before_runs(fake: FakeWo
         await close()
 
     asyncio.run(main())
+
+
+def test_an_overlapped_steps_watchdog_bound_is_its_own_plus_the_step_before_it(
+    fake: FakeWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Async scheduling: the bound of a step sent while another runs covers both steps,
+    not every step before them (a bound that grew by ~10 s a step would never catch a
+    hung worker)."""
+    bounds: list[tuple[float, float]] = []  # (the step's bound, what it should be)
+    send = step_loop.StepLoop._send
+
+    def recording_send(self, sched, out, t0, previous=None):  # type: ignore[no-untyped-def]
+        sent = send(self, sched, out, t0, previous)
+        own = step_loop.step_timeout_s(out)
+        bounds.append((sent.timeout_s, own + (step_loop.step_timeout_s(previous.out)
+                                               if previous else 0.0)))  # fmt: skip
+        return sent
+
+    monkeypatch.setattr(step_loop.StepLoop, "_send", recording_send)
+
+    async def main() -> None:
+        stub, close = await _serve(fake, SchedulerConfig(max_num_seqs=8, async_scheduling=True))
+        events = [e async for e in stub.AddRequest(add_request(5, 40))]
+        assert sum(len(e.token_ids) for e in events) == 40
+        await close()
+
+    asyncio.run(main())
+    assert len(bounds) >= 39
+    assert all(got == pytest.approx(want) for got, want in bounds), bounds
+    assert max(got for got, _ in bounds) < 2 * step_loop.STEP_TIMEOUT_FLOOR_S + 1
 
 
 def test_max_model_len_is_capped_by_the_pool_and_longer_prompts_are_invalid(
