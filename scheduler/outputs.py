@@ -37,7 +37,7 @@ class ScheduledSequence:
 
     def __post_init__(self) -> None:
         end = self.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids)
-        self.samples = end == self.seq.num_tokens + self.seq.num_pending_tokens
+        self.samples = end == self.seq.num_tokens_with_pending
 
 
 @dataclass(slots=True)

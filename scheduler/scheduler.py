@@ -348,7 +348,7 @@ class Scheduler:
             if seq.num_pending_tokens and self._ends_at_pending(seq):
                 i += 1  # its pending token is its last: nothing to compute
                 continue
-            remaining = seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens
+            remaining = seq.num_tokens_with_pending - seq.num_computed_tokens
             num_new = self._chunk(remaining, budget)
             proposes = limit and remaining == 1 and not seq.num_pending_tokens
             drafts = self._propose(seq, min(limit, budget - 1)) if proposes else []
@@ -399,7 +399,7 @@ class Scheduler:
     @staticmethod
     def _remaining(s: ScheduledSequence) -> int:
         """Tokens `s.seq` had left to compute before this step."""
-        return s.seq.num_tokens + s.seq.num_pending_tokens - s.num_computed_tokens
+        return s.seq.num_tokens_with_pending - s.num_computed_tokens
 
     def _ends_at_pending(self, seq: Sequence) -> bool:
         """Whether `seq`'s pending tokens reach `max_tokens` or `max_model_len`: it
@@ -407,7 +407,7 @@ class Scheduler:
         num_output = len(seq.output_token_ids) + seq.num_pending_tokens
         return (
             num_output >= seq.sampling.max_tokens
-            or seq.num_tokens + seq.num_pending_tokens >= self.max_model_len
+            or seq.num_tokens_with_pending >= self.max_model_len
         )
 
     def _chunk(self, remaining: int, budget: int) -> int:
@@ -432,7 +432,7 @@ class Scheduler:
         """`seq`'s share of the step, its blocks allocated (`new_blocks` the fresh ones)."""
         is_new = seq.num_tokens_on_worker == 0
         appended = seq.token_ids[seq.num_tokens_on_worker :]
-        seq.num_tokens_on_worker = seq.num_tokens + seq.num_pending_tokens
+        seq.num_tokens_on_worker = seq.num_tokens_with_pending
         return ScheduledSequence(
             seq=seq,
             is_new=is_new,

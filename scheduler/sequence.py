@@ -70,6 +70,11 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_tokens_with_pending(self) -> int:
+        """`num_tokens` plus the pending ones: the length scheduling counts with."""
+        return self.num_tokens + self.num_pending_tokens
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         """Whether the request asked for prompt logprobs and has not had them yet (they go
         out with the first token): its prompt is computed, never taken from the cache."""

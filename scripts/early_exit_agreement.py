@@ -14,6 +14,7 @@ layers + the LM head). A draft pays only where acceptance is high at a small cos
 from __future__ import annotations
 
 import argparse
+import pathlib
 
 import torch
 
@@ -34,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = embedded_model_path() if args.model is None else __import__("pathlib").Path(args.model)
+    path = embedded_model_path() if args.model is None else pathlib.Path(args.model)
     model = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()

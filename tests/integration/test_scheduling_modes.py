@@ -22,6 +22,9 @@ from tests.integration.conftest import (
 pytestmark = pytest.mark.slow
 
 BYTES_PER_BLOCK = 30 * 2 * 3 * 64 * 4 * 16  # SmolLM2, fp32, 16 tokens
+# 48 blocks, and small chunks that admit many prompts at once: preemption
+PREEMPTING = ["--kv-cache-memory", str(48 * BYTES_PER_BLOCK), "--max-num-batched-tokens", "64",
+              "--max-num-seqs", "64"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -30,25 +33,9 @@ BYTES_PER_BLOCK = 30 * 2 * 3 * 64 * 4 * 16  # SmolLM2, fp32, 16 tokens
         ["--no-enable-chunked-prefill"],
         ["--no-enable-prefix-caching", "--max-num-batched-tokens", "512"],
         ["--scheduling-policy", "static", "--static-batch-size", "8"],
-        # 48 blocks, and small chunks that admit many prompts at once: preemption
-        [
-            "--kv-cache-memory",
-            str(48 * BYTES_PER_BLOCK),
-            "--max-num-batched-tokens",
-            "64",
-            "--max-num-seqs",
-            "64",
-        ],
+        PREEMPTING,
         # the next step built while one runs, under the same preemptions
-        [
-            "--async-scheduling",
-            "--kv-cache-memory",
-            str(48 * BYTES_PER_BLOCK),
-            "--max-num-batched-tokens",
-            "64",
-            "--max-num-seqs",
-            "64",
-        ],
+        ["--async-scheduling", *PREEMPTING],
     ],
     ids=["unchunked", "no-prefix-cache-chunks-512", "static-8", "48-blocks", "async-48-blocks"],
 )
