@@ -68,9 +68,10 @@ SOURCES = (
     "sampling.cpp",
     "bf16_gemm.cpp",
     "quant_gemm.cpp",
+    "quant_gemm_f32.cpp",
     "bindings.cpp",
 )
-HEADERS = ("cpu_math.h", "bf16_tile.h")
+HEADERS = ("cpu_math.h", "bf16_tile.h", "quant_layout.h")
 CSRC = pathlib.Path(__file__).with_name("csrc")
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 
@@ -368,22 +369,27 @@ def quant_linear(
     bias: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``x`` ``[M, K]`` bfloat16 (rows contiguous) @ the GGUF-quantized ``[N, K]`` ``weight``
-    (:func:`sluiceway.kernels.quant_pack.pack_gguf`) (+ ``bias`` ``[N]``, added in float32)
-    -> ``[M, N]`` in ``out_dtype`` (bfloat16, rounded once, or float32) or into ``out`` (float32
-    or bfloat16, rows may be strided: e.g. a column slice of a fused qkv). The weights are
-    dequantized tile by tile to gguf's float32 values rounded to bfloat16 (to nearest even) and
-    summed as :func:`bf16_linear` sums (kernels/csrc/quant_gemm.cpp): bitwise
-    ``bf16_linear(x, pack_bf16_pairs(w.bfloat16()), ...)`` with ``w`` the dequantized weight,
-    whatever ``M`` (batch invariance).
+    """``x`` ``[M, K]`` bfloat16 or float32 (rows contiguous) @ the GGUF-quantized ``[N, K]``
+    ``weight`` (:func:`sluiceway.kernels.quant_pack.pack_gguf`) (+ ``bias`` ``[N]``, added in
+    float32) -> ``[M, N]`` in ``out_dtype`` (default ``x``'s) or into ``out`` (rows may be strided: e.g. a column
+    slice of a fused qkv), whatever ``M`` bitwise the same rows (batch invariance):
+
+    - bfloat16 ``x``: out bfloat16 (rounded once) or float32. The weights are dequantized tile
+      by tile to gguf's float32 values rounded to bfloat16 (to nearest even) and summed as
+      :func:`bf16_linear` sums (kernels/csrc/quant_gemm.cpp): bitwise ``bf16_linear(x,
+      pack_bf16_pairs(w.bfloat16()), ...)`` with ``w`` the dequantized weight.
+    - float32 ``x``: out float32. Each output summed over ``k`` in order, a rounded product
+      then a rounded sum (no fused multiply-add), the bias last
+      (kernels/csrc/quant_gemm_f32.cpp): bitwise ``acc = acc + x[:, k, None] * w[:, k]`` for
+      ``k`` in ``range(K)`` in float32 from zeros, then ``acc + bias``.
 
     Raises:
         RuntimeError: shapes or dtypes that do not match, or a CPU without AVX512-BF16.
     """
     if out is None:
-        out = torch.empty(x.shape[0], weight.n, dtype=out_dtype)
+        out = torch.empty(x.shape[0], weight.n, dtype=x.dtype if out_dtype is None else out_dtype)
     b = None if bias is None else bias.float().contiguous()
     torch.ops.sluiceway.quant_gemm(out, x, weight.packed, int(weight.qtype), b)
     return out

@@ -97,6 +97,17 @@ class SchedulerCollector(Collector):
             usage,
         )
         yield gauge(
+            "num_kv_blocks",
+            "KV blocks in the pools, every worker group together.",
+            st.num_kv_blocks,
+        )
+        yield gauge(
+            "num_free_kv_blocks",
+            "KV blocks no live request holds (evictable prefix-cache blocks included), every "
+            "worker group together: what admission can still take.",
+            st.num_free_kv_blocks,
+        )
+        yield gauge(
             "kv_cache_utilization",
             "Tokens stored / token slots of the allocated KV blocks, at the last step.",
             utilization,

@@ -69,10 +69,11 @@ class WorkerConfig(ProcessConfig):
     quantization: str = option(
         "auto",
         "weights of a model converted from a GGUF file: gguf = kept in the file's quantized "
-        "blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K), dequantized to bfloat16 tile by tile "
-        "in the GEMM: the tokens of `none` in bfloat16 bitwise, about a third of the weight "
-        "memory (CPU with AVX512-BF16, --dtype bfloat16, the C++ kernels, one rank); none = "
-        "the dequantized weights in --dtype; auto = gguf where it can run, else none",
+        "blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K), dequantized tile by tile in the GEMM: "
+        "in bfloat16 the tokens of `none` bitwise, in float32 a fixed-order float32 GEMM; "
+        "about a third of the weight memory (CPU with AVX512-BF16, the C++ kernels, one "
+        "rank); none = the dequantized weights in --dtype; auto = gguf in bfloat16 where it "
+        "can run, else none",
         choices=QUANTIZATION_CHOICES,
     )
     block_size: int = option(16, "tokens per KV block", type=positive_int)

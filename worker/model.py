@@ -219,6 +219,14 @@ class LlamaForCausalLM(nn.Module):
         """The logits' weight in GGUF blocks (the embedding's when tied), or None."""
         return self.quant_embed if self.lm_head_weight is None else self.quant_lm_head
 
+    def all_linears_quantized(self) -> bool:
+        """Whether every layer's linear weights and the logits' are served from GGUF blocks
+        (:func:`kernels.cpu_ops.quant_linear`: a fixed summation order per row, float32 too)."""
+        layers: list[AttentionBlock] = list(self.layers)  # type: ignore[arg-type]
+        return self.quant_logits_weight is not None and all(
+            set(LINEAR_WEIGHTS) <= layer.quantized.keys() for layer in layers
+        )
+
     def quantized_bytes(self) -> int:
         """Bytes of the weights held in GGUF blocks (``--quantization gguf``; else 0)."""
         layers: list[AttentionBlock] = list(self.layers)  # type: ignore[arg-type]
@@ -302,7 +310,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(local, self.embed_weight).masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(hidden)
 
-    def _bf16_logits(self, hidden: torch.Tensor, vocab_rows: int, reuse: bool) -> torch.Tensor:
+    def _cpu_logits(self, hidden: torch.Tensor, vocab_rows: int, reuse: bool) -> torch.Tensor:
+        """Float32 logits ``[S, vocab_rows]`` from the GGUF blocks (``hidden`` bfloat16 or
+        float32) or the bfloat16 GEMM's packed copy, into the kept buffer when ``reuse``."""
         rows = hidden.shape[0]
         out = None
         if reuse:
@@ -359,11 +369,11 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
         if self.triton_ops is not None:
             local = self.triton_ops.linear(hidden, weight, out_dtype=torch.float32)
-        elif self.bf16_pairs:
+        elif self.bf16_pairs or self.quant_logits_weight is not None:
             vocab_rows = (
                 weight.shape[0] if self.quant_logits_weight is None else self.quant_logits_weight.n
             )
-            local = self._bf16_logits(hidden, vocab_rows, reuse_buffer)
+            local = self._cpu_logits(hidden, vocab_rows, reuse_buffer)
         elif self.packed_lm_head is not None:  # float32 logits from float32 weights
             local = onednn_linear.linear(hidden.float(), self.packed_lm_head, None)
         else:

@@ -286,7 +286,8 @@ class ModelRunner:
     def batch_invariant(self) -> bool:
         """Whether every reduction of this runner's forward has an order fixed per row: the C++
         CPU attention and fused ops with every linear and the logits on
-        :func:`kernels.cpu_ops.bf16_linear` (bfloat16 on a CPU with AVX512-BF16); or, in
+        :func:`kernels.cpu_ops.bf16_linear` (bfloat16 on a CPU with AVX512-BF16) or on
+        :func:`kernels.cpu_ops.quant_linear` (``--quantization gguf``, float32 too); or, in
         bfloat16 with the Triton backend (CUDA; the interpreter in tests), the unified
         attention kernel with the Triton matmul and RMSNorm (:meth:`LlamaForCausalLM.use_triton_ops`),
         on one rank (NCCL's all-reduce orders its sums by the tensor's size). Not oneDNN's
@@ -294,7 +295,7 @@ class ModelRunner:
         (``SLUICEWAY_BATCH_INVARIANT=0``; README, Reproducibility)."""
         if not self.attention_backend.batch_invariant:
             return False
-        if self.model.bf16_pairs:
+        if self.model.bf16_pairs or self.model.all_linears_quantized():
             return True
         triton_ok = self._device.type != "cuda" or self.tp.world_size == 1
         return self.model.triton_ops is not None and triton_ok

@@ -131,7 +131,7 @@ def packing_note(model: LlamaForCausalLM) -> str:
     if model.quantized_bytes():
         return (
             f", weights kept in their GGUF blocks ({model.quantized_bytes() / 1e6:.0f} MB) on "
-            "the quantized bfloat16 GEMM"
+            "the quantized GEMM"
         )
     if model.bf16_pairs:
         return ", linear weights packed for the bfloat16 GEMM"

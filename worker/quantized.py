@@ -8,7 +8,9 @@ copies freed; the GEMM (:func:`sluiceway.kernels.cpu_ops.quant_linear`) dequanti
 tile into bfloat16 and multiplies in :func:`~sluiceway.kernels.cpu_ops.bf16_linear`'s order,
 so a ``gguf`` run gives bitwise the tokens of ``--quantization none`` in bfloat16 (the same
 dequantized weights rounded to bfloat16), batch invariant as that path is, with about a third
-of its weight bytes. ``none`` serves the dequantized weights (the reference).
+of its weight bytes. In float32 (asked for by name: ``auto`` keeps float32, the quality
+reference, on ``none``) it sums gguf's float32 values in a fixed order, batch invariant too.
+``none`` serves the dequantized weights (the reference).
 """
 
 from __future__ import annotations
@@ -61,16 +63,19 @@ def quantization_obstacles(
     tp: TensorParallelGroup,
 ) -> list[str]:
     """Why ``gguf`` cannot serve this run (empty: it can): a folder without GGUF blocks,
-    another device than the CPU, activations other than bfloat16, a CPU without AVX512-BF16,
-    the torch attention reference (gguf runs beside the C++ kernels), tensor parallelism (each
-    rank would need its slice of the blocks: not built)."""
+    another device than the CPU, activations other than bfloat16 or float32, a CPU without
+    AVX512-BF16 (the kernels' build needs it for both), the torch attention reference (gguf
+    runs beside the C++ kernels), tensor parallelism (each rank would need its slice of the
+    blocks: not built)."""
     out = []
     if not has_blocks(model_dir):
         out.append(f"{model_dir} was not converted from a GGUF file with quantized weights")
     if device.type != "cpu":
         out.append(f"it runs on the CPU only, not {device.type}")
-    if dtype != torch.bfloat16:
-        out.append(f"it runs bfloat16 activations, not {str(dtype).removeprefix('torch.')}")
+    if dtype not in (torch.bfloat16, torch.float32):
+        out.append(
+            f"it runs bfloat16 or float32 activations, not {str(dtype).removeprefix('torch.')}"
+        )
     if not cpu_ops.bf16_gemm_supported():
         out.append("its GEMM needs a CPU with AVX512-BF16")
     if not backend.fused_layer_ops:
@@ -148,8 +153,9 @@ def plan_quantization(
 ) -> QuantizationPlan:
     """Resolve ``requested`` (:data:`QUANTIZATION_CHOICES`) for a model of ``num_layers``
     layers in ``model_dir``, before it is loaded; for ``gguf``, which weights its blocks serve.
-    ``auto`` falls back to ``none`` (a log line says why) where ``gguf`` cannot run or no
-    weight is of a type the GEMM runs; weights of other types stay dequantized (logged).
+    ``auto`` falls back to ``none`` (a log line says why) where ``gguf`` cannot run, no
+    weight is of a type the GEMM runs, or in float32 (the quality reference: ``gguf`` there
+    is asked for by name); weights of other types stay dequantized (logged).
 
     Raises:
         ValueError: ``gguf`` asked for where it cannot run, naming why (see
@@ -158,6 +164,10 @@ def plan_quantization(
     obstacles = quantization_obstacles(
         model_dir, device=device, dtype=dtype, backend=backend, tp=tp
     )
+    if requested == "auto" and dtype == torch.float32 and not obstacles:
+        # float32 is the quality reference (bench quality): its weights stay as dequantized
+        # unless the blocks are asked for
+        obstacles.append("float32 serves the dequantized weights unless --quantization gguf")
     blocks = read_blocks(model_dir) if not obstacles else {}
     served = _served(blocks, num_layers)
     if blocks and not served:
@@ -227,12 +237,13 @@ def quant_linear_parts(
     x: torch.Tensor,
     parts: list[QuantWeight],
     bias: torch.Tensor | None,
-    out_dtype: torch.dtype = torch.bfloat16,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``x`` ``[T, K]`` bfloat16 @ the row-concatenation of ``parts`` (a fused weight's q, k,
-    v or gate, up, each in its own GGUF type) ``+ bias`` ``[sum N]`` -> ``[T, sum N]`` in
-    ``out_dtype``: each part's GEMM writes its columns of one output (an output column's
-    value does not depend on the other columns)."""
+    """``x`` ``[T, K]`` bfloat16 or float32 @ the row-concatenation of ``parts`` (a fused
+    weight's q, k, v or gate, up, each in its own GGUF type) ``+ bias`` ``[sum N]`` ->
+    ``[T, sum N]`` in ``out_dtype`` (default ``x``'s): each part's GEMM writes its columns of
+    one output (an output column's value does not depend on the other columns)."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     if len(parts) == 1:
         return cpu_ops.quant_linear(x, parts[0], bias, out_dtype=out_dtype)
     out = torch.empty(x.shape[0], sum(p.n for p in parts), dtype=out_dtype)

@@ -267,6 +267,8 @@ def test_metrics_of_the_three_processes_add_up(stack: tuple[Standalone, str]) ->
     assert total(scheduler, "sluiceway:num_requests_running", model_name=model) == 0
     assert total(scheduler, "sluiceway:num_requests_waiting") == 0
     assert total(scheduler, "sluiceway:kv_cache_usage_perc") == 0.0  # cached blocks are free
+    assert total(scheduler, "sluiceway:num_kv_blocks") == info.num_kv_blocks > 0
+    assert total(scheduler, "sluiceway:num_free_kv_blocks") == info.num_kv_blocks
     assert total(scheduler, "sluiceway:prefix_cache_queries_total") == (
         info.prefix_cache_queries_total
     )

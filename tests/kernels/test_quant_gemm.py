@@ -1,7 +1,8 @@
 """The GGUF-quantized GEMM (kernels/csrc/quant_gemm.cpp): bitwise ``bf16_linear`` on the
 dequantized weights rounded to bfloat16 (so batch invariant like it), at SmolLM2's and Gemma 3
 270M's shapes and types, M 1 to 2,048, with bias, float32/bfloat16 out and into a column slice;
-``quant_embedding`` bitwise ``gguf.quants.dequantize``'s rows; the model files' real tensors."""
+``quant_embedding`` bitwise ``gguf.quants.dequantize``'s rows; the model files' real tensors.
+With float32 x (quant_gemm_f32.cpp): bitwise a float32 loop over K at the same shapes."""
 
 from __future__ import annotations
 
@@ -105,6 +106,49 @@ def test_bitwise_bf16_linear_and_gguf_rows(qtype: Q, n: int, k: int, ms: tuple[i
     assert torch.equal(cpu_ops.quant_linear(x[-1:], w), cpu_ops.quant_linear(x, w)[-1:])
     ids = torch.tensor([0, n - 1, n // 2, n // 3, 0])
     assert torch.equal(bits(cpu_ops.quant_embedding(w, ids)), bits(ref_w[ids]))
+
+
+def k_loop(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What quant_linear equals for float32 ``x``: from zeros, ``acc + x[:, k] * w[:, k]`` for
+    each ``k`` in order (torch's elementwise ops: a rounded product, then a rounded sum), the
+    bias last."""
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for k in range(x.shape[1]):
+        acc = acc + x[:, k, None] * w[:, k]
+    return acc if bias is None else acc + bias
+
+
+@pytest.mark.parametrize(("qtype", "n", "k", "ms"), CASES, ids=lambda c: str(getattr(c, "name", c)))
+def test_float32_x_is_the_k_loop_bitwise(qtype: Q, n: int, k: int, ms: tuple[int, ...]) -> None:
+    raw = random_blocks(qtype, n, k, seed=n + k + int(qtype))
+    w, ref_w = pack_gguf(raw, qtype, n, k), dequantized(raw, qtype, n, k)
+    g = torch.Generator().manual_seed(n * 5 + k)
+    x = torch.randn(max(ms), k, generator=g)
+    bias = torch.randn(n, generator=g)
+    # the reference's loop over K on the first 32 columns and the last 17 (a partial vector)
+    cols = sorted({*range(min(n, 32)), *range(max(0, n - 17), n)})
+    for m in ms:
+        out = cpu_ops.quant_linear(x[:m], w, bias, out_dtype=torch.float32)
+        assert out.shape == (m, n) and out.dtype == torch.float32
+        want = k_loop(x[:m], ref_w[cols], bias[cols])
+        assert torch.equal(bits(out[:, cols]), bits(want)), m
+    assert torch.equal(
+        bits(cpu_ops.quant_linear(x[-1:], w, out_dtype=torch.float32)),
+        bits(cpu_ops.quant_linear(x, w, out_dtype=torch.float32)[-1:]),
+    )
+
+
+def test_float32_x_into_a_column_slice_of_float32_only() -> None:
+    n, k = 200, 576
+    raw = random_blocks(Q.Q4_1, n, k, seed=5)
+    w = pack_gguf(raw, Q.Q4_1, n, k)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(5))
+    wide = torch.full((9, n + 40), 7.0)
+    cpu_ops.quant_linear(x, w, out=wide[:, 16 : 16 + n])
+    assert torch.equal(bits(wide[:, 16 : 16 + n]), bits(cpu_ops.quant_linear(x, w)))
+    assert (wide[:, :16] == 7).all() and (wide[:, 16 + n :] == 7).all()
+    with pytest.raises(RuntimeError, match="with float32 x, out must be float32"):
+        cpu_ops.quant_linear(x, w, out_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)

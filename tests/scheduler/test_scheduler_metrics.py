@@ -35,6 +35,8 @@ def test_collector_reports_queues_blocks_and_counters() -> None:
     assert value("sluiceway:num_requests_running") == 2
     assert value("sluiceway:num_requests_waiting") == 1
     assert value("sluiceway:kv_cache_usage_perc") == 5 / 10
+    assert value("sluiceway:num_kv_blocks") == 10
+    assert value("sluiceway:num_free_kv_blocks") == 5
     # 20 + 33 prompt tokens and the 2 sampled ones stored in 5 blocks of 16 slots
     assert value("sluiceway:kv_cache_utilization") == sched.kv_usage.utilization
     assert value("sluiceway:prefix_cache_queries_total") == sched.block_manager.prefix_cache_queries
@@ -66,6 +68,7 @@ def test_collector_sums_the_groups_of_a_disaggregated_scheduler() -> None:
 
     assert value("sluiceway:num_requests_running") == 3
     assert value("sluiceway:kv_cache_usage_perc") == 6 / 40
+    assert (value("sluiceway:num_kv_blocks"), value("sluiceway:num_free_kv_blocks")) == (40, 34)
     assert value("sluiceway:kv_transfers_total") == 0
 
 

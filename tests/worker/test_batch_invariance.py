@@ -3,7 +3,8 @@ C++ kernels, the bfloat16 GEMM or, with --quantization gguf, the quantized one, 
 float32 logits GEMM), with SmolLM2's real weights: a prompt's logits at every position are
 bitwise the same computed alone, beside decodes and other prefills in one step, in other chunkings, and over a prefix whose K/V another
 sequence computed (a prefix-cache hit). No tolerance: equal bits. Each test runs with the KV
-pool in bfloat16, in int8 and in fp8 (``--kv-cache-dtype int8|fp8_e4m3``)."""
+pool in bfloat16, in int8 and in fp8 (``--kv-cache-dtype int8|fp8_e4m3``), and in float32 on
+the quantized weights (``--quantization gguf --dtype float32``)."""
 
 from __future__ import annotations
 
@@ -41,25 +42,33 @@ class Blocks:
 
 @pytest.fixture(
     scope="module",
-    params=[("gguf", "auto"), ("none", "auto"), ("gguf", "int8"), ("gguf", "fp8_e4m3")],
+    params=[
+        ("gguf", "auto", "bfloat16"),
+        ("none", "auto", "bfloat16"),
+        ("gguf", "int8", "bfloat16"),
+        ("gguf", "fp8_e4m3", "bfloat16"),
+        ("gguf", "auto", "float32"),
+    ],
     ids=lambda p: "-".join(p),
 )
 def runner(request: pytest.FixtureRequest) -> ModelRunner:
     """The bfloat16 runner: the embedded GGUF's weights in their Q4_1/Q8_0 blocks
     (--quantization gguf, the default) or dequantized (none); its KV pool in bfloat16 (auto),
     int8 or fp8 (``--kv-cache-dtype``: a token's quantized K/V depend on its own values only,
-    so the same invariance holds)."""
-    quantization, kv_cache_dtype = request.param
+    so the same invariance holds). And the float32 runner on the blocks (its GEMM sums in a
+    fixed order too; oneDNN's float32 ``none`` does not)."""
+    quantization, kv_cache_dtype, dtype = request.param
     r = ModelRunner(
         resolve_model(None),
-        dtype="bfloat16",
+        dtype=dtype,
         quantization=quantization,
         block_size=BLOCK,
         kv_cache_memory=96 << 20,
         kv_cache_dtype=kv_cache_dtype,
     )
     assert r.attention_backend.name == "cpu" and r.quantization == quantization
-    kv = {"auto": torch.bfloat16, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+    assert r.batch_invariant
+    kv = {"auto": getattr(torch, dtype), "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
     assert r.kv_pool.dtype == kv[kv_cache_dtype]
     return r
 

@@ -1,7 +1,8 @@
 """``--quantization gguf`` (worker/quantized.py) on the embedded SmolLM2 GGUF (Q4_1 layers, a
 Q8_0 embedding tied to the logits): the converted folder's blocks are the file's, the runner's
 logits and greedy tokens are bitwise those of ``--quantization none`` in bfloat16, its weights
-take at most 0.4x the bytes, and where ``gguf`` cannot run it is refused naming why."""
+take at most 0.4x the bytes, in float32 it keeps the float32 reference's greedy tokens, and
+where ``gguf`` cannot run it is refused naming why."""
 
 from __future__ import annotations
 
@@ -127,6 +128,21 @@ def test_gguf_gives_the_logits_and_tokens_of_none_in_bfloat16_bitwise(
 
 
 @needs_bf16
+@pytest.mark.slow
+def test_gguf_in_float32_keeps_the_float32_references_greedy_tokens() -> None:
+    # Issue 31's bar: the reference's greedy tokens for at least 18 of 20 held prompts. In
+    # bfloat16 (either --quantization) it is 15 of 20 at 32 tokens (docs/models.md): the
+    # activations' rounding, not the 4-bit weights, which float32 keeps the reference's.
+    prompts = held_prompts(20, 256)
+    runner = _runner("gguf", dtype="float32")
+    assert runner.quantization == "gguf" and runner.batch_invariant
+    got = greedy(runner, prompts, 32)
+    del runner
+    want = greedy(_runner("none", dtype="float32"), prompts, 32)
+    assert sum(a == b for a, b in zip(got, want, strict=True)) >= 18
+
+
+@needs_bf16
 def test_gguf_weights_take_at_most_0_4x_the_bfloat16_bytes(
     runners: dict[str, ModelRunner],
 ) -> None:
@@ -140,8 +156,12 @@ def test_gguf_weights_take_at_most_0_4x_the_bfloat16_bytes(
 
 
 def test_gguf_is_refused_where_it_cannot_run(tiny_models: dict[str, pathlib.Path]) -> None:
-    with pytest.raises(ValueError, match=r"--quantization gguf cannot serve this run: .*float32"):
-        _runner("gguf", dtype="float32")
+    with pytest.raises(
+        ValueError, match=r"--quantization gguf cannot serve this run: .*not float16"
+    ):
+        _runner("gguf", dtype="float16")
+    # float32 is the quality reference: auto keeps its weights dequantized
+    assert _runner("auto", dtype="float32").quantization == "none"
     with pytest.raises(ValueError, match="was not converted from a GGUF file"):
         ModelRunner(next(iter(tiny_models.values())), dtype="float32", quantization="gguf")
     auto = ModelRunner(next(iter(tiny_models.values())), dtype="float32", kv_cache_memory=8 << 20)

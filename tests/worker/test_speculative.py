@@ -1,5 +1,6 @@
 """Speculative decoding (n-gram) gives bitwise the tokens of plain decoding: SmolLM2's real
-weights in bfloat16 (gguf, the default, and the dequantized weights), greedy and seeded,
+weights in bfloat16 (gguf, the default, and the dequantized weights) and in float32 (gguf: its
+fixed-order float32 GEMM; float32 ``none`` is oneDNN's, not batch invariant), greedy and seeded,
 alone and beside unrelated streams, with penalties, min_tokens, logprobs, an exact
 max_tokens, under preemption and under structured outputs; and it saves forward steps on repetitive text."""
 
@@ -49,12 +50,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=40)
 
 
-@pytest.fixture(scope="module", params=["gguf", "none"])
+BF16 = [("gguf", "bfloat16"), ("none", "bfloat16")]  # (--quantization, --dtype)
+# The must-show equalities run in float32 too; the composed modes in bfloat16 only (CI time).
+in_bf16 = pytest.mark.parametrize("runner", BF16, indirect=True, ids="-".join)
+in_bf16_and_fp32 = pytest.mark.parametrize(
+    "runner", [*BF16, ("gguf", "float32")], indirect=True, ids="-".join
+)
+
+
+@pytest.fixture(scope="module")
 def runner(request: pytest.FixtureRequest) -> ModelRunner:
+    quantization, dtype = request.param
     r = ModelRunner(
-        resolve_model(None), dtype="bfloat16", quantization=request.param,
-        kv_cache_memory=256 << 20,
-    )  # fmt: skip
+        resolve_model(None), dtype=dtype, quantization=quantization, kv_cache_memory=256 << 20
+    )
     assert r.batch_invariant
     return r
 
@@ -74,6 +83,7 @@ def prompts(tokenizer: Any) -> list[list[int]]:
     return [tokenizer(t).input_ids for t in [r.prompt for r in sharegpt] + [REPEAT, edit]]
 
 
+@in_bf16_and_fp32
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_tokens_equal_plain_decoding_for_sharegpt_and_repetitive_prompts(
     runner: ModelRunner, prompts: list[list[int]], params: SamplingParams
@@ -87,6 +97,7 @@ def test_tokens_equal_plain_decoding_for_sharegpt_and_repetitive_prompts(
     assert counts.num_drafts > 0 and counts.num_accepted_tokens > 0
 
 
+@in_bf16_and_fp32
 def test_alone_and_beside_20_streams_the_tokens_are_the_same(
     runner: ModelRunner, prompts: list[list[int]]
 ) -> None:
@@ -99,6 +110,7 @@ def test_alone_and_beside_20_streams_the_tokens_are_the_same(
     assert alone.tokens == plain.tokens == crowd.tokens[:2]
 
 
+@in_bf16
 def test_repetitive_prompts_take_under_0_6_forward_steps_per_token(
     runner: ModelRunner, prompts: list[list[int]]
 ) -> None:
@@ -117,6 +129,7 @@ def test_repetitive_prompts_take_under_0_6_forward_steps_per_token(
         assert (steps("prefill") - before[0], steps("decode") - before[1]) == (1, decode_steps)
 
 
+@in_bf16
 def test_penalties_min_tokens_logprobs_and_an_exact_max_tokens(
     runner: ModelRunner, prompts: list[list[int]]
 ) -> None:
@@ -138,6 +151,7 @@ def test_penalties_min_tokens_logprobs_and_an_exact_max_tokens(
                                      speculative_config=NGRAM).tokens] == [7, 7]  # fmt: skip
 
 
+@in_bf16
 def test_under_preemption_the_tokens_are_the_same(
     runner: ModelRunner, prompts: list[list[int]]
 ) -> None:
@@ -151,6 +165,7 @@ def test_under_preemption_the_tokens_are_the_same(
     assert spec.tokens == plain.tokens
 
 
+@in_bf16
 def test_structured_outputs_mask_each_verified_position(
     runner: ModelRunner, prompts: list[list[int]], tokenizer: Any
 ) -> None:
@@ -179,6 +194,7 @@ def test_structured_outputs_mask_each_verified_position(
         assert spec.scheduler.spec_decode.num_accepted_tokens > 0
 
 
+@in_bf16
 def test_beside_chunked_prefills_and_as_parallel_samples_the_tokens_are_the_same(
     runner: ModelRunner, prompts: list[list[int]]
 ) -> None:
@@ -201,6 +217,7 @@ def test_beside_chunked_prefills_and_as_parallel_samples_the_tokens_are_the_same
     assert spec.scheduler.block_manager.prefix_cache_hits > 0
 
 
+@in_bf16
 def test_a_stream_resumed_with_its_output_so_far_continues_as_plain_decoding(
     runner: ModelRunner, prompts: list[list[int]]
 ) -> None:
