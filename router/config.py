@@ -95,8 +95,8 @@ class RouterConfig(ProcessConfig):
     )
     max_message_size: int = option(
         DEFAULT_MAX_MESSAGE_BYTES,
-        "largest gRPC request or response of the public API, bytes or e.g. 16MiB; larger "
-        "ones get RESOURCE_EXHAUSTED (default 4MiB)",
+        "largest gRPC request or response of the public API and largest HTTP request body, "
+        "bytes or e.g. 16MiB; larger ones get RESOURCE_EXHAUSTED / HTTP 413 (default 4MiB)",
         type=byte_size("every message would be refused"),
     )
     # Authentication and TLS of the public ports, vLLM's flags (docs/security.md).

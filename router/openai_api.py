@@ -39,8 +39,9 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sluiceway.options import DEFAULT_MAX_MESSAGE_BYTES
 from sluiceway.router.auth import UNAUTHORIZED, ApiKeys
 from sluiceway.router.config import RouterConfig
 from sluiceway.router.openai_errors import (
@@ -256,12 +257,62 @@ class _RequireApiKey:
         await self.app(scope, receive, send)
 
 
-def build_app(path: RequestPath, api_keys: ApiKeys | None = None) -> FastAPI:
+class _LimitBody:
+    """ASGI middleware: a request body over `limit` bytes (the router's --max-message-size,
+    the gRPC API's bound) gets 413 in OpenAI's error shape before the app reads any of it:
+    at once when its Content-Length says so, else as soon as the chunks received pass the
+    limit (the body is held until complete, then handed to the app as received)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = (
+            f"the request body is over {self.limit} bytes, the server's limit (--max-message-size)"
+        )
+        await error_response(413, message, None)(scope, receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.limit:
+            await self._too_large(scope, receive, send)
+            return
+        held: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            held.append(message)
+            if message["type"] != "http.request":  # a disconnect: the app sees it
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self._too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return held.pop(0) if held else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def build_app(
+    path: RequestPath,
+    api_keys: ApiKeys | None = None,
+    max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> FastAPI:
     """The FastAPI application over `path` (see the module docstring); with `api_keys`,
-    every path but `OPEN_PATHS` needs one (401 otherwise)."""
+    every path but `OPEN_PATHS` needs one (401 otherwise); a body over `max_body_bytes`
+    gets 413."""
     app = FastAPI(title="sluiceway", docs_url=None, redoc_url=None, openapi_url=None)
     app.router.route_class = _CheckedJsonRoute
-    if api_keys is not None:
+    app.add_middleware(_LimitBody, limit=max_body_bytes)
+    if api_keys is not None:  # added last: outermost, so a request without a key is not read
         app.add_middleware(_RequireApiKey, keys=api_keys)
     add_error_handlers(app)
     served = _Served(path)
@@ -431,9 +482,10 @@ async def start_http_server(
     *,
     api_keys: ApiKeys | None = None,
     tls: RouterConfig | None = None,
+    max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> HttpServer:
     """Serve :func:`build_app` on ``host:port`` (0: a free port) on this loop; with
-    `api_keys` (see `build_app`); over TLS when `tls` (the router's config) has
+    `api_keys` and `max_body_bytes` (see `build_app`); over TLS when `tls` (the router's config) has
     ``ssl_certfile`` (uvicorn's ``ssl_*`` settings, as vLLM passes them; client certificates
     as ``RouterConfig.client_cert_required`` says).
 
@@ -446,7 +498,7 @@ async def start_http_server(
                "ssl_ca_certs": tls.ssl_ca_certs,
                "ssl_cert_reqs": 2 if tls.client_cert_required else 0}  # fmt: skip
     config = uvicorn.Config(
-        build_app(path, api_keys), host=host, port=port, log_level="warning",
+        build_app(path, api_keys, max_body_bytes), host=host, port=port, log_level="warning",
         access_log=False, lifespan="off", timeout_graceful_shutdown=1, **ssl,
     )  # fmt: skip
     server = _Server(config)

@@ -62,6 +62,7 @@ class ApiError(Exception):
 ERROR_TYPES = {status: kind for status, kind in HTTP_STATUS.values()} | {
     401: "AuthenticationError",
     405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
     415: "UnsupportedMediaTypeError",
 }
 

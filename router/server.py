@@ -91,8 +91,9 @@ async def serve(config: RouterConfig, model_dir: Path) -> None:
         from sluiceway.router.openai_api import start_http_server
 
         http = await start_http_server(
-            path, config.http_host or config.host, http_port, api_keys=auth, tls=config
-        )
+            path, config.http_host or config.host, http_port, api_keys=auth, tls=config,
+            max_body_bytes=config.max_message_size,
+        )  # fmt: skip
     signals = ShutdownSignals()  # before saying so: a signal from then on drains
     log.info(
         "router_listening",

@@ -1,6 +1,7 @@
 """Every failure of the OpenAI-compatible HTTP API answers OpenAI's error object, FastAPI's and
 Starlette's own too: an unknown path, a wrong method, a body that is not JSON by its
-Content-Type, JSON that does not parse (with its line and column), an unexpected exception.
+Content-Type, JSON that does not parse (with its line and column), a body over the size limit,
+an unexpected exception.
 
 The app is the real `build_app` over a request path that is never reached (each request here
 fails before its endpoint runs, or, for the 500, in it)."""
@@ -81,6 +82,31 @@ def test_json_that_does_not_parse_is_400_with_its_line_and_column(client: TestCl
         error(400, "BadRequestError",
               "body: invalid JSON: Expecting value: line 2 column 14 (char 15)"),
     )  # fmt: skip
+
+
+def test_a_body_over_the_limit_is_413_whether_its_length_is_given_or_not() -> None:
+    unready = RequestPath.__new__(RequestPath)
+    small = TestClient(build_app(unready, max_body_bytes=1000), raise_server_exceptions=False)
+    too_large = error(413, "RequestTooLargeError",
+                      "the request body is over 1000 bytes, the server's limit "
+                      "(--max-message-size)")  # fmt: skip
+    json_type = {"Content-Type": "application/json"}
+    over = b'{"prompt": "' + b"x" * 1000 + b'"}'
+    r = small.post("/v1/completions", content=over, headers=json_type)  # Content-Length
+    assert (r.status_code, r.json()) == (413, too_large)
+    chunks = [over[i : i + 300] for i in range(0, len(over), 300)]  # chunked, no length
+    r = small.post("/v1/completions", content=iter(chunks), headers=json_type)
+    assert (r.status_code, r.json()) == (413, too_large)
+    # At the limit the body reaches the app whole, in one piece or in chunks: its JSON error
+    # is at the column of the end of all 1000 bytes
+    under = b'{"prompt": "' + b"x" * 987 + b"]"
+    assert len(under) == 1000
+    parse_error = error(400, "BadRequestError",
+                        "body: invalid JSON: Unterminated string starting at: line 1 column 12 "
+                        "(char 11)")  # fmt: skip
+    for content in (under, iter([under[:400], under[400:]])):
+        r = small.post("/v1/completions", content=content, headers=json_type)
+        assert (r.status_code, r.json()) == (400, parse_error)
 
 
 def test_an_unexpected_exception_is_500_in_the_same_shape(client: TestClient) -> None:
