@@ -373,8 +373,9 @@ def quant_linear(
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` bfloat16 or float32 (rows contiguous) @ the GGUF-quantized ``[N, K]``
     ``weight`` (:func:`sluiceway.kernels.quant_pack.pack_gguf`) (+ ``bias`` ``[N]``, added in
-    float32) -> ``[M, N]`` in ``out_dtype`` (default ``x``'s) or into ``out`` (rows may be strided: e.g. a column
-    slice of a fused qkv), whatever ``M`` bitwise the same rows (batch invariance):
+    float32) -> ``[M, N]`` in ``out_dtype`` (default ``x``'s) or into ``out`` (rows may be
+    strided: e.g. a column slice of a fused qkv), whatever ``M`` bitwise the same rows (batch
+    invariance):
 
     - bfloat16 ``x``: out bfloat16 (rounded once) or float32. The weights are dequantized tile
       by tile to gguf's float32 values rounded to bfloat16 (to nearest even) and summed as

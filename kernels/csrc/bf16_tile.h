@@ -177,6 +177,21 @@ void tile_cols(int vecs, Weights& weights, float* part, const Output& out, int64
   }
 }
 
+// Rows of x per work item (row block, column tile) of a tiled GEMM (this one and
+// quant_gemm_f32.cpp's): about row_block_bytes of x (x_row_bytes a row), a multiple of `rows`
+// (the register tile's), cut smaller when there are too few of the `tiles` column tiles to
+// share evenly between the threads.
+inline int64_t row_block_rows(int64_t m, int64_t tiles, int64_t x_row_bytes, int64_t rows,
+                              int64_t row_block_bytes) {
+  const int64_t threads = at::get_num_threads();
+  int64_t row_block = std::max<int64_t>(rows, row_block_bytes / x_row_bytes / rows * rows);
+  const int64_t want_splits = (8 * threads + tiles - 1) / tiles;
+  if (want_splits > 1)
+    row_block = std::min(row_block, std::max<int64_t>(
+        rows, ((m + want_splits - 1) / want_splits + rows - 1) / rows * rows));
+  return row_block;
+}
+
 // The whole GEMM: x [m, k] bfloat16 (row stride ldx) into `out` ([m, n]), kp = ceil(k / 2).
 // `make_weights()` makes one thread's weight source (see tile_rows).
 //
@@ -187,12 +202,7 @@ template <class MakeWeights>
 void gemm(const Output& out, const uint16_t* x, int64_t ldx, int64_t m, int64_t n, int64_t k,
           int64_t kp, const MakeWeights& make_weights, int64_t row_block_bytes = kRowBlockBytes) {
   const int64_t tiles = (n + kTileCols - 1) / kTileCols;
-  const int64_t threads = at::get_num_threads();
-  int64_t row_block = std::max<int64_t>(kRows, row_block_bytes / (2 * k) / kRows * kRows);
-  const int64_t want_splits = (8 * threads + tiles - 1) / tiles;
-  if (want_splits > 1)
-    row_block = std::min(row_block, std::max<int64_t>(
-        kRows, ((m + want_splits - 1) / want_splits + kRows - 1) / kRows * kRows));
+  const int64_t row_block = row_block_rows(m, tiles, 2 * k, kRows, row_block_bytes);
   const int64_t row_blocks = (m + row_block - 1) / row_block;
   at::parallel_for(0, row_blocks * tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> part(static_cast<size_t>(std::min(row_block, m)) * kTileCols);

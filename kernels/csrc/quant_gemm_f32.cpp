@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "bf16_tile.h"
 #include "quant_layout.h"
 
 namespace sluiceway {
@@ -37,10 +38,6 @@ inline __m512 unfused(__m512 x, __m512 w) {
   __m512 p = _mm512_mul_ps(x, w);
   asm("" : "+v"(p));
   return p;
-}
-
-inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
 
 struct Out {
@@ -82,7 +79,7 @@ void micro_tile(const Out& out, int64_t row, int64_t col, int64_t cols, const fl
                 int64_t ldx, const float* buf, int64_t len, bool first, bool last) {
   __m512 acc[R][C];
   __mmask16 mask[C];
-  for (int c = 0; c < C; ++c) mask[c] = tail_mask(cols - 16 * c);
+  for (int c = 0; c < C; ++c) mask[c] = bf16_tile::tail_mask(cols - 16 * c);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
       acc[r][c] = first ? _mm512_setzero_ps()
@@ -146,18 +143,12 @@ void tile_cols(int vecs, const Out& out, const float* x, int64_t ldx, int64_t r0
   }
 }
 
-// Work items (row block, 64-column tile) as bf16_tile::gemm cuts them: row blocks of about
-// kRowBlockBytes of x, smaller when there are too few tiles for the threads.
+// Work items (row block, 64-column tile) as bf16_tile::gemm cuts them (row_block_rows).
 template <int Q>
 void run(const Out& out, const float* x, int64_t ldx, int64_t m, int64_t n, int64_t k,
          const uint8_t* data) {
   const int64_t tiles = (n + kTileCols - 1) / kTileCols;
-  const int64_t threads = at::get_num_threads();
-  int64_t row_block = std::max<int64_t>(kRows, kRowBlockBytes / (4 * k) / kRows * kRows);
-  const int64_t want_splits = (8 * threads + tiles - 1) / tiles;
-  if (want_splits > 1)
-    row_block = std::min(row_block, std::max<int64_t>(
-        kRows, ((m + want_splits - 1) / want_splits + kRows - 1) / kRows * kRows));
+  const int64_t row_block = bf16_tile::row_block_rows(m, tiles, 4 * k, kRows, kRowBlockBytes);
   const int64_t row_blocks = (m + row_block - 1) / row_block;
   at::parallel_for(0, row_blocks * tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(static_cast<size_t>(kColVecs * kKBlock * 16));
