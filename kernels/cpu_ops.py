@@ -21,7 +21,8 @@ they are given and return nothing):
 - ``argmax_logsumexp(argmax, shifted_logsumexp, logits)`` (log-sum-exp minus the max)
 - ``bf16_gemm(out, x, packed, bias)``, ``bf16_gemm_supported()``
 - ``quant_gemm(out, x, packed, qtype, bias)``, ``quant_rows(out, packed, ids, qtype, n)``
-  (GGUF-quantized weights, packed by :mod:`sluiceway.kernels.quant_pack`)
+  (GGUF-quantized weights, packed by :mod:`sluiceway.kernels.quant_pack`); their int8-activation
+  twins for the ``a8`` layout ``quant_gemm_a8``, ``quant_rows_a8``, ``quant_gemm_a8_supported()``
 
 The Python wrappers below give their shapes and dtypes.
 """
@@ -54,6 +55,7 @@ __all__ = [
     "paged_attention",
     "qk_rms_norm",
     "quant_embedding",
+    "quant_gemm_a8_supported",
     "quant_linear",
     "rms_norm",
     "rotary_embedding_write_kv",
@@ -69,6 +71,7 @@ SOURCES = (
     "bf16_gemm.cpp",
     "quant_gemm.cpp",
     "quant_gemm_f32.cpp",
+    "quant_gemm_a8.cpp",
     "bindings.cpp",
 )
 HEADERS = ("cpu_math.h", "bf16_tile.h", "quant_layout.h")
@@ -329,6 +332,12 @@ def bf16_gemm_supported() -> bool:
     return available() and bool(torch.ops.sluiceway.bf16_gemm_supported())
 
 
+def quant_gemm_a8_supported() -> bool:
+    """Whether :func:`quant_linear` runs weights of the ``a8`` layout here: the kernels load and
+    were built for a CPU with AVX512-VNNI and AVX512-BF16 (``-march=native``)."""
+    return available() and bool(torch.ops.sluiceway.quant_gemm_a8_supported())
+
+
 def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ``[N, K]`` -> the layout :func:`bf16_linear` reads: bfloat16
     ``[ceil(N / 16), ceil(K / 2), 16, 2]`` (per 16 columns, per K pair, the 16 columns' pair),
@@ -385,6 +394,11 @@ def quant_linear(
       then a rounded sum (no fused multiply-add), the bias last
       (kernels/csrc/quant_gemm_f32.cpp): bitwise ``acc = acc + x[:, k, None] * w[:, k]`` for
       ``k`` in ``range(K)`` in float32 from zeros, then ``acc + bias``.
+    - ``weight.layout == "a8"`` (``--quantization gguf_a8``), ``x`` either dtype: each row of
+      ``x`` quantized to int8 per 32 K values (scale max ``|x|`` / 127), exact int32 dot
+      products with the quants (AVX512-VNNI), then per 32 K values a fixed sequence of float32
+      steps (kernels/csrc/quant_gemm_a8.cpp, whose header gives them; their torch reference is
+      in tests/kernels/test_quant_gemm_a8.py); out ``x``'s dtype by default.
 
     Raises:
         RuntimeError: shapes or dtypes that do not match, or a CPU without AVX512-BF16.
@@ -392,7 +406,12 @@ def quant_linear(
     if out is None:
         out = torch.empty(x.shape[0], weight.n, dtype=x.dtype if out_dtype is None else out_dtype)
     b = None if bias is None else bias.float().contiguous()
-    torch.ops.sluiceway.quant_gemm(out, x, weight.packed, int(weight.qtype), b)
+    gemm = (
+        torch.ops.sluiceway.quant_gemm_a8
+        if weight.layout == "a8"
+        else torch.ops.sluiceway.quant_gemm
+    )
+    gemm(out, x, weight.packed, int(weight.qtype), b)
     return out
 
 
@@ -406,7 +425,12 @@ def quant_embedding(weight: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
     """
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.shape[0], weight.k, dtype=torch.float32)
-    torch.ops.sluiceway.quant_rows(out, weight.packed, ids, int(weight.qtype), weight.n)
+    rows = (
+        torch.ops.sluiceway.quant_rows_a8
+        if weight.layout == "a8"
+        else torch.ops.sluiceway.quant_rows
+    )
+    rows(out, weight.packed, ids, int(weight.qtype), weight.n)
     return out
 
 

@@ -8,6 +8,8 @@ as ``gguf.quants.dequantize`` computes them (gguf-py's quants.py, which follows
 ggml-quants.c): the kernel's float32 weights are bitwise gguf's. The quants keep their bits
 (Q6_K's widened to 8); the scales stay float16 where the file's are (Q8_0, Q4_0, Q4_1, Q5_0)
 and are float32 products where they are not (Q4_K ``d * sc``, ``dmin * m``; Q6_K ``d * scale``).
+The ``"a8"`` layout (``--quantization gguf_a8``) keeps the same scales and regroups the quants
+four K values to a 32-bit lane for kernels/csrc/quant_gemm_a8.cpp's int8 dot products.
 """
 
 from __future__ import annotations
@@ -18,23 +20,27 @@ import gguf
 import numpy as np
 import torch
 
-__all__ = ["BITS", "SUPPORTED", "QuantWeight", "merge_row_parts", "pack_gguf"]
+__all__ = ["BITS", "LAYOUTS", "SUPPORTED", "QuantWeight", "merge_row_parts", "pack_gguf"]
 
 Q = gguf.GGMLQuantizationType
 SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K)
-# Bits a weight in the packed layout (N a multiple of 16): quants, then scales.
+LAYOUTS = ("tile", "a8")
+# Bits a weight in the packed "tile" layout (N a multiple of 16): quants, then scales.
 BITS = {Q.Q8_0: 8.5, Q.Q4_0: 4.5, Q.Q4_1: 5.0, Q.Q5_0: 5.5, Q.Q4_K: 6.0, Q.Q6_K: 10.0}
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantWeight:
-    """A ``[n, k]`` weight in quant_gemm.cpp's layout: ``packed`` uint8 ``[ceil(n / 16),
-    k / 32, chunk]`` (a chunk per 16 columns per 32 K values: see the .cpp's header)."""
+    """A ``[n, k]`` weight in quant_gemm.cpp's layout (``"tile"``: dequantized per tile for
+    bfloat16 or float32 activations) or quant_gemm_a8.cpp's (``"a8"``: int8 activations):
+    ``packed`` uint8 ``[ceil(n / 16), k / 32, chunk]`` (a chunk per 16 columns per 32 K
+    values: see the .cpp files' headers)."""
 
     packed: torch.Tensor
     n: int
     k: int
     qtype: Q
+    layout: str = "tile"  # or "a8": quant_gemm_a8.cpp's (LAYOUTS)
 
     @property
     def nbytes(self) -> int:
@@ -91,18 +97,27 @@ def _unpack_blocks(raw: np.ndarray, qtype: Q, k: int) -> tuple[np.ndarray, list[
 
 
 def pack_gguf(
-    raw: np.ndarray, qtype: Q, n: int, k: int, rows: np.ndarray | None = None
+    raw: np.ndarray,
+    qtype: Q,
+    n: int,
+    k: int,
+    rows: np.ndarray | None = None,
+    layout: str = "tile",
 ) -> QuantWeight:
     """The ``[n, k]`` tensor of GGUF blocks ``raw`` (uint8, row-major blocks, e.g.
     ``GGUFReader``'s ``t.data``) -> :class:`QuantWeight`, with its rows reordered by ``rows``
     (int ``[n]``: output row i is the file's row ``rows[i]``), e.g. the inverse of llama.cpp's
     rotary permutation of Q/K (``gguf_blocks.reverse_permute`` applied to
-    ``np.arange(n)[:, None]``). Bits a weight: :data:`BITS` (plus N's padding to 16).
+    ``np.arange(n)[:, None]``). Bits a weight: :data:`BITS` (plus N's padding to 16); in the
+    ``"a8"`` layout Q5_0's quants take 8 bits (quant_gemm_a8.cpp reads bytes).
 
     Raises:
         ValueError: a type not in :data:`SUPPORTED`, ``k`` not a positive multiple of 32 (and
-            of the type's block), or ``raw`` not ``n`` rows of ``k``.
+            of the type's block), ``raw`` not ``n`` rows of ``k``, or a layout not in
+            :data:`LAYOUTS`.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
     if qtype not in SUPPORTED:
         raise ValueError(f"no quantized GEMM for {qtype.name}")
     block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
@@ -114,8 +129,39 @@ def pack_gguf(
     if rows is not None:
         u, scales = u[rows], [s[rows] for s in scales]
     groups, subs, pad = -(-n // 16), k // 32, -n % 16
-    # values v[g, s, p, j]: column 16 g + j // 2, K 32 s + 2 p + j % 2
     u = np.pad(u, ((0, pad), (0, 0)))  # padding: quants and scales 0
+    parts: list[np.ndarray]
+    if layout == "a8":
+        parts = [_a8_quants(u, qtype, groups, subs)]
+    else:
+        parts = _tile_quants(u, qtype, groups, subs)
+    for s in scales:  # [n, subs * vecs] -> [groups, subs, vecs, 16]
+        s = np.pad(s, ((0, pad), (0, 0)))
+        vecs = s.shape[1] // subs
+        s = np.ascontiguousarray(s.reshape(groups, 16, subs, vecs).transpose(0, 2, 3, 1))
+        parts.append(s.view(np.uint8).reshape(groups, subs, -1))
+    packed = np.ascontiguousarray(np.concatenate(parts, axis=-1))
+    return QuantWeight(torch.from_numpy(packed), n, k, qtype, layout)
+
+
+def _a8_quants(u: np.ndarray, qtype: Q, groups: int, subs: int) -> np.ndarray:
+    """Quants ``u`` ``[16 groups, 32 subs]`` -> quant_gemm_a8.cpp's ``[groups, subs, bytes]``:
+    64-byte vectors whose 4-byte lane c holds column c's K values four at a time; nibble types
+    pair vector i's K 8 i + j (low) with 8 i + 4 + j (high); Q8_0 and Q6_K as ``q + 128``."""
+    if qtype in (Q.Q8_0, Q.Q6_K):
+        u = u ^ np.uint8(128)  # int8 bits of q -> q + 128
+    w = u.reshape(groups, 16, subs, 32).transpose(0, 2, 1, 3)  # [g, s, column, K]
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
+        w = w.reshape(groups, subs, 16, 4, 2, 4)  # column, i, low/high, j
+        w = w[..., 0, :] | (w[..., 1, :] << 4)
+        return np.ascontiguousarray(w.transpose(0, 1, 3, 2, 4)).reshape(groups, subs, 256)
+    w = w.reshape(groups, subs, 16, 8, 4)  # column, i, j
+    return np.ascontiguousarray(w.transpose(0, 1, 3, 2, 4)).reshape(groups, subs, 512)
+
+
+def _tile_quants(u: np.ndarray, qtype: Q, groups: int, subs: int) -> list[np.ndarray]:
+    """Quants ``u`` ``[16 groups, 32 subs]`` -> quant_gemm.cpp's pairs (see its layout)."""
+    # values v[g, s, p, j]: column 16 g + j // 2, K 32 s + 2 p + j % 2
     v = u.reshape(groups, 16, subs, 16, 2).transpose(0, 2, 3, 1, 4).reshape(groups, subs, 16, 32)
     parts: list[np.ndarray]
     if qtype in (Q.Q8_0, Q.Q6_K):
@@ -127,13 +173,7 @@ def pack_gguf(
             parts.append(
                 bits.sum(axis=-1, dtype=np.uint32).view(np.uint8).reshape(groups, subs, 64)
             )
-    for s in scales:  # [n, subs * vecs] -> [groups, subs, vecs, 16]
-        s = np.pad(s, ((0, pad), (0, 0)))
-        vecs = s.shape[1] // subs
-        s = np.ascontiguousarray(s.reshape(groups, 16, subs, vecs).transpose(0, 2, 3, 1))
-        parts.append(s.view(np.uint8).reshape(groups, subs, -1))
-    packed = np.ascontiguousarray(np.concatenate(parts, axis=-1))
-    return QuantWeight(torch.from_numpy(packed), n, k, qtype)
+    return parts
 
 
 def merge_row_parts(parts: list[QuantWeight]) -> list[QuantWeight]:
@@ -146,9 +186,13 @@ def merge_row_parts(parts: list[QuantWeight]) -> list[QuantWeight]:
     merged: list[QuantWeight] = []
     for part in parts:
         last = merged[-1] if merged else None
-        if last is not None and last.qtype == part.qtype and last.k == part.k and last.n % 16 == 0:
+        if (
+            last is not None
+            and (last.qtype, last.k, last.layout) == (part.qtype, part.k, part.layout)
+            and last.n % 16 == 0
+        ):
             packed = torch.cat((last.packed, part.packed))
-            merged[-1] = QuantWeight(packed, last.n + part.n, last.k, last.qtype)
+            merged[-1] = QuantWeight(packed, last.n + part.n, last.k, last.qtype, last.layout)
         else:
             merged.append(part)
     return merged

@@ -20,7 +20,7 @@ from sluiceway.options import (
     option,
 )
 
-QUANTIZATION_CHOICES = ("auto", "gguf", "none")  # --quantization (worker/quantized.py)
+QUANTIZATION_CHOICES = ("auto", "gguf", "gguf_a8", "none")  # --quantization (worker/quantized.py)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -72,8 +72,10 @@ class WorkerConfig(ProcessConfig):
         "blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K), dequantized tile by tile in the GEMM: "
         "in bfloat16 the tokens of `none` bitwise, in float32 a fixed-order float32 GEMM; "
         "about a third of the weight memory (CPU with AVX512-BF16, the C++ kernels, one "
-        "rank); none = the dequantized weights in --dtype; auto = gguf in bfloat16 where it "
-        "can run, else none",
+        "rank); gguf_a8 = the same blocks times int8 activations (each row quantized per 32 "
+        "values, llama.cpp's CPU scheme; AVX512-VNNI dot products): faster decode at small "
+        "batches, batch invariant, tokens of its own; none = the dequantized weights in "
+        "--dtype; auto = gguf in bfloat16 where it can run, else none",
         choices=QUANTIZATION_CHOICES,
     )
     block_size: int = option(16, "tokens per KV block", type=positive_int)

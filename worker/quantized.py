@@ -10,6 +10,10 @@ so a ``gguf`` run gives bitwise the tokens of ``--quantization none`` in bfloat1
 dequantized weights rounded to bfloat16), batch invariant as that path is, with about a third
 of its weight bytes. In float32 (asked for by name: ``auto`` keeps float32, the quality
 reference, on ``none``) it sums gguf's float32 values in a fixed order, batch invariant too.
+``gguf_a8`` packs the same blocks for :func:`~sluiceway.kernels.cpu_ops.quant_linear`'s
+int8-activation GEMM (layout ``"a8"``: each row of x quantized to int8 per 32 values, exact
+integer dot products, a fixed float32 sequence per output): batch invariant, its own tokens
+(not ``none``'s), far fewer instructions per weight at small batches.
 ``none`` serves the dequantized weights (the reference).
 """
 
@@ -61,12 +65,13 @@ def quantization_obstacles(
     dtype: torch.dtype,
     backend: AttentionBackend,
     tp: TensorParallelGroup,
+    mode: str = "gguf",
 ) -> list[str]:
-    """Why ``gguf`` cannot serve this run (empty: it can): a folder without GGUF blocks,
-    another device than the CPU, activations other than bfloat16 or float32, a CPU without
-    AVX512-BF16 (the kernels' build needs it for both), the torch attention reference (gguf
-    runs beside the C++ kernels), tensor parallelism (each rank would need its slice of the
-    blocks: not built)."""
+    """Why ``mode`` (``gguf`` or ``gguf_a8``) cannot serve this run (empty: it can): a folder
+    without GGUF blocks, another device than the CPU, activations other than bfloat16 or
+    float32, a CPU without AVX512-BF16 (the kernels' build needs it for both; ``gguf_a8``
+    AVX512-VNNI too), the torch attention reference (gguf runs beside the C++ kernels),
+    tensor parallelism (each rank would need its slice of the blocks: not built)."""
     out = []
     if not has_blocks(model_dir):
         out.append(f"{model_dir} was not converted from a GGUF file with quantized weights")
@@ -78,6 +83,8 @@ def quantization_obstacles(
         )
     if not cpu_ops.bf16_gemm_supported():
         out.append("its GEMM needs a CPU with AVX512-BF16")
+    elif mode == "gguf_a8" and not cpu_ops.quant_gemm_a8_supported():
+        out.append("its int8 GEMM needs a CPU with AVX512-VNNI")
     if not backend.fused_layer_ops:
         out.append(f"it runs beside the C++ CPU kernels, not the {backend.name} backend")
     if tp.world_size > 1:
@@ -87,18 +94,20 @@ def quantization_obstacles(
 
 def resolve_quantization(requested: str, obstacles: list[str]) -> str:
     """``auto`` -> ``gguf`` when nothing stands in its way (``obstacles``, see
-    :func:`quantization_obstacles`), else ``none``; ``gguf`` and ``none`` as given.
+    :func:`quantization_obstacles`), else ``none``; ``gguf``, ``gguf_a8`` and ``none`` as
+    given.
 
     Raises:
-        ValueError: ``gguf`` asked for where it cannot run (naming why), or an unknown name.
+        ValueError: ``gguf`` or ``gguf_a8`` asked for where it cannot run (naming why), or an
+            unknown name.
     """
     if requested not in QUANTIZATION_CHOICES:
         raise ValueError(
             f"--quantization: one of {', '.join(QUANTIZATION_CHOICES)}, got {requested!r}"
         )
-    if requested == "gguf" and obstacles:
+    if requested in ("gguf", "gguf_a8") and obstacles:
         raise ValueError(
-            "--quantization gguf cannot serve this run: "
+            f"--quantization {requested} cannot serve this run: "
             + "; ".join(obstacles)
             + " (--quantization none serves the dequantized weights)"
         )
@@ -109,8 +118,8 @@ def resolve_quantization(requested: str, obstacles: list[str]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationPlan:
-    """What ``--quantization`` resolved to for one run: ``mode`` (``"gguf"`` or ``"none"``)
-    and, for ``gguf``, the weights served from blocks: ``served`` maps where each lands
+    """What ``--quantization`` resolved to for one run: ``mode`` (``"gguf"``, ``"gguf_a8"``
+    or ``"none"``) and, for the first two, the weights served from blocks: ``served`` maps where each lands
     (``"layers.3.qkv_weight"``, ``"embed"``, ``"lm_head"``) to the blocks of its HF parts in
     row order (a fused weight only when every part is of a type the GEMM runs)."""
 
@@ -130,7 +139,8 @@ class QuantizationPlan:
         for key, parts in self.served.items():
             # one GEMM call per run of parts of one type (fewer calls a step: at batch 1
             # each costs its dispatch and a parallel region)
-            weights = merge_row_parts([_pack(blocks) for _, blocks in parts])
+            layout = "a8" if self.mode == "gguf_a8" else "tile"
+            weights = merge_row_parts([_pack(blocks, layout) for _, blocks in parts])
             if key.startswith("layers."):
                 _, i, name = key.split(".")
                 layers[int(i)].quantized[name] = weights
@@ -162,7 +172,7 @@ def plan_quantization(
             :func:`resolve_quantization`), or where no weight is of a type the GEMM runs.
     """
     obstacles = quantization_obstacles(
-        model_dir, device=device, dtype=dtype, backend=backend, tp=tp
+        model_dir, device=device, dtype=dtype, backend=backend, tp=tp, mode=requested
     )
     if requested == "auto" and dtype == torch.float32 and not obstacles:
         # float32 is the quality reference (bench quality): its weights stay as dequantized
@@ -181,12 +191,13 @@ def plan_quantization(
         log.info("serving the dequantized weights (--quantization none): %s", "; ".join(obstacles))
     if mode == "none":
         return QuantizationPlan("none")
-    plan = QuantizationPlan("gguf", served)
+    plan = QuantizationPlan(mode, served)
     plain = [name for name in blocks if name not in plan.skipped_names()]
     if plain:
         log.warning(
-            "--quantization gguf: %d quantized weights stay dequantized: those of type %s (the "
+            "--quantization %s: %d quantized weights stay dequantized: those of type %s (the "
             "GEMM runs %s) and the parts fused with them (%s)",
+            mode,
             len(plain),
             ", ".join(sorted({blocks[n].qtype for n in plain if not _supported(blocks[n])})),
             ", ".join(q.name for q in SUPPORTED),
@@ -216,14 +227,15 @@ def _served(
     return served
 
 
-def _pack(blocks: GgufBlocks) -> QuantWeight:
-    """``blocks`` repacked for the GEMM, rows in HF order (llama.cpp's Q/K permutation undone)."""
+def _pack(blocks: GgufBlocks, layout: str) -> QuantWeight:
+    """``blocks`` repacked for the GEMM in ``layout`` (:data:`~sluiceway.kernels.quant_pack.LAYOUTS`),
+    rows in HF order (llama.cpp's Q/K permutation undone)."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[blocks.qtype]
     n, k = blocks.shape
     rows = blocks.hf_rows() if blocks.permuted_heads else None
-    return pack_gguf(blocks.raw, qtype, n, k, rows)
+    return pack_gguf(blocks.raw, qtype, n, k, rows, layout)
 
 
 def _supported(blocks: GgufBlocks) -> bool:

@@ -30,6 +30,11 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, 
                 const std::optional<at::Tensor>& bias);
 void quant_rows(at::Tensor& out, const at::Tensor& packed, const at::Tensor& ids,
                 int64_t qtype, int64_t n);
+bool quant_gemm_a8_supported();
+void quant_gemm_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                   int64_t qtype, const std::optional<at::Tensor>& bias);
+void quant_rows_a8(at::Tensor& out, const at::Tensor& packed, const at::Tensor& ids,
+                   int64_t qtype, int64_t n);
 
 }  // namespace sluiceway
 
@@ -53,6 +58,9 @@ TORCH_LIBRARY(sluiceway, m) {
   m.def("bf16_gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
   m.def("quant_gemm(Tensor(a!) out, Tensor x, Tensor packed, int qtype, Tensor? bias) -> ()");
   m.def("quant_rows(Tensor(a!) out, Tensor packed, Tensor ids, int qtype, int n) -> ()");
+  m.def("quant_gemm_a8_supported() -> bool");
+  m.def("quant_gemm_a8(Tensor(a!) out, Tensor x, Tensor packed, int qtype, Tensor? bias) -> ()");
+  m.def("quant_rows_a8(Tensor(a!) out, Tensor packed, Tensor ids, int qtype, int n) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sluiceway, CPU, m) {
@@ -68,8 +76,11 @@ TORCH_LIBRARY_IMPL(sluiceway, CPU, m) {
   m.impl("bf16_gemm", &sluiceway::bf16_gemm);
   m.impl("quant_gemm", &sluiceway::quant_gemm);
   m.impl("quant_rows", &sluiceway::quant_rows);
+  m.impl("quant_gemm_a8", &sluiceway::quant_gemm_a8);
+  m.impl("quant_rows_a8", &sluiceway::quant_rows_a8);
 }
 
 TORCH_LIBRARY_IMPL(sluiceway, CompositeExplicitAutograd, m) {
   m.impl("bf16_gemm_supported", &sluiceway::bf16_gemm_supported);
+  m.impl("quant_gemm_a8_supported", &sluiceway::quant_gemm_a8_supported);
 }

@@ -1,5 +1,6 @@
 // The packed layout of GGUF-quantized weights (kernels/quant_pack.py) and its dequantization,
-// shared by quant_gemm.cpp (bfloat16 activations) and quant_gemm_f32.cpp (float32).
+// shared by quant_gemm.cpp (bfloat16 activations) and quant_gemm_f32.cpp (float32);
+// quant_gemm_a8.cpp (int8 activations) keeps its own quants' layout and these scales.
 //
 // Layout (kernels/quant_pack.py): uint8 [ceil(N / 16)][K / 32][chunk], a chunk per 16 columns
 // (zero-padded) per 32 K values (a sub-block) holding its 16 K pairs: per pair p the 32 values

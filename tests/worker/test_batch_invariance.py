@@ -3,8 +3,9 @@ C++ kernels, the bfloat16 GEMM or, with --quantization gguf, the quantized one, 
 float32 logits GEMM), with SmolLM2's real weights: a prompt's logits at every position are
 bitwise the same computed alone, beside decodes and other prefills in one step, in other chunkings, and over a prefix whose K/V another
 sequence computed (a prefix-cache hit). No tolerance: equal bits. Each test runs with the KV
-pool in bfloat16, in int8 and in fp8 (``--kv-cache-dtype int8|fp8_e4m3``), and in float32 on
-the quantized weights (``--quantization gguf --dtype float32``)."""
+pool in bfloat16, in int8 and in fp8 (``--kv-cache-dtype int8|fp8_e4m3``), in float32 on
+the quantized weights (``--quantization gguf --dtype float32``) and with int8 activations
+(``--quantization gguf_a8``)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,12 @@ class Blocks:
         ("gguf", "int8", "bfloat16"),
         ("gguf", "fp8_e4m3", "bfloat16"),
         ("gguf", "auto", "float32"),
+        pytest.param(
+            ("gguf_a8", "auto", "bfloat16"),
+            marks=pytest.mark.skipif(
+                not cpu_ops.quant_gemm_a8_supported(), reason="gguf_a8 needs AVX512-VNNI"
+            ),
+        ),
     ],
     ids=lambda p: "-".join(p),
 )
