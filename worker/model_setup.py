@@ -129,9 +129,11 @@ def select_linear_kernels(
 def packing_note(model: LlamaForCausalLM) -> str:
     """The start line's word on the linear weights' packing."""
     if model.quantized_bytes():
+        weight = model.quant_logits_weight
+        gemm = "int8-activation" if weight is not None and weight.layout == "a8" else "quantized"
         return (
             f", weights kept in their GGUF blocks ({model.quantized_bytes() / 1e6:.0f} MB) on "
-            "the quantized GEMM"
+            f"the {gemm} GEMM"
         )
     if model.bf16_pairs:
         return ", linear weights packed for the bfloat16 GEMM"

@@ -20,6 +20,7 @@ from sluiceway.model_files import export_hf_folder, resolve_model
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.worker.config import WorkerConfig
 from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
+from sluiceway.worker.model_setup import packing_note
 from tests.worker.runner_logits import step_logits
 
 needs_bf16 = pytest.mark.skipif(
@@ -166,6 +167,11 @@ def test_gguf_a8_serves_the_same_blocks_with_int8_activations(
     assert model.quant_embed is not None and model.quant_embed.layout == "a8"
     layouts = {w.layout for layer in model.layers for ws in layer.quantized.values() for w in ws}
     assert layouts == {"a8"}
+    assert (
+        packing_note(model)
+        == ", weights kept in their GGUF blocks (96 MB) on the int8-activation GEMM"
+    )
+    assert packing_note(runners["gguf"].model).endswith("on the quantized GEMM")
     ids = torch.tensor([0, 1, 17, 49_151])
     tile_embed = runners["gguf"].model.quant_embed
     assert tile_embed is not None
