@@ -181,14 +181,7 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, 
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint8_t* data = packed.data_ptr<uint8_t>();
   const int64_t ldx = x.stride(0);
-  switch (qtype) {
-    case kQ4_0: return run<kQ4_0>(o, xp, ldx, m, n, k, data);
-    case kQ4_1: return run<kQ4_1>(o, xp, ldx, m, n, k, data);
-    case kQ5_0: return run<kQ5_0>(o, xp, ldx, m, n, k, data);
-    case kQ8_0: return run<kQ8_0>(o, xp, ldx, m, n, k, data);
-    case kQ4_K: return run<kQ4_K>(o, xp, ldx, m, n, k, data);
-    default: return run<kQ6_K>(o, xp, ldx, m, n, k, data);
-  }
+  with_qtype(qtype, [&](auto q) { run<decltype(q)::value>(o, xp, ldx, m, n, k, data); });
 #else
   TORCH_CHECK(false, "quant_gemm needs AVX512-BF16, which this build's CPU lacks");
 #endif
@@ -196,32 +189,11 @@ void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, 
 
 void quant_rows(at::Tensor& out, const at::Tensor& packed, const at::Tensor& ids,
                 int64_t qtype, int64_t n) {
-  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.scalar_type() == at::kFloat &&
-                  out.is_contiguous(),
-              "out must be a contiguous float32 [R, K]");
-  TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && ids.scalar_type() == at::kLong &&
-                  ids.is_contiguous() && ids.size(0) == out.size(0),
-              "ids must be a contiguous int64 [R]");
-  const int64_t k = out.size(1);
-  check_packed(packed, qtype, n, k);
-  const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t r = 0; r < ids.size(0); ++r)
-    TORCH_CHECK(id[r] >= 0 && id[r] < n, "row ", id[r], " out of range [0, ", n, ")");
-  const uint8_t* data = packed.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
-  const int64_t subs = k / 32;
-  at::parallel_for(0, ids.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      switch (qtype) {
-        case kQ4_0: dequant_row<kQ4_0>(data, subs, id[r], o + r * k); break;
-        case kQ4_1: dequant_row<kQ4_1>(data, subs, id[r], o + r * k); break;
-        case kQ5_0: dequant_row<kQ5_0>(data, subs, id[r], o + r * k); break;
-        case kQ8_0: dequant_row<kQ8_0>(data, subs, id[r], o + r * k); break;
-        case kQ4_K: dequant_row<kQ4_K>(data, subs, id[r], o + r * k); break;
-        default: dequant_row<kQ6_K>(data, subs, id[r], o + r * k); break;
-      }
-    }
-  });
+  gather_rows(
+      out, packed, ids, qtype, n, [&](int64_t k) { check_packed(packed, qtype, n, k); },
+      [](auto q, const uint8_t* data, int64_t subs, int64_t id, float* dst) {
+        dequant_row<decltype(q)::value>(data, subs, id, dst);
+      });
 }
 
 }  // namespace sluiceway

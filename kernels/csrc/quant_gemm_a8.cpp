@@ -58,23 +58,19 @@ constexpr int64_t a8_chunk_bytes(int q) {
   return a8_quant_bytes(q) + scale_vecs(q) * 16 * (quant_layout::f16_scales(q) ? 2 : 4);
 }
 
+// An a8 chunk as quant_layout's scale readers (load_scale, scale_vec) take it: they find the
+// scales quant_bytes(q) past the pointer, ours follow a8_quant_bytes(q) of quants.
+constexpr const uint8_t* scales_view(int q, const uint8_t* chunk) {
+  return chunk + a8_quant_bytes(q) - quant_layout::quant_bytes(q);
+}
+
 float a8_scale(int q, const uint8_t* chunk, int vec, int col) {
-  // quant_layout's scales follow the quants: point load_scale past ours
-  return quant_layout::load_scale(q, chunk + a8_quant_bytes(q) - quant_layout::quant_bytes(q),
-                                  vec, col);
+  return quant_layout::load_scale(q, scales_view(q, chunk), vec, col);
 }
 
 void check_a8_packed(const at::Tensor& packed, int64_t qtype, int64_t n, int64_t k) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ8_0 ||
-                  qtype == kQ4_K || qtype == kQ6_K,
-              "no int8-activation GEMM for ggml type ", qtype);
-  const int64_t chunk = a8_chunk_bytes(static_cast<int>(qtype));
-  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 &&
-                  packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) == (n + 15) / 16 && packed.size(1) * 32 == k &&
-                  packed.size(2) == chunk,
-              "packed must be a contiguous uint8 [ceil(N / 16), K / 32, ", chunk,
-              "] weight in the a8 layout (N ", n, ", K ", k, ")");
+  quant_layout::check_packed(packed, qtype, n, k, a8_chunk_bytes, "int8-activation GEMM",
+                             " in the a8 layout");
 }
 
 // Row n's K values as gguf's float32 values (quant_rows for the a8 layout).
@@ -169,7 +165,7 @@ struct Out {
 };
 
 // A sub-block's t (the header's formula) from its two integer chains, the chunk's scales
-// (`chunk` offset as quant_layout's) and the row's sums of q per 16 K values.
+// (`chunk` as scales_view gives it) and the row's sums of q per 16 K values.
 template <int Q>
 inline __m512 block_term(const __m512i dot[2], const uint8_t* chunk, const int32_t* sum16) {
   const __m512 a = quant_layout::scale_vec(Q, chunk, 0);
@@ -267,9 +263,7 @@ void micro(const QuantizedRows& xq, int64_t row, const uint8_t* data, int64_t su
       }
     }
     for (int c = 0; c < C; ++c) {
-      // quant_layout's scale_vec reads past its own quants' bytes: point it past ours
-      const uint8_t* chunk =
-          group[c] + s * kChunk + a8_quant_bytes(Q) - quant_layout::quant_bytes(Q);
+      const uint8_t* chunk = scales_view(Q, group[c] + s * kChunk);
       for (int r = 0; r < R; ++r) {
         const int32_t* sum16 = xq.sum16.data() + (row + r) * 2 * subs + 2 * s;
         const __m512 d = _mm512_set1_ps(xq.d[(row + r) * subs + s]);
@@ -346,14 +340,7 @@ void quant_gemm_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   const Out o{out.data_ptr(), out.scalar_type() == at::kBFloat16, out.stride(0),
               bias.has_value() ? bias->data_ptr<float>() : nullptr};
   const uint8_t* data = packed.data_ptr<uint8_t>();
-  switch (qtype) {
-    case kQ4_0: return run<kQ4_0>(o, xq, m, n, data);
-    case kQ4_1: return run<kQ4_1>(o, xq, m, n, data);
-    case kQ5_0: return run<kQ5_0>(o, xq, m, n, data);
-    case kQ8_0: return run<kQ8_0>(o, xq, m, n, data);
-    case kQ4_K: return run<kQ4_K>(o, xq, m, n, data);
-    default: return run<kQ6_K>(o, xq, m, n, data);
-  }
+  quant_layout::with_qtype(qtype, [&](auto q) { run<decltype(q)::value>(o, xq, m, n, data); });
 #else
   TORCH_CHECK(false,
               "quant_gemm_a8 needs AVX512-VNNI and AVX512-BF16, which this build's CPU lacks");
@@ -362,32 +349,11 @@ void quant_gemm_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
 
 void quant_rows_a8(at::Tensor& out, const at::Tensor& packed, const at::Tensor& ids,
                    int64_t qtype, int64_t n) {
-  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.scalar_type() == at::kFloat &&
-                  out.is_contiguous(),
-              "out must be a contiguous float32 [R, K]");
-  TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && ids.scalar_type() == at::kLong &&
-                  ids.is_contiguous() && ids.size(0) == out.size(0),
-              "ids must be a contiguous int64 [R]");
-  const int64_t k = out.size(1);
-  check_a8_packed(packed, qtype, n, k);
-  const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t r = 0; r < ids.size(0); ++r)
-    TORCH_CHECK(id[r] >= 0 && id[r] < n, "row ", id[r], " out of range [0, ", n, ")");
-  const uint8_t* data = packed.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
-  const int64_t subs = k / 32;
-  at::parallel_for(0, ids.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      switch (qtype) {
-        case kQ4_0: a8_dequant_row<kQ4_0>(data, subs, id[r], o + r * k); break;
-        case kQ4_1: a8_dequant_row<kQ4_1>(data, subs, id[r], o + r * k); break;
-        case kQ5_0: a8_dequant_row<kQ5_0>(data, subs, id[r], o + r * k); break;
-        case kQ8_0: a8_dequant_row<kQ8_0>(data, subs, id[r], o + r * k); break;
-        case kQ4_K: a8_dequant_row<kQ4_K>(data, subs, id[r], o + r * k); break;
-        default: a8_dequant_row<kQ6_K>(data, subs, id[r], o + r * k); break;
-      }
-    }
-  });
+  quant_layout::gather_rows(
+      out, packed, ids, qtype, n, [&](int64_t k) { check_a8_packed(packed, qtype, n, k); },
+      [](auto q, const uint8_t* data, int64_t subs, int64_t id, float* dst) {
+        a8_dequant_row<decltype(q)::value>(data, subs, id, dst);
+      });
 }
 
 }  // namespace sluiceway

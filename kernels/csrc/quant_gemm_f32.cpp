@@ -174,14 +174,8 @@ void quant_gemm_f32(at::Tensor& out, const at::Tensor& x, const uint8_t* data, i
   const Out o{out.data_ptr<float>(), out.stride(0), bias};
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  switch (qtype) {
-    case quant_layout::kQ4_0: return run<quant_layout::kQ4_0>(o, xp, ldx, m, n, k, data);
-    case quant_layout::kQ4_1: return run<quant_layout::kQ4_1>(o, xp, ldx, m, n, k, data);
-    case quant_layout::kQ5_0: return run<quant_layout::kQ5_0>(o, xp, ldx, m, n, k, data);
-    case quant_layout::kQ8_0: return run<quant_layout::kQ8_0>(o, xp, ldx, m, n, k, data);
-    case quant_layout::kQ4_K: return run<quant_layout::kQ4_K>(o, xp, ldx, m, n, k, data);
-    default: return run<quant_layout::kQ6_K>(o, xp, ldx, m, n, k, data);
-  }
+  quant_layout::with_qtype(
+      qtype, [&](auto q) { run<decltype(q)::value>(o, xp, ldx, m, n, k, data); });
 #else
   TORCH_CHECK(false, "quant_gemm needs AVX512-BF16, which this build's CPU lacks");
 #endif

@@ -15,12 +15,14 @@
 // off 8, Q5_0: 16), a * q (Q8_0, Q6_K).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "bf16_tile.h"
 
@@ -53,17 +55,62 @@ inline float load_scale(int q, const uint8_t* chunk, int vec, int col) {
   return f;
 }
 
-inline void check_packed(const at::Tensor& packed, int64_t qtype, int64_t n, int64_t k) {
+// A packed weight's checks: a supported type, then uint8 [ceil(N / 16), K / 32, chunk] with
+// chunk = chunk_of(qtype) (quant_gemm_a8.cpp's layout passes its own, naming itself in `gemm`
+// and `layout`).
+inline void check_packed(const at::Tensor& packed, int64_t qtype, int64_t n, int64_t k,
+                         int64_t (*chunk_of)(int) = chunk_bytes,
+                         const char* gemm = "quantized GEMM", const char* layout = "") {
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ8_0 ||
                   qtype == kQ4_K || qtype == kQ6_K,
-              "no quantized GEMM for ggml type ", qtype);
-  const int64_t chunk = chunk_bytes(static_cast<int>(qtype));
+              "no ", gemm, " for ggml type ", qtype);
+  const int64_t chunk = chunk_of(static_cast<int>(qtype));
   TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 &&
                   packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(0) == (n + 15) / 16 && packed.size(1) * 32 == k &&
                   packed.size(2) == chunk,
-              "packed must be a contiguous uint8 [ceil(N / 16), K / 32, ", chunk,
-              "] weight (N ", n, ", K ", k, ")");
+              "packed must be a contiguous uint8 [ceil(N / 16), K / 32, ", chunk, "] weight",
+              layout, " (N ", n, ", K ", k, ")");
+}
+
+// f(std::integral_constant<int, Q>{}) for ggml type `qtype` (one that check_packed accepts):
+// the kernels' one switch from a runtime type to their templates.
+template <class F>
+decltype(auto) with_qtype(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ4_0: return f(std::integral_constant<int, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int, kQ5_0>{});
+    case kQ8_0: return f(std::integral_constant<int, kQ8_0>{});
+    case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
+    default: return f(std::integral_constant<int, kQ6_K>{});
+  }
+}
+
+// quant_rows and quant_rows_a8: out[r] (float32 [R, K]) = row ids[r] of the [n, K] weight
+// `packed` as gguf's float32 values; `check(k)` checks packed (after out and ids), `row(q,
+// data, subs, id, dst)` writes one row of type q (an integral_constant) into dst.
+template <class Check, class Row>
+void gather_rows(at::Tensor& out, const at::Tensor& packed, const at::Tensor& ids,
+                 int64_t qtype, int64_t n, const Check& check, const Row& row) {
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.scalar_type() == at::kFloat &&
+                  out.is_contiguous(),
+              "out must be a contiguous float32 [R, K]");
+  TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && ids.scalar_type() == at::kLong &&
+                  ids.is_contiguous() && ids.size(0) == out.size(0),
+              "ids must be a contiguous int64 [R]");
+  const int64_t k = out.size(1);
+  check(k);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < ids.size(0); ++r)
+    TORCH_CHECK(id[r] >= 0 && id[r] < n, "row ", id[r], " out of range [0, ", n, ")");
+  const uint8_t* data = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t subs = k / 32;
+  at::parallel_for(0, ids.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      with_qtype(qtype, [&](auto q) { row(q, data, subs, id[r], o + r * k); });
+  });
 }
 
 #if SLUICEWAY_HAVE_AVX512BF16
