@@ -26,8 +26,8 @@
 #                one at a time (--max-concurrency 1); decode tok/s = 1000 / TPOT P50 (ms)
 #        W1      NUM_PROMPTS requests of 256 -> 128, all at once (--request-rate inf)
 #      Engines: llamacpp (llama-server -t THREADS -tb THREADS -np LLAMA_SLOTS -c
-#      LLAMA_SLOTS*LLAMA_SLOT_CTX -cb: continuous batching over LLAMA_SLOTS slots, each of
-#      LLAMA_SLOT_CTX tokens), then one sluiceway server per mode of MODES (`serve --model MODEL
+#      LLAMA_SLOTS*LLAMA_SLOT_CTX -cb --timeout LLAMA_TIMEOUT_S: continuous batching over
+#      LLAMA_SLOTS slots, each of LLAMA_SLOT_CTX tokens), then one sluiceway server per mode of MODES (`serve --model MODEL
 #      --num-threads THREADS --dtype DTYPE --max-num-seqs MAX_NUM_SEQS
 #      --max-num-batched-tokens MAX_NUM_BATCHED_TOKENS --kv-cache-memory KV_CACHE_GIB GiB` plus
 #      the mode's flags).
@@ -45,6 +45,7 @@
 # SINGLE_REPS (5), INPUT_LEN (256), OUTPUT_LEN (128), LLAMA_CPP_DIR
 # (~/.cache/sluiceway-bench/llama.cpp), LLAMA_SERVER ($LLAMA_CPP_DIR/build/bin/llama-server),
 # LLAMA_SLOTS (16), LLAMA_SLOT_CTX (512: tokens per slot, >= INPUT_LEN + OUTPUT_LEN),
+# LLAMA_TIMEOUT_S (7200: llama-server's --timeout, past W1's longest queue wait),
 # LLAMA_ARGS (more llama-server flags), SERVED_NAME (SmolLM2-135M-Instruct), DTYPE
 # (bfloat16), MAX_NUM_SEQS (256), MAX_NUM_BATCHED_TOKENS (2048), KV_CACHE_GIB (4),
 # SLUICEWAY_SERVE_ARGS (more `serve` flags for every mode), OUT_DIR (docs/bench/vs-llamacpp),
@@ -85,6 +86,10 @@ OUTPUT_LEN=${OUTPUT_LEN:-128}
 LLAMA_SLOTS=${LLAMA_SLOTS:-16}
 LLAMA_SLOT_CTX=${LLAMA_SLOT_CTX:-512}
 LLAMA_ARGS=${LLAMA_ARGS:-}
+# llama-server closes a connection that has sent nothing for --timeout seconds (600 by default):
+# W1's last requests wait longer than that in its queue on a slow machine (8 of 200 were cut,
+# ReadError, on 2026-12-03 when its W1 took 1,099 s)
+LLAMA_TIMEOUT_S=${LLAMA_TIMEOUT_S:-7200}
 SERVED_NAME=${SERVED_NAME:-SmolLM2-135M-Instruct}
 DTYPE=${DTYPE:-bfloat16}
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}
@@ -167,7 +172,7 @@ run_engine() {  # run_engine ENGINE [MODE FLAGS...]: $ENGINE names its files
             # shellcheck disable=SC2086
             start_server "$engine" llamacpp_ready "$LLAMA_SERVER" -m "$MODEL" --alias "$SERVED_NAME" \
                 --host 127.0.0.1 --port "$port" -t "$THREADS" -tb "$THREADS" -np "$LLAMA_SLOTS" \
-                -c $((LLAMA_SLOTS * LLAMA_SLOT_CTX)) -cb --no-webui $LLAMA_ARGS \
+                -c $((LLAMA_SLOTS * LLAMA_SLOT_CTX)) -cb --no-webui --timeout "$LLAMA_TIMEOUT_S" $LLAMA_ARGS \
                 || { record_run "$engine" "$mode" -1 "$load0" "$t0"; return 1; }
             ;;
         *)
