@@ -15,9 +15,10 @@ as ignored or refuse by name: none is dropped silently.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
+from pydantic_core import PydanticCustomError
 
 from sluiceway.sampling_params import FIELDS, python_type
 from sluiceway.status import FieldError
@@ -37,6 +38,33 @@ __all__ = [
 FRONT_FIELDS = frozenset({"max_tokens", "logprobs", "stop", "structured_outputs"})
 # The others: the same name and meaning as in sluiceway.v1.SamplingParams.
 SHARED_FIELDS = tuple(name for name in FIELDS if name not in FRONT_FIELDS)
+
+
+def _not_bool(value: Any) -> Any:
+    """Refuses JSON true/false where a number belongs: pydantic's lax mode would read true as
+    1 (``"max_tokens": true`` would ask for one token), which OpenAI's API refuses."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("number_type", "must be a number, not a boolean")
+    return value
+
+
+#: An integer / a number of a request body: any JSON number pydantic reads as one, not a bool.
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
+
+
+def _body_type(kind: Any) -> Any:
+    """`kind` (a `python_type`) with its numbers `Int` / `Float`: ``list[int]`` becomes
+    ``list[Int]``, ``dict[int, float]`` ``dict[int, Float]`` (a JSON object's keys are strings,
+    read as integers)."""
+    numbers = {int: Int, float: Float}
+    origin = get_origin(kind)
+    if origin is list:
+        return list[numbers.get(get_args(kind)[0], get_args(kind)[0])]  # type: ignore[misc]
+    if origin is dict:
+        key, value = get_args(kind)
+        return dict[key, numbers.get(value, value)]  # type: ignore[misc,valid-type]
+    return numbers.get(kind, kind)
 
 
 class StreamOptions(BaseModel):
@@ -97,7 +125,7 @@ class _FrontFields(BaseModel):
     guided_grammar: str | None = None
     # vLLM's extra-body `priority`: sluiceway.v1.GenerateRequest.priority (lower first under
     # --scheduling-policy priority; anything but 0 is refused under fcfs); null is 0
-    priority: int | None = None
+    priority: Int | None = None
 
 
 # Both endpoints' parameters: the shared sampling fields, unset (None) unless the body sets
@@ -105,7 +133,7 @@ class _FrontFields(BaseModel):
 _Sampling: type[_FrontFields] = create_model(  # type: ignore[call-overload]
     "_Sampling",
     __base__=_FrontFields,
-    **{name: (python_type(name) | None, None) for name in SHARED_FIELDS},
+    **{name: (_body_type(python_type(name)) | None, None) for name in SHARED_FIELDS},
 )
 
 
@@ -176,16 +204,16 @@ class ChatCompletionRequest(_Sampling):  # type: ignore[valid-type,misc]
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
 
 
 class CompletionRequest(_Sampling):  # type: ignore[valid-type,misc]
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = None
-    logprobs: int | None = None
+    max_tokens: Int | None = None
+    logprobs: Int | None = None
     echo: bool = False
 
 

@@ -44,20 +44,32 @@ log = structlog.get_logger("scheduler")
 # The step watchdog: a step not answered within step_timeout_s(step) seconds means a hung
 # worker (SIGSTOPped, deadlocked, swapping to a halt). The bound grows with the step's size:
 # STEP_TIMEOUT_FLOOR_S + STEP_TIMEOUT_PER_TOKEN_S * batched tokens + STEP_TIMEOUT_PER_SEQ_S
-# * sequences. Measured on 2 CPU cores (SmolLM2, README): a decode step of 200 sequences
-# 100 ms (0.5 ms a sequence), prefill some thousands of tokens/s; the constants allow ~20-30x
-# that (a loaded machine) and a floor of 10 s for any step, so only a worker that stopped
-# answering trips it, never a slow one. A 2,048-token prefill step: 10 + 20.5 = 30.5 s.
+# * sequences + STEP_TIMEOUT_PER_ATTENDED_S * attended (query, key) pairs, so that only a
+# worker that stopped answering trips it, never a slow one. Measured on 2 CPU cores
+# (SmolLM2): a decode step of 200 sequences 100 ms (0.5 ms a sequence), prefill 0.5-1.6 ms a
+# token (README; 2026-12-03, a host at half its usual speed: a 2,048-token prompt 3.3-3.9 s);
+# the constants allow 6-30x that, and 10 s for any step. Attention's work grows with the
+# context: an 8,191-token prompt's four chunks took 33-37 s there (the last ~16 s), 18-24 s
+# more than four chunks from position 0, ~0.8 us per added pair; 5 us allows ~6x. Before the
+# pairs' term such a prompt's last chunk (30.5 s allowed) timed out on a starved machine. A
+# 2,048-token step from position 0 now gets 10 + 20.5 + 21 = 51.5 s, the last chunk of
+# 8,191 tokens 114.4 s, a decode step of 200 sequences at context 320 14.3 s.
 STEP_TIMEOUT_PER_TOKEN_S = 0.01
 STEP_TIMEOUT_PER_SEQ_S = 0.01
+STEP_TIMEOUT_PER_ATTENDED_S = 5e-6
 
 
 def step_timeout_s(out: SchedulerOutput) -> float:
-    """The watchdog's bound on one step, seconds (see STEP_TIMEOUT_PER_TOKEN_S)."""
+    """The watchdog's bound on one step, seconds (see STEP_TIMEOUT_PER_ATTENDED_S). A
+    sequence's chunk of n tokens after c computed ones attends to n * (c + n) pairs at most
+    (a sliding window attends to fewer: the bound stays an upper one)."""
+    attended = sum(s.num_new_tokens * (s.num_computed_tokens + s.num_new_tokens)
+                   for s in out.scheduled)  # fmt: skip
     return (
         STEP_TIMEOUT_FLOOR_S
         + STEP_TIMEOUT_PER_TOKEN_S * out.num_batched_tokens
         + STEP_TIMEOUT_PER_SEQ_S * len(out.scheduled)
+        + STEP_TIMEOUT_PER_ATTENDED_S * attended
     )
 
 

@@ -132,3 +132,26 @@ def test_a_tool_field_that_does_not_validate_is_400_naming_it(
     r = client.post("/v1/chat/completions", json={"messages": [], **body})
     assert (r.status_code, r.json()["error"]["param"]) == (400, param)
     assert r.json()["error"]["message"] == f"{param}: {message}"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "logprobs": False}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "temperature": True}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [2, True]}, "stop_token_ids[1]"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"7": True}}, "logit_bias.7"),
+        ("/v1/chat/completions", {"messages": [], "max_completion_tokens": True},
+         "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": [], "top_logprobs": True}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": [], "priority": False}, "priority"),
+    ],
+)  # fmt: skip
+def test_a_boolean_where_a_number_belongs_is_400_naming_it(
+    client: TestClient, path: str, body: dict[str, Any], param: str
+) -> None:
+    """pydantic's lax mode reads true as 1: ``"max_tokens": true`` would ask for one token."""
+    r = client.post(path, json=body)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, param)
+    assert r.json()["error"]["message"] == f"{param}: must be a number, not a boolean"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -12,6 +13,7 @@ from sluiceway.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2,
 from sluiceway.scheduler import step_loop
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.engine import Engine
+from sluiceway.scheduler.outputs import SchedulerOutput
 from sluiceway.scheduler.server import SchedulerService
 from sluiceway.status import FieldError, RequestError, abort, error_from_rpc
 from sluiceway.v1 import inference_pb2
@@ -195,6 +197,27 @@ def test_async_scheduling_sends_each_step_while_the_one_before_runs(fake: FakeWo
         await close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("shares", "bound_s"),
+    [
+        ([(2048, 0)], 10 + 20.48 + 0.01 + 5e-6 * 2048 * 2048),  # a chunk from position 0
+        ([(2048, 6143)], 10 + 20.48 + 0.01 + 5e-6 * 2048 * 8191),  # an 8,191-token prompt's last
+        ([(1, 320)] * 200, 10 + 2.0 + 2.0 + 5e-6 * 200 * 321),  # 200 decodes at context 320
+    ],
+)
+def test_the_watchdog_bound_grows_with_the_pairs_a_step_attends(
+    shares: list[tuple[int, int]], bound_s: float
+) -> None:
+    """A step's bound: 10 s + 10 ms a token + 10 ms a sequence + 5 us an attended (query, key)
+    pair (a chunk of n tokens after c computed: n * (c + n)). Without the pairs' term the last
+    chunk of a long prompt (16 s measured on a slow host) timed out on a starved one."""
+    out = SchedulerOutput(scheduled=[
+        SimpleNamespace(num_new_tokens=n, num_computed_tokens=c)  # type: ignore[misc]
+        for n, c in shares
+    ])  # fmt: skip
+    assert step_loop.step_timeout_s(out) == pytest.approx(bound_s, rel=1e-12)
 
 
 def test_an_overlapped_steps_watchdog_bound_is_its_own_plus_the_step_before_it(
