@@ -148,12 +148,17 @@ _TYPE_TAG = re.compile(
 
 def _body_param(loc: Any) -> str | None:
     """The body field a pydantic error location names, in this API's words:
-    ``("body", "messages", 0, "role")`` -> ``messages[0].role``; union member tags dropped."""
+    ``("body", "messages", 0, "role")`` -> ``messages[0].role``; a map's key in brackets, as
+    the request path writes it (``("body", "logit_bias", "5")`` -> ``logit_bias[5]``, a key
+    that is not one: ``(..., "true", "[key]")`` -> ``logit_bias[true]``); union member tags
+    dropped."""
+    parts = list(loc)[1:]
     out = ""
-    for part in list(loc)[1:]:
-        if isinstance(part, int):
+    for i, part in enumerate(parts):
+        is_key = str(part).isdigit() or (i + 1 < len(parts) and parts[i + 1] == "[key]")
+        if isinstance(part, int) or (is_key and out):
             out += f"[{part}]"
-        elif not _TYPE_TAG.match(str(part)):
+        elif part != "[key]" and not _TYPE_TAG.match(str(part)):
             out += f".{part}" if out else str(part)
     return out or None
 

@@ -17,7 +17,17 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    create_model,
+)
 from pydantic_core import PydanticCustomError
 
 from sluiceway.sampling_params import FIELDS, python_type
@@ -48,16 +58,33 @@ def _not_bool(value: Any) -> Any:
     return value
 
 
-#: An integer / a number of a request body: any JSON number pydantic reads as one, not a bool.
+#: An integer / a number of a request body: any JSON number pydantic reads as one (strings of
+#: digits too, as vLLM reads them), not a bool.
 Int = Annotated[int, BeforeValidator(_not_bool)]
 Float = Annotated[float, BeforeValidator(_not_bool)]
+#: A boolean of a request body: JSON true or false only (lax mode would read 1, "on", "yes").
+Bool = Annotated[bool, Strict()]
+
+
+def _prompt_shape(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """One error for a prompt of none of its four shapes (pydantic's would name the first
+    shape it tried: "Input should be a valid string" for ``[true, 5]``)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError(
+            "prompt_type",
+            "must be a string, a list of strings, a list of token ids or a list of lists of "
+            "token ids (integers)",
+        ) from None
 
 
 def _body_type(kind: Any) -> Any:
-    """`kind` (a `python_type`) with its numbers `Int` / `Float`: ``list[int]`` becomes
+    """`kind` (a `python_type`) with its numbers `Int` / `Float` and booleans `Bool`:
+    ``list[int]`` becomes
     ``list[Int]``, ``dict[int, float]`` ``dict[int, Float]`` (a JSON object's keys are strings,
     read as integers)."""
-    numbers = {int: Int, float: Float}
+    numbers = {int: Int, float: Float, bool: Bool}
     origin = get_origin(kind)
     if origin is list:
         return list[numbers.get(get_args(kind)[0], get_args(kind)[0])]  # type: ignore[misc]
@@ -70,7 +97,7 @@ def _body_type(kind: Any) -> Any:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -103,7 +130,7 @@ class StructuredOutputsBody(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: Bool | None = None
 
 
 class _FrontFields(BaseModel):
@@ -112,7 +139,7 @@ class _FrontFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    stream: bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     request_id: str | None = None
     stop: str | list[str] | None = None
@@ -203,18 +230,18 @@ class ChatCompletionRequest(_Sampling):  # type: ignore[valid-type,misc]
     messages: list[ChatMessage]
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Bool | None = None
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
-    logprobs: bool = False
+    logprobs: Bool = False
     top_logprobs: Int | None = None
 
 
 class CompletionRequest(_Sampling):  # type: ignore[valid-type,misc]
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[Int] | list[list[Int]], WrapValidator(_prompt_shape)]
     max_tokens: Int | None = None
     logprobs: Int | None = None
-    echo: bool = False
+    echo: Bool = False
 
 
 class TokenizeRequest(BaseModel):
@@ -230,7 +257,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 def sampling_values(

@@ -415,18 +415,21 @@ def sample(
         argmax, row_max, shifted = cpu_ops.argmax_log_normalizer(logits)
         normalizer = (row_max, shifted)
     tokens = _pick(logits, options, generators, argmax, buffers)
-    chosen_lp = torch.empty(0)
     if normalizer is not None:
+        # the top logprobs by the same formula as the chosen one's: a chosen token among
+        # them shows the same value twice (log_softmax's differed in the last bit)
         row_max, shifted = normalizer
-        chosen_lp = (logits.gather(1, tokens[:, None]).squeeze(1) - row_max) - shifted
+        result = SampleResult(
+            tokens, (logits.gather(1, tokens[:, None]).squeeze(1) - row_max) - shifted
+        )
+        if top_n:
+            top_logits, result.top_ids = torch.topk(logits, top_n, dim=-1)
+            result.top_logprobs = (top_logits - row_max[:, None]) - shifted[:, None]
+        return result
     # nothing reads the logits after this: the log-softmax goes over them
-    log_probs = None
-    if top_n or normalizer is None:
-        log_probs = log_softmax_(_contiguous(logits))
-    if log_probs is not None and normalizer is None:
-        chosen_lp = log_probs.gather(1, tokens[:, None]).squeeze(1)
-    result = SampleResult(tokens, chosen_lp)
-    if log_probs is not None and top_n:
+    log_probs = log_softmax_(_contiguous(logits))
+    result = SampleResult(tokens, log_probs.gather(1, tokens[:, None]).squeeze(1))
+    if top_n:
         result.top_logprobs, result.top_ids = torch.topk(log_probs, top_n, dim=-1)
     return result
 

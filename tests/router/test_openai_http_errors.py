@@ -141,7 +141,7 @@ def test_a_tool_field_that_does_not_validate_is_400_naming_it(
         ("/v1/completions", {"prompt": "x", "logprobs": False}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "temperature": True}, "temperature"),
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [2, True]}, "stop_token_ids[1]"),
-        ("/v1/completions", {"prompt": "x", "logit_bias": {"7": True}}, "logit_bias.7"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"7": True}}, "logit_bias[7]"),
         ("/v1/chat/completions", {"messages": [], "max_completion_tokens": True},
          "max_completion_tokens"),
         ("/v1/chat/completions", {"messages": [], "top_logprobs": True}, "top_logprobs"),
@@ -155,3 +155,38 @@ def test_a_boolean_where_a_number_belongs_is_400_naming_it(
     r = client.post(path, json=body)
     assert (r.status_code, r.json()["error"]["param"]) == (400, param)
     assert r.json()["error"]["message"] == f"{param}: must be a number, not a boolean"
+
+
+PROMPT_SHAPES = (
+    "prompt: must be a string, a list of strings, a list of token ids or a list of lists of "
+    "token ids (integers)"
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/completions", {"prompt": [True, 5, 6]}, PROMPT_SHAPES),  # not token ids 1, 5, 6
+        ("/v1/completions", {"prompt": [[1, False]]}, PROMPT_SHAPES),
+        ("/v1/completions", {"prompt": 5}, PROMPT_SHAPES),
+        ("/detokenize", {"tokens": [True]}, "tokens[0]: must be a number, not a boolean"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"true": 5}},  # a key in brackets
+         "logit_bias[true]: Input should be a valid integer, unable to parse string as an integer"),
+        ("/v1/completions", {"prompt": "x", "echo": 1}, "echo: Input should be a valid boolean"),
+        ("/v1/completions", {"prompt": "x", "stream": "on"},
+         "stream: Input should be a valid boolean"),
+        ("/v1/completions", {"prompt": "x", "ignore_eos": "true"},
+         "ignore_eos: Input should be a valid boolean"),
+        ("/v1/chat/completions", {"messages": [], "logprobs": 1},
+         "logprobs: Input should be a valid boolean"),
+        ("/v1/chat/completions", {"messages": [], "stream_options": {"include_usage": 0}},
+         "stream_options.include_usage: Input should be a valid boolean"),
+    ],
+)  # fmt: skip
+def test_token_ids_are_integers_and_booleans_are_json_booleans(
+    client: TestClient, path: str, body: dict[str, Any], message: str
+) -> None:
+    """Lax pydantic would read ``[true, 5]`` as token ids 1 and 5, ``"echo": 1`` and
+    ``"stream": "on"`` as true: each is a 400 naming the field instead."""
+    r = client.post(path, json=body)
+    assert (r.status_code, r.json()["error"]["message"]) == (400, message)

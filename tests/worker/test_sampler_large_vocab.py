@@ -142,13 +142,18 @@ def test_cpu_kernels_give_the_same_tokens_and_top_logprobs() -> None:
     assert fused.top_ids is not None and plain.top_ids is not None
     assert fused.top_ids.tolist() == plain.top_ids.tolist()
     assert fused.top_logprobs is not None and plain.top_logprobs is not None
-    assert torch.equal(fused.top_logprobs, plain.top_logprobs)
-    # the chosen logprob: the kernel's (logit - max) - log(sum(exp(row - max))), row alone
+    torch.testing.assert_close(fused.top_logprobs, plain.top_logprobs)  # log_softmax's
+    # the chosen and the top logprobs: the kernel's (logit - max) - log(sum(exp(row - max))),
+    # row alone; a chosen token among the top shows the same value there
     for i, o in enumerate(OPTIONS):
         x = _processed(logits[i], o, seen[i], 30)
         _, row_max, shifted = cpu_ops.argmax_log_normalizer(x)
         t = int(fused.token_ids[i])
         assert float(fused.logprobs[i]) == float((x[0, t] - row_max[0]) - shifted[0])
+        top = fused.top_ids[i].tolist()
+        assert fused.top_logprobs[i].tolist() == ((x[0, top] - row_max[0]) - shifted[0]).tolist()
+        if t in top:
+            assert float(fused.top_logprobs[i, top.index(t)]) == float(fused.logprobs[i])
 
 
 def test_in_place_kernels_equal_torch_bitwise() -> None:
