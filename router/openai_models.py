@@ -81,9 +81,8 @@ def _prompt_shape(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
 
 def _body_type(kind: Any) -> Any:
     """`kind` (a `python_type`) with its numbers `Int` / `Float` and booleans `Bool`:
-    ``list[int]`` becomes
-    ``list[Int]``, ``dict[int, float]`` ``dict[int, Float]`` (a JSON object's keys are strings,
-    read as integers)."""
+    ``list[int]`` becomes ``list[Int]``, ``dict[int, float]`` ``dict[int, Float]`` (a JSON
+    object's keys are strings, read as integers)."""
     numbers = {int: Int, float: Float, bool: Bool}
     origin = get_origin(kind)
     if origin is list:

@@ -27,10 +27,10 @@
 #        W1      NUM_PROMPTS requests of 256 -> 128, all at once (--request-rate inf)
 #      Engines: llamacpp (llama-server -t THREADS -tb THREADS -np LLAMA_SLOTS -c
 #      LLAMA_SLOTS*LLAMA_SLOT_CTX -cb --timeout LLAMA_TIMEOUT_S: continuous batching over
-#      LLAMA_SLOTS slots, each of LLAMA_SLOT_CTX tokens), then one sluiceway server per mode of MODES (`serve --model MODEL
-#      --num-threads THREADS --dtype DTYPE --max-num-seqs MAX_NUM_SEQS
-#      --max-num-batched-tokens MAX_NUM_BATCHED_TOKENS --kv-cache-memory KV_CACHE_GIB GiB` plus
-#      the mode's flags).
+#      LLAMA_SLOTS slots, each of LLAMA_SLOT_CTX tokens), then one sluiceway server per mode
+#      of MODES (`serve --model MODEL --num-threads THREADS --dtype DTYPE --max-num-seqs
+#      MAX_NUM_SEQS --max-num-batched-tokens MAX_NUM_BATCHED_TOKENS --kv-cache-memory
+#      KV_CACHE_GIB GiB` plus the mode's flags).
 #   4. a markdown table (summary.md): per engine/mode single-stream decode tok/s, W1 output
 #      tok/s, TTFT P50, TPOT P50, and the ratios against llama.cpp and against REFERENCE_MODE.
 #

@@ -408,24 +408,21 @@ def sample(
     # the chosen tokens' logprobs come from one formula whatever else the batch asks (top
     # logprobs for some rows, say): with the C++ kernels (logit - max) - log(sum(exp(row -
     # max))), else log_softmax's (its CPU kernel reduces each row alone; a sum over one row
-    # would split it across threads when the batch has one row)
-    normalizer: tuple[torch.Tensor, torch.Tensor] | None = None
-    argmax: torch.Tensor | None = None
+    # would split it across threads when the batch has one row). The top logprobs use the
+    # same formula: a chosen token among them shows the same value twice.
     if cpu_kernels:
         argmax, row_max, shifted = cpu_ops.argmax_log_normalizer(logits)
-        normalizer = (row_max, shifted)
-    tokens = _pick(logits, options, generators, argmax, buffers)
-    if normalizer is not None:
-        # the top logprobs by the same formula as the chosen one's: a chosen token among
-        # them shows the same value twice (log_softmax's differed in the last bit)
-        row_max, shifted = normalizer
-        result = SampleResult(
-            tokens, (logits.gather(1, tokens[:, None]).squeeze(1) - row_max) - shifted
-        )
+        tokens = _pick(logits, options, generators, argmax, buffers)
+
+        def logprobs_of(values: torch.Tensor) -> torch.Tensor:  # values [R, n]
+            return (values - row_max[:, None]) - shifted[:, None]
+
+        result = SampleResult(tokens, logprobs_of(logits.gather(1, tokens[:, None])).squeeze(1))
         if top_n:
             top_logits, result.top_ids = torch.topk(logits, top_n, dim=-1)
-            result.top_logprobs = (top_logits - row_max[:, None]) - shifted[:, None]
+            result.top_logprobs = logprobs_of(top_logits)
         return result
+    tokens = _pick(logits, options, generators, None, buffers)
     # nothing reads the logits after this: the log-softmax goes over them
     log_probs = log_softmax_(_contiguous(logits))
     result = SampleResult(tokens, log_probs.gather(1, tokens[:, None]).squeeze(1))
