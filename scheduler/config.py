@@ -13,12 +13,13 @@ from sluiceway.options import (
     LOG_LEVEL,
     MAX_MODEL_LEN,
     METRICS_HOST,
+    SPECULATIVE_CONFIG,
     TENSOR_PARALLEL_SIZE,
     ProcessConfig,
     metrics_port,
     option,
 )
-from sluiceway.speculative import SpeculativeConfig, speculative_config_arg
+from sluiceway.speculative import SpeculativeConfig
 
 
 @dataclass(slots=True, kw_only=True)
@@ -135,14 +136,7 @@ class SchedulerConfig(ProcessConfig):
         "blocks were copied to them from a prefill instance",
         type=non_negative_int,
     )
-    speculative_config: str = option(
-        "",
-        'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, '
-        '"prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}; the '
-        "tokens are those of plain decoding, bitwise (needs a batch-invariant worker); "
-        '"": off',
-        type=speculative_config_arg,
-    )
+    speculative_config: str = SPECULATIVE_CONFIG.field()
     async_scheduling: bool = option(
         False,
         "build the next step while the workers run this one (vLLM's); single-rank "
@@ -180,6 +174,12 @@ class SchedulerConfig(ProcessConfig):
             )
         if self.async_scheduling:
             self._check_async_scheduling()
+        spec = self.speculative
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config: draft_model needs tensor_parallel_size 1 (not built: a "
+                "draft split across ranks)"
+            )
         if not self.enable_chunked_prefill and (
             self.long_prefill_token_threshold > 0 or self.max_num_partial_prefills > 1
         ):

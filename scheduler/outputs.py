@@ -19,7 +19,9 @@ class ScheduledSequence:
     `new_block_ids` is the whole block table when `is_new` (cached prefix
     included), else the blocks added this step. `draft_token_ids`: proposed tokens
     (speculative decoding) the chunk computes after the sequence's last token; then
-    `num_new_tokens` is 1 + their number. `append_last_sampled` (async scheduling): the
+    `num_new_tokens` is 1 + their number; `num_draft_model_tokens`: as many proposed by
+    the workers' draft model instead (the scheduler never sees them before the answer).
+    `append_last_sampled` (async scheduling): the
     sequence's last token is pending (sampled by the step in flight), the worker appends
     the one it sampled. `samples`: whether the chunk reaches the end of the sequence (its
     pending token included), so a token is sampled; fixed when the share is made.
@@ -33,11 +35,17 @@ class ScheduledSequence:
     new_block_ids: list[int]
     draft_token_ids: list[int] = field(default_factory=list)
     append_last_sampled: bool = False
+    num_draft_model_tokens: int = 0
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        end = self.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids)
+        end = self.num_computed_tokens + self.num_new_tokens - self.num_drafts
         self.samples = end == self.seq.num_tokens_with_pending
+
+    @property
+    def num_drafts(self) -> int:
+        """Proposed tokens the chunk verifies, the scheduler's or the draft model's."""
+        return len(self.draft_token_ids) or self.num_draft_model_tokens
 
 
 @dataclass(slots=True)
@@ -63,8 +71,7 @@ class SchedulerOutput:
     def is_decode_only(self) -> bool:
         """Whether every share decodes its last token (and its proposals): no prompt chunk."""
         return bool(self.scheduled) and all(
-            s.num_new_tokens == 1 + len(s.draft_token_ids) and s.seq.output_token_ids
-            for s in self.scheduled
+            s.num_new_tokens == 1 + s.num_drafts and s.seq.output_token_ids for s in self.scheduled
         )
 
 

@@ -117,8 +117,16 @@ class Scheduler:
         self.long_prefill_token_threshold = config.resolved_long_prefill_token_threshold(
             max_model_len
         )
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
-        self.pace = AdaptiveLength(speculative.num_speculative_tokens if speculative else 0)
+        self.speculative = speculative
+        self.proposer = (  # (a draft_model's proposals: the workers')
+            NgramProposer(speculative)
+            if speculative is not None and speculative.method == "ngram"
+            else None
+        )
+        self.pace = AdaptiveLength(
+            speculative.num_speculative_tokens if speculative else 0,
+            probe_plain=speculative is not None and speculative.method == "draft_model",
+        )
         self.spec_decode = SpecDecodeCounts()
 
     # -- queue changes ----------------------------------------------------------
@@ -287,14 +295,15 @@ class Scheduler:
                 continue  # a prompt chunk that did not reach the end
             got = sampled[seq.seq_id]
             tokens = [got] if isinstance(got, int) else list(got)
-            drafts = s.draft_token_ids
-            if not 1 <= len(tokens) <= len(drafts) + 1 or tokens[:-1] != drafts[: len(tokens) - 1]:
-                raise ValueError(
-                    f"sequence {seq.seq_id}: tokens {tokens} do not follow the proposal {drafts}"
-                )
-            if drafts:
-                self.spec_decode.add(len(drafts), len(tokens) - 1)
-                self.pace.record(seq.seq_id, len(drafts), len(tokens) - 1)
+            drafts, num_drafts = s.draft_token_ids, s.num_drafts
+            if not 1 <= len(tokens) <= num_drafts + 1 or (
+                drafts and tokens[:-1] != drafts[: len(tokens) - 1]
+            ):
+                raise ValueError(f"sequence {seq.seq_id}: tokens {tokens} do not follow the "
+                                 f"proposal {drafts or num_drafts}")  # fmt: skip
+            if num_drafts:
+                self.spec_decode.add(num_drafts, len(tokens) - 1)
+                self.pace.record(seq.seq_id, num_drafts, len(tokens) - 1)
             if advanced:
                 seq.num_pending_tokens -= 1
             reason = None
@@ -308,7 +317,7 @@ class Scheduler:
                     break
             # computed: the chunk's positions whose input was right (its own tokens, then the
             # accepted proposals; rejected positions' K/V are overwritten when recomputed)
-            computed = s.num_new_tokens - len(drafts) + applied - 1
+            computed = s.num_new_tokens - num_drafts + applied - 1
             if not advanced:
                 seq.num_computed_tokens += computed
             self.block_manager.cache_full_blocks(seq, s.num_computed_tokens + computed)
@@ -325,7 +334,7 @@ class Scheduler:
         ValueError for a step with proposed tokens (how many are computed depends on the
         answer)."""
         for s in output.scheduled:
-            if s.draft_token_ids:
+            if s.num_drafts:
                 raise ValueError("a step with proposed tokens cannot be advanced")
             s.seq.num_computed_tokens += s.num_new_tokens
             s.seq.num_pending_tokens += s.samples
@@ -341,7 +350,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         preempted = False
         i = 0
-        on = self.proposer is not None and self.proposer.config.allows(len(self.running))
+        on = self.speculative is not None and self.speculative.allows(len(self.running))
         limit = self.pace.step_limit(len(self.running)) if on else 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -351,10 +360,10 @@ class Scheduler:
             remaining = seq.num_tokens_with_pending - seq.num_computed_tokens
             num_new = self._chunk(remaining, budget)
             proposes = limit and remaining == 1 and not seq.num_pending_tokens
-            drafts = self._propose(seq, min(limit, budget - 1)) if proposes else []
-            if drafts and (new_blocks := bm.allocate_slots(seq, 1 + len(drafts))) is not None:
-                out.scheduled.append(self._schedule(seq, 1 + len(drafts), new_blocks, drafts))
-                budget -= 1 + len(drafts)
+            drafts, n = self._propose(seq, min(limit, budget - 1)) if proposes else ([], 0)
+            if n and (new_blocks := bm.allocate_slots(seq, 1 + n)) is not None:
+                out.scheduled.append(self._schedule(seq, 1 + n, new_blocks, drafts, n))
+                budget -= 1 + n
                 i += 1
                 continue  # (no block for the proposal: plain decoding, below)
             while (new_blocks := bm.allocate_slots(seq, num_new)) is None:
@@ -428,8 +437,10 @@ class Scheduler:
         num_new: int,
         new_blocks: list[int],
         drafts: list[int] | None = None,
+        num_drafts: int = 0,
     ) -> ScheduledSequence:
-        """`seq`'s share of the step, its blocks allocated (`new_blocks` the fresh ones)."""
+        """`seq`'s share of the step, its blocks allocated (`new_blocks` the fresh ones);
+        `num_drafts` proposed tokens: `drafts`, or when that is empty the draft model's."""
         is_new = seq.num_tokens_on_worker == 0
         appended = seq.token_ids[seq.num_tokens_on_worker :]
         seq.num_tokens_on_worker = seq.num_tokens_with_pending
@@ -442,23 +453,27 @@ class Scheduler:
             new_block_ids=list(seq.block_table) if is_new else new_blocks,
             draft_token_ids=drafts or [],
             append_last_sampled=seq.num_pending_tokens > 0,
+            num_draft_model_tokens=0 if drafts else num_drafts,
         )
 
-    def _propose(self, seq: Sequence, budget: int) -> list[int]:
-        """Tokens to verify after decoding `seq`'s last token: the n-gram proposal, at most
-        `budget`, never past `max_tokens` or `max_model_len` (the last emitted token is
-        sampled after them); none for a first token (a prompt's step: it carries the prompt
-        logprobs and the queue time)."""
-        assert self.proposer is not None
+    def _propose(self, seq: Sequence, budget: int) -> tuple[list[int], int]:
+        """Tokens to verify after decoding `seq`'s last token and their number: the n-gram
+        proposal, or ([], n) for n tokens of the workers' draft model; at most `budget`,
+        never past `max_tokens` or `max_model_len` (the last emitted token is sampled after
+        them); none for a first token (a prompt's step: it carries the prompt logprobs and
+        the queue time)."""
         if not seq.output_token_ids:
-            return []
+            return [], 0
         room = min(
             self.pace.allowed(seq.seq_id),
             budget,
             seq.sampling.max_tokens - len(seq.output_token_ids) - 1,
             self.max_model_len - seq.num_tokens,
         )
-        return self.proposer.propose(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids, room)
+        if self.proposer is None:
+            return [], max(0, room)
+        drafts = self.proposer.propose(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids, room)
+        return drafts, len(drafts)
 
     def _waits_for_sibling(self, seq: Sequence) -> bool:
         """Whether waiting `seq`, a sample of a parallel-sampling request with no output yet,

@@ -149,6 +149,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             kv_pool=request.kv_pool if request.HasField("kv_pool") else None,
             worker_id=request.worker_id,
             batch_invariant=request.batch_invariant,
+            has_draft_model=request.has_draft_model,
         )
         try:
             max_model_len = await self.engine.register_worker(info)

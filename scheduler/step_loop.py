@@ -181,6 +181,7 @@ def build_step_request(
             new_block_ids=s.new_block_ids,
             draft_token_ids=s.draft_token_ids,
             append_last_sampled=s.append_last_sampled,
+            num_draft_model_tokens=s.num_draft_model_tokens,
         )
         req.scheduled.append(scheduled)
     return req
@@ -278,7 +279,8 @@ class StepLoop:
         decode_only = step.out.is_decode_only  # (before the step's tokens are applied)
         self._apply(sched, step.out, response)
         if decode_only and not step.out.advanced:  # a decode step's cost: speculation's pace
-            sched.pace.observe_step(step.out.num_batched_tokens, t2 - step.t1)
+            passes = max(s.num_draft_model_tokens for s in step.out.scheduled)
+            sched.pace.observe_step(step.out.num_batched_tokens, t2 - step.t1, passes)
         self._record(step, response, t2)
         if self.after_step is not None:
             await self.after_step()

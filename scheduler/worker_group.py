@@ -73,6 +73,7 @@ class WorkerInfo:
     kv_pool: scheduler_pb2.KvPoolHandle | None = None
     worker_id: str = ""  # random per worker process; "" from a worker that sends none
     batch_invariant: bool = False  # its forward's rows do not depend on the rest of the step
+    has_draft_model: bool = False  # it loaded a --speculative-config draft_model's draft
 
     def same_process(self, other: WorkerInfo) -> bool:
         """Whether `other` is a registration of the very process this one came from (it
@@ -179,6 +180,18 @@ class WorkerGroup:
                 group=self.name,
                 reason="the worker's forward is not batch invariant (README, Reproducibility): "
                 "verified tokens would differ from plain decoding",
+            )
+            speculative = None
+        if (
+            speculative is not None
+            and speculative.method == "draft_model"
+            and not all(r.has_draft_model for r in self.ranks.values())
+        ):
+            log.warning(
+                "speculative_decoding_off",
+                group=self.name,
+                reason="a worker has no draft model: give the workers the same "
+                "--speculative-config (serve does)",
             )
             speculative = None
         self.scheduler = Scheduler(

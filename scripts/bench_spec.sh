@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Speculative decoding (n-gram) against plain decoding, one server after the other on this
+# Speculative decoding (n-gram, or SPEC's config) against plain decoding, one server after the other on this
 # machine: `sluiceway bench compare --speculative-config` at concurrency 1, 4 and 32 on two
 # workloads, ShareGPT (first turns, outputs capped at 128 tokens) and `repeat` ("Repeat this
 # paragraph 3 times" over ShareGPT replies: text the model copies), greedy, ignore_eos.
 #
 #   bash scripts/bench_spec.sh                       # the README table's run
 #   CONCURRENCY="1" WORKLOADS="repeat" bash scripts/bench_spec.sh   # a smoke run
+#   SPEC='{"method":"draft_model","model":"PATH.gguf","num_speculative_tokens":3,
+#     "quantization":"gguf_a8"}' SERVE_ARGS="--quantization none" bash scripts/bench_spec.sh
 #
 # Each (workload, concurrency) pair is one `bench compare` (two servers: "continuous" and
 # "continuous + spec") with 8 x concurrency prompts (at least 8), its JSON saved under
@@ -18,6 +20,7 @@ OUT=${OUT:-docs/bench/speculative}
 SPEC=${SPEC:-'{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'}
 CONCURRENCY=${CONCURRENCY:-"1 4 32"}
 WORKLOADS=${WORKLOADS:-"sharegpt repeat"}
+SERVE_ARGS=${SERVE_ARGS:-}  # more `serve` flags for both servers (e.g. the target's mode)
 mkdir -p "$OUT"
 lscpu | grep -E "Model name" || true
 for workload in $WORKLOADS; do
@@ -27,7 +30,7 @@ for workload in $WORKLOADS; do
     echo "== $workload, concurrency $c, $n prompts"
     $PY -m sluiceway.cli bench compare --policies continuous --speculative-config "$SPEC" \
       --dataset-name "$workload" --num-prompts "$n" --max-concurrency "$c" \
-      --sharegpt-output-len 128 --ignore-eos --seed 1 \
+      --sharegpt-output-len 128 --ignore-eos --seed 1 ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} \
       --save-result "$out" | tail -12
     $PY - "$out" <<'EOF'
 import json, sys

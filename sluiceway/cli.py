@@ -214,6 +214,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     from sluiceway.model_files import resolve_model, served_model_name
     from sluiceway.preflight import check_device
+    from sluiceway.speculative import SpeculativeConfig
     from sluiceway.worker.compute_thread import run_on_compute_thread
     from sluiceway.worker.kv_pool import SharedKvPool, allocate_shared_kv_pool
     from sluiceway.worker.model_runner import ModelRunner
@@ -274,6 +275,9 @@ def _run_worker(args: argparse.Namespace) -> int:
                 tensor_parallel_size=tp,
                 enforce_eager=config.enforce_eager,
                 kv_cache_dtype=config.kv_cache_dtype,
+                speculative=SpeculativeConfig.parse(config.speculative_config)
+                if config.speculative_config
+                else None,
             ),
             num_threads=config.num_threads or os.cpu_count() or 1,
         )

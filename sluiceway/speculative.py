@@ -15,6 +15,12 @@ llama.cpp's ``--lookup``): the longest suffix of the sequence's tokens, between
 ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens long, that occurred earlier in the
 sequence (prompt and output), and the tokens that followed its most recent earlier
 occurrence. No model runs.
+
+The draft model (vLLM's ``draft_model`` method; Leviathan et al.) is a second, cheaper model
+with the target's vocabulary, run by the worker (:mod:`worker.draft`): it proposes its greedy
+tokens one forward per token, its K/V in a pool of its own indexed by the target's block
+table. Its proposals go through the same verification, so the output is the plain run's,
+whatever the draft proposes.
 """
 
 from __future__ import annotations
@@ -32,13 +38,14 @@ __all__ = [
     "speculative_config_arg",
 ]
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM's defaults: both bounds 5 when neither is given, else the one given for both
 _DEFAULT_LOOKUP = 5
 _KEYS = frozenset(
     {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-     "disable_by_batch_size", "model"}
+     "disable_by_batch_size", "model", "quantization"}
 )  # fmt: skip
+_NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 MAX_SPECULATIVE_TOKENS = 15  # at most a block of positions beyond the last token
 
 
@@ -46,18 +53,23 @@ MAX_SPECULATIVE_TOKENS = 15  # at most a block of positions beyond the last toke
 class SpeculativeConfig:
     """A resolved `--speculative-config`.
 
-    method: ``"ngram"`` (prompt lookup). num_speculative_tokens: K, proposals per step and
-    sequence, 1..15. prompt_lookup_min / prompt_lookup_max: the n-gram sizes tried, longest
-    first (1 <= min <= max). disable_by_batch_size: no proposal in a step whose running
-    sequences exceed this many (0: never off; vLLM counts enqueued requests): at large
-    batches the step is bound by compute and the extra positions cost more than they save.
+    method: ``"ngram"`` (prompt lookup) or ``"draft_model"``. num_speculative_tokens: K,
+    proposals per step and sequence, 1..15. prompt_lookup_min / prompt_lookup_max: the
+    n-gram sizes tried, longest first (1 <= min <= max; ngram only). disable_by_batch_size:
+    no proposal in a step whose running sequences exceed this many (0: never off; vLLM
+    counts enqueued requests): at large batches the step is bound by compute and the extra
+    positions cost more than they save. model: the draft's model (a folder or .gguf file,
+    as ``--model`` takes; draft_model only). quantization: the draft's ``--quantization``
+    (``auto`` unless given; draft_model only).
     """
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 0
+    prompt_lookup_max: int = 0
     disable_by_batch_size: int = 0
+    model: str = ""
+    quantization: str = "auto"
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -80,30 +92,50 @@ class SpeculativeConfig:
                              f"(known: {', '.join(sorted(_KEYS))})")  # fmt: skip
         method, model = raw.get("method"), raw.get("model")
         if method is None and model in ("ngram", "[ngram]"):
-            method = "ngram"  # vLLM's older spelling of the method
-        elif model is not None:
-            raise ValueError(f"speculative_config.model: a draft model is not built yet (got "
-                             f'{model!r}; supported: "method": "ngram")')  # fmt: skip
-        if method == "draft_model":
-            raise ValueError("speculative_config.method: draft_model is not built yet "
-                             "(supported: ngram)")  # fmt: skip
+            method, model = "ngram", None  # vLLM's older spelling of the method
         if method not in METHODS:
             raise ValueError(f"speculative_config.method: one of {', '.join(METHODS)}, "
                              f"got {method!r}")  # fmt: skip
         k = _int(raw, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+        off = _int(raw, "disable_by_batch_size", 0, 0, None)
+        assert k is not None and off is not None
+        if method == "draft_model":
+            return cls._draft_model(raw, k, off)
+        for key in ("model", "quantization"):
+            if raw.get(key) is not None and not (key == "model" and model is None):
+                raise ValueError(f"speculative_config.{key}: only with \"method\": "
+                                 f'"draft_model" (got {raw[key]!r})')  # fmt: skip
         lo = _int(raw, "prompt_lookup_min", None, 1, None)
         hi = _int(raw, "prompt_lookup_max", None, 1, None)
         if lo is None and hi is None:
             lo = hi = _DEFAULT_LOOKUP
         lo = hi if lo is None else lo
         hi = lo if hi is None else hi
-        assert lo is not None and hi is not None and k is not None
+        assert lo is not None and hi is not None
         if lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= "
                              f"prompt_lookup_max ({hi})")  # fmt: skip
-        off = _int(raw, "disable_by_batch_size", 0, 0, None)
-        assert off is not None
         return cls(method, k, lo, hi, off)
+
+    @classmethod
+    def _draft_model(cls, raw: dict[str, object], k: int, off: int) -> SpeculativeConfig:
+        """The draft_model config of `raw` (`parse` checked its method, K and off)."""
+        from sluiceway.worker.config import QUANTIZATION_CHOICES
+
+        for key in _NGRAM_KEYS:
+            if raw.get(key) is not None:
+                raise ValueError(f'speculative_config.{key}: only with "method": "ngram"')
+        model = raw.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError("speculative_config.model: the draft model's path is required "
+                             f'with "method": "draft_model" (got {model!r})')  # fmt: skip
+        quantization = raw.get("quantization")
+        quantization = "auto" if quantization is None else quantization
+        if quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"speculative_config.quantization: one of "
+                             f"{', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")  # fmt: skip
+        return cls("draft_model", k, disable_by_batch_size=off, model=model,
+                   quantization=str(quantization))  # fmt: skip
 
     def allows(self, batch: int) -> bool:
         """Whether a step of `batch` running sequences may propose (`disable_by_batch_size`)."""
@@ -111,16 +143,17 @@ class SpeculativeConfig:
 
     def to_json(self) -> str:
         """The canonical JSON of this config (what `parse` reads back)."""
-        return json.dumps(
-            {
-                "method": self.method,
-                "num_speculative_tokens": self.num_speculative_tokens,
-                "prompt_lookup_max": self.prompt_lookup_max,
-                "prompt_lookup_min": self.prompt_lookup_min,
-                "disable_by_batch_size": self.disable_by_batch_size,
-            },
-            separators=(",", ":"),
-        )
+        fields: dict[str, object] = {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "disable_by_batch_size": self.disable_by_batch_size,
+        }
+        if self.method == "draft_model":
+            fields |= {"model": self.model, "quantization": self.quantization}
+        else:
+            fields |= {"prompt_lookup_max": self.prompt_lookup_max,
+                       "prompt_lookup_min": self.prompt_lookup_min}  # fmt: skip
+        return json.dumps(fields, separators=(",", ":"))
 
 
 def _int(raw: dict[str, object], key: str, default: int | None, lo: int, hi: int | None
@@ -219,12 +252,15 @@ class AdaptiveLength:
     tokens in ``a + b B``, and a proposed token accepted with probability ``p`` adds ``p``
     tokens for ``b``: it pays when ``p / b > B / (a + b B)``, i.e. ``p > b B / (a + b B)``
     (nearly any ``p`` at batch 1 on a CPU, where ``a`` dominates; close to 1 at large
-    batches, where rows dominate), with a proposed row counted as `ROW_COST_FACTOR` rows. ``a`` and ``b`` are fitted to the decode steps the
-    scheduler times (least squares, recent steps weighted more: `observe_step`; prompt
-    chunks' rows cost otherwise); ``p`` per position of
-    the proposal from recent outcomes. `step_limit` is the longest proposal whose last token
-    still pays (with a one-token probe every `PROBE_EVERY` steps so that the estimates follow
-    a workload that turns repetitive).
+    batches, where rows dominate), with a proposed row counted as `ROW_COST_FACTOR` rows.
+    A draft model adds ``c`` a step per proposed position (its forward over the sequences
+    proposing it: ``T = a + b * rows + c * passes``), so a position proposed for all ``B``
+    needs ``p > (c + f b B) / (a + b B)`` (``f`` = `ROW_COST_FACTOR`; ``c`` = 0 for n-gram).
+    ``a``, ``b`` and ``c`` are fitted to the decode steps the scheduler times (least
+    squares, recent steps weighted more: `observe_step`; prompt chunks' rows cost
+    otherwise); ``p`` per position of the proposal from recent outcomes. `step_limit` is the
+    longest proposal whose last token still pays (with a one-token probe every
+    `PROBE_EVERY` steps so that the estimates follow a workload that turns repetitive).
 
     Per sequence on top: the next proposal has at most one token more than the last one
     accepted (K shrinks to what the text gives), and after a proposal of which nothing was
@@ -233,6 +269,7 @@ class AdaptiveLength:
 
     MAX_WAIT = 32
     PROBE_EVERY = 32
+    PLAIN_EVERY = 32
     DECAY = 0.98  # weight of older steps and outcomes, per new one
     # A proposed token's row costs more than the fitted decode row: its chunk of several
     # queries takes the prefill attention path, and it adds a logits and a sampling row.
@@ -240,36 +277,63 @@ class AdaptiveLength:
     # fitted cost alone speculation ran 0.95-0.97x plain with TPOT P50 15-21% longer.
     ROW_COST_FACTOR = 2.0
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, *, probe_plain: bool = False) -> None:
+        """`k`: the config's num_speculative_tokens; `probe_plain` (a draft model): every
+        `PLAIN_EVERY`-th step proposes nothing, so that the fit sees steps without draft
+        passes (with a pass count that never varies, their cost would hide in ``a``), and
+        no one-token probe while off (the draft would first compute every token since its
+        last proposal: a prefill for nothing; its acceptance is the two models', not the
+        text's, and the limit opens again when the batch shrinks)."""
         self.k = k
+        self.probe_plain = probe_plain
         self._pace: dict[int, _Pace] = {}
         # per position of a proposal: decayed counts of proposals that reached it and of
         # those whose token there was accepted (a prior of one accepted each: start on)
         self._reached = [1.0] * k
         self._accepted = [1.0] * k
-        # decayed sums for the fit of step seconds on rows: weight, x, y, xx, xy
-        self._fit = [0.0] * 5
-        self._cost: tuple[float, float] | None = None  # the last (a, b) the fit could tell
+        # decayed sums of the fit of step seconds y on rows x and draft passes z: weight,
+        # x, z, y, xx, xz, zz, xy, zy
+        self._fit = [0.0] * 9
+        self._cost: tuple[float, float, float] | None = None  # the last (a, b, c) told
         self._steps = 0
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A finished step of `rows` batched tokens that took `seconds` (scheduler's view)."""
-        w, x, y, xx, xy = (v * self.DECAY for v in self._fit)
-        self._fit = [w + 1, x + rows, y + seconds, xx + rows * rows, xy + rows * seconds]
+    def observe_step(self, rows: int, seconds: float, passes: int = 0) -> None:
+        """A finished step of `rows` batched tokens and `passes` draft-model forwards that
+        took `seconds` (scheduler's view)."""
+        x, z, y = rows, passes, seconds
+        new = (1, x, z, y, x * x, x * z, z * z, x * y, z * y)
+        self._fit = [v * self.DECAY + n for v, n in zip(self._fit, new, strict=True)]
 
     def break_even(self, batch: int) -> float:
         """The acceptance probability a proposed token needs to pay at `batch` decodes (0
         until the fit has seen steps of different sizes; while recent steps are all of one
         size, the last cost it could tell)."""
-        w, x, y, xx, xy = self._fit
-        var = xx / w - (x / w) ** 2 if w else 0.0
-        if w >= 4 and var >= 1.0:
-            b = max(0.0, (xy / w - (x / w) * (y / w)) / var)
-            self._cost = (max(1e-9, y / w - b * x / w), b)
+        cost = self._fitted()
+        if cost is not None:
+            self._cost = cost
         if self._cost is None:
             return 0.0
-        a, b = self._cost
-        return self.ROW_COST_FACTOR * b * batch / (a + b * batch)
+        a, b, c = self._cost
+        return (c + self.ROW_COST_FACTOR * b * batch) / (a + b * batch)
+
+    def _fitted(self) -> tuple[float, float, float] | None:
+        """(a, b, c) by least squares over the decayed sums, or None while the steps do not
+        tell them apart (too few, or rows of one size; passes of one size: c = 0)."""
+        w, x, z, y, xx, xz, zz, xy, zy = self._fit
+        if w < 4:
+            return None
+        mx, mz, my = x / w, z / w, y / w  # centred (co)variances
+        vxx, vzz, vxz = xx / w - mx * mx, zz / w - mz * mz, xz / w - mx * mz
+        cxy, czy = xy / w - mx * my, zy / w - mz * my
+        if vxx < 1.0:
+            return None
+        det = vxx * vzz - vxz * vxz
+        if vzz < 0.05 or det <= 0.05 * vxx * vzz:  # no passes, or passes follow rows
+            b, c = cxy / vxx, 0.0
+        else:
+            b, c = (cxy * vzz - czy * vxz) / det, (czy * vxx - cxy * vxz) / det
+        b, c = max(0.0, b), max(0.0, c)
+        return max(1e-9, my - b * mx - c * mz), b, c
 
     def step_limit(self, batch: int) -> int:
         """The longest proposal worth making in this step of `batch` decodes."""
@@ -278,8 +342,10 @@ class AdaptiveLength:
         limit = 0
         while limit < self.k and self._accepted[limit] / self._reached[limit] > need:
             limit += 1
-        if limit == 0 and self._steps % self.PROBE_EVERY == 0:
-            return 1
+        if limit == 0 and not self.probe_plain and self._steps % self.PROBE_EVERY == 0:
+            return 1  # (not a draft model's: after steps off it computes every token since)
+        if limit and self.probe_plain and self._steps % self.PLAIN_EVERY == 0:
+            return 0  # a step without the draft's passes: what they cost stays known
         return limit
 
     def allowed(self, seq_id: int) -> int:

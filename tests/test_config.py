@@ -85,7 +85,8 @@ ROUND_TRIP: list[ProcessConfig] = [
         tensor_parallel_size=2, model="/models/x", served_model_name="x", device="cpu",
         dtype="bfloat16", block_size=32, kv_cache_memory=3 << 20, gpu_memory_utilization=0.125,
         num_threads=1, attention_backend="cpu", kv_cache_dtype="int8", quantization="gguf",
-        enforce_eager=True, max_model_len=2,
+        enforce_eager=True, max_model_len=2, speculative_config='{"method": "draft_model", '
+        '"model": "/models/d.gguf", "num_speculative_tokens": 2, "quantization": "gguf_a8"}',
         metrics_port=9999, metrics_host="0.0.0.0", log_format="console", log_level="CRITICAL",
     ),
     serve_config(host="0.0.0.0", port=0, metrics_port=-1, http_port=9000, num_replicas=2,

@@ -14,6 +14,7 @@ from sluiceway.options import (
     METRICS_HOST,
     MODEL,
     SERVED_MODEL_NAME,
+    SPECULATIVE_CONFIG,
     TENSOR_PARALLEL_SIZE,
     ProcessConfig,
     metrics_port,
@@ -110,6 +111,7 @@ class WorkerConfig(ProcessConfig):
         "(cpu) on CPU, the torch reference (torch) where those cannot be built",
         choices=("auto", "torch", "cpu", "triton"),
     )
+    speculative_config: str = SPECULATIVE_CONFIG.field()  # (a draft_model's draft loads here)
     enforce_eager: bool = option(
         False, "never capture CUDA graphs for decode steps (vLLM's flag; CUDA only)"
     )

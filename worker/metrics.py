@@ -29,12 +29,14 @@ FORWARD_SECONDS = Histogram(
 
 def is_decode(chunk: ScheduledChunk) -> bool:
     """Whether `chunk` is a decode: it computes one token, the generated one sampled last
-    (with speculative decoding, that token and the proposed ones after it). Any other chunk
+    (with speculative decoding, that token and the proposed ones after it; a draft model's
+    counted before they are proposed). Any other chunk
     prefills: prompt tokens, whatever their number (a 1-token prompt's only chunk too), or
     the generated tokens of a preempted sequence, recomputed."""
     start = chunk.num_computed_tokens
+    proposed = chunk.num_draft_tokens or chunk.num_model_drafts  # (the draft's: not yet in)
     return (
-        chunk.num_new_tokens == 1 + chunk.num_draft_tokens
+        chunk.num_new_tokens == 1 + proposed
         and start >= chunk.seq.num_prompt_tokens
         and start + 1 + chunk.num_draft_tokens == len(chunk.seq.token_ids)
     )

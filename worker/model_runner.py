@@ -15,7 +15,7 @@ import logging
 import pathlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +24,8 @@ from sluiceway.kernels.backend import get_attention_backend
 from sluiceway.kernels.kv_quant import check_kv_cache_backend, kv_cache_torch_dtype
 from sluiceway.model_files import resolve_max_model_len, served_model_name
 from sluiceway.sampling_params import SamplingParams
+from sluiceway.speculative import SpeculativeConfig
+from sluiceway.worker.draft import DraftModel
 from sluiceway.worker.kv_sizing import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     KvPoolFactory,
@@ -48,7 +50,7 @@ from sluiceway.worker.prompt_logprobs import (
     plan_prompt_logprobs,
 )
 from sluiceway.worker.quantized import plan_quantization
-from sluiceway.worker.sampler import SamplerBuffers, SampleResult, sample
+from sluiceway.worker.sampler import SamplerBuffers, sample
 from sluiceway.worker.step_inputs import (
     ScheduledChunk,
     SequenceData,
@@ -56,12 +58,7 @@ from sluiceway.worker.step_inputs import (
     prepare_step_inputs,
 )
 from sluiceway.worker.structured_output import allow_all_bitmask, apply_token_bitmask
-from sluiceway.worker.verify import (
-    SamplingRows,
-    accepted_count,
-    restore_generators,
-    sampling_rows,
-)
+from sluiceway.worker.verify import SampledToken, SamplingRows, sampled_tokens, sampling_rows
 
 if TYPE_CHECKING:
     from sluiceway.worker.cuda_graphs import DecodeCudaGraphs
@@ -74,18 +71,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class SampledToken:
-    """A token sampled for a sequence, with its logprob (log-softmax of the penalized logits)
-    and, when the sequence asked, the ``logprobs`` most likely ids and their logprobs."""
-
-    seq_id: int
-    token_id: int
-    logprob: float
-    top_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -128,6 +113,9 @@ class ModelRunner:
             same memory); with the Triton backend only its batch-invariant unified kernel
             reads int8 (refused with ``SLUICEWAY_BATCH_INVARIANT=0``); or ``fp8_e4m3`` (the same
             layout in float8 e4m3; torch and cpu backends only).
+        speculative: a ``draft_model`` config loads its draft (:class:`worker.draft.DraftModel`,
+            ``draft``: its KV pool has this pool's block count, the budget split by their
+            bytes per block); any other config or None: no draft.
         enforce_eager: never run decode steps through CUDA graphs (vLLM's flag). Graphs are
             captured on CUDA with the Triton backend and one rank
             (:mod:`worker.cuda_graphs`); everywhere else steps run eagerly anyway.
@@ -176,6 +164,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         model: LlamaForCausalLM | None = None,
         kv_cache_dtype: str = "auto",
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         model_dir = pathlib.Path(model_dir)
         self.model_dir = model_dir
@@ -214,8 +203,10 @@ class ModelRunner:
         self.quantization = plan.apply(self.model)
         # before the CUDA profiling forward and the graph capture, which run the model
         select_linear_kernels(self.model, self.attention_backend, self._dtype)
+        self.draft = self._load_draft(speculative)  # (its weights before CUDA's profile)
         hkv = self.model.num_kv_heads  # the rank's
         self.bytes_per_block = kv_bytes_per_block(self.config, hkv, block_size, self.kv_dtype)
+        draft_bytes = self.draft.bytes_per_block if self.draft is not None else 0
         if kv_cache_memory is None:
             if self._device.type == "cuda":
                 kv_cache_memory = profile_cuda_kv_budget(
@@ -230,7 +221,11 @@ class ModelRunner:
                 )
             else:
                 kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
-        self._num_blocks = count_kv_blocks(kv_cache_memory, self.bytes_per_block, self.tp)
+        self._num_blocks = count_kv_blocks(
+            kv_cache_memory, self.bytes_per_block + draft_bytes, self.tp
+        )
+        if self.draft is not None:
+            self.draft.allocate_pool(self._num_blocks)
         self.kv_pool = allocate_kv_pool(
             kv_pool_factory,
             self.config,
@@ -243,6 +238,17 @@ class ModelRunner:
         self._kv_caches = list(self.kv_pool.unbind(0))
         self.cuda_graphs = None if enforce_eager else self._capture_cuda_graphs()
         self._log_start()
+
+    def _load_draft(self, speculative: SpeculativeConfig | None) -> DraftModel | None:
+        """The draft model of a ``draft_model`` config, on this runner's device, dtype,
+        backend and KV dtype; None for any other config."""
+        if speculative is None or speculative.method != "draft_model":
+            return None
+        return DraftModel(
+            speculative, vocab_size=self.config.vocab_size, max_model_len=self._max_model_len,
+            device=self._device, dtype=self._dtype, kv_dtype=self.kv_dtype,
+            backend=self.attention_backend, block_size=self._block_size, tp=self.tp,
+        )  # fmt: skip
 
     def _capture_cuda_graphs(self) -> DecodeCudaGraphs | None:
         """The decode forward's CUDA graphs, on CUDA with the Triton backend and one rank;
@@ -435,6 +441,11 @@ class ModelRunner:
         """
         timings = self.last_timings = StepTimings()
         self.last_prompt_logprobs = []
+        if self.draft is not None:  # its proposals join the records (worker.draft)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                self.draft.propose(chunks)
+            timings.forward_s += time.perf_counter() - t0
         if self.batch_invariant:
             return self._execute_batch(chunks, timings)
         isolated: list[ScheduledChunk] = []
@@ -506,7 +517,7 @@ class ModelRunner:
                 cpu_kernels=fused,
                 buffers=self._sampler_buffers,
             )
-            out = _sampled_tokens(chunks, sampling, rows, result)
+            out = sampled_tokens(chunks, sampling, rows, result)
             timings.sample_s += time.perf_counter() - t2
         return out
 
@@ -559,38 +570,3 @@ class ModelRunner:
             head_dim=self.config.head_dim,
             device=self._device,
         )
-
-
-def _sampled_tokens(
-    chunks: Sequence[ScheduledChunk],
-    sampling: Sequence[int],
-    rows: SamplingRows,
-    result: SampleResult,
-) -> list[SampledToken]:
-    """The step's answer from the sampled rows: a token per sampling chunk, or for a chunk
-    with proposals the tokens it emits (:func:`worker.verify.accepted_count`; its seeded
-    generator put back to one draw per emitted token), each with its logprobs."""
-    tokens, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
-    top_ids = top_lps = None
-    if result.top_ids is not None and result.top_logprobs is not None:
-        top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
-    out: list[SampledToken] = []
-    emitted: dict[int, int] = {}
-    row = 0
-    for i in sampling:
-        seq, d = chunks[i].seq, chunks[i].num_draft_tokens
-        n = accepted_count(seq.token_ids[-d:], tokens[row : row + d + 1]) if d else 1
-        emitted[i] = n
-        for r in range(row, row + n):
-            token = SampledToken(seq.seq_id, tokens[r], logprobs[r])
-            k = seq.sampling.logprobs
-            if k and top_ids is not None and top_lps is not None:
-                # tokens the grammar or min_tokens masked (-inf) are no alternative
-                pairs = zip(top_ids[r][:k], top_lps[r][:k], strict=True)
-                kept = [(t, lp) for t, lp in pairs if lp != float("-inf")]
-                token.top_ids = [t for t, _ in kept]
-                token.top_logprobs = [lp for _, lp in kept]
-            out.append(token)
-        row += d + 1
-    restore_generators(rows.draws, emitted)
-    return out

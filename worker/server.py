@@ -42,6 +42,7 @@ from sluiceway.worker.metrics import FORWARD_SECONDS, step_phase
 from sluiceway.worker.model_runner import ModelRunner, SampledToken, ScheduledChunk, SequenceData
 from sluiceway.worker.prompt_logprobs import PromptLogprobs
 from sluiceway.worker.structured_output import ConstraintError, GrammarCompiler
+from sluiceway.worker.verify import scheduled_chunk
 
 log = structlog.get_logger("worker")
 
@@ -144,7 +145,7 @@ class StepExecutor:
                 if s.append_last_sampled:
                     seq.append(self._last_sampled(seq, request.step_id))
                 seq.block_table.extend(s.new_block_ids)
-                chunks.append(self._chunk(seq, s))
+                chunks.append(scheduled_chunk(seq, s, self.runner))
             phase = step_phase(chunks)  # (while the records hold the proposals)
             sampled = self.runner.execute(chunks)
         except BaseException:
@@ -202,39 +203,6 @@ class StepExecutor:
             )
         seq.last_sampled = None
         return tokens
-
-    def _chunk(self, seq: SequenceData, s: worker_pb2.ScheduledSequence) -> ScheduledChunk:
-        """The runner's chunk of `s` for record `seq`; proposed tokens are appended to the
-        record for the step (the caller takes them off after it).
-
-        Raises ValueError: positions past the record's tokens, or proposed tokens on a chunk
-        that does not decode the last token or where the forward is not batch invariant
-        (their verification would not be exact).
-        """
-        drafts = list(s.draft_token_ids)
-        if drafts:
-            if s.num_new_tokens != 1 + len(drafts) or s.num_computed_tokens + 1 != len(
-                seq.token_ids
-            ):
-                raise ValueError(
-                    f"sequence {s.seq_id}: {len(drafts)} proposed tokens on a chunk of "
-                    f"{s.num_new_tokens} at {s.num_computed_tokens} of {len(seq.token_ids)} "
-                    "tokens (they follow the last token, one chunk of 1 + their number)"
-                )
-            if not self.runner.batch_invariant:
-                raise ValueError(
-                    f"sequence {s.seq_id}: proposed tokens on a forward that is not batch "
-                    "invariant (their verification would not be exact)"
-                )
-            if max(drafts) >= self.runner.vocab_size:
-                raise ValueError(f"sequence {s.seq_id}: a proposed token outside the vocabulary")
-            seq.token_ids.extend(drafts)
-        elif s.num_computed_tokens + s.num_new_tokens > len(seq.token_ids):
-            raise ValueError(
-                f"sequence {s.seq_id}: positions up to "
-                f"{s.num_computed_tokens + s.num_new_tokens} but {len(seq.token_ids)} tokens"
-            )
-        return ScheduledChunk(seq, s.num_computed_tokens, s.num_new_tokens, len(drafts))
 
     def copy_blocks(self, request: worker_pb2.CopyBlocksRequest) -> worker_pb2.CopyBlocksResponse:
         """Copies blocks of the peer pool `request.source` into this worker's pool.
@@ -387,6 +355,7 @@ async def register(
         kv_pool=kv_pool.handle if kv_pool is not None else None,
         worker_id=worker_id,
         batch_invariant=runner.batch_invariant,
+        has_draft_model=runner.draft is not None,
     )
     options = [
         *channel_options(),

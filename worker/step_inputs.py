@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sluiceway.kernels.backend import AttentionBackend
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.worker.structured_output import ConstraintMatcher
+
+if TYPE_CHECKING:
+    from sluiceway.worker.draft import DraftState
 
 __all__ = [
     "ScheduledChunk",
@@ -42,6 +45,7 @@ class SequenceData:
     # the tokens this worker's last step emitted for it, until the scheduler confirms them
     # (async scheduling: `ScheduledSequence.append_last_sampled`)
     last_sampled: list[int] | None = None
+    draft: DraftState | None = None  # the draft model's K/V of it (worker.draft)
 
     def append(self, token_ids: Sequence[int]) -> None:
         """Appends tokens generated since the last step (and moves the constraint on)."""
@@ -64,6 +68,9 @@ class ScheduledChunk:
     # speculative decoding: the last num_draft_tokens of seq.token_ids (for this step) are
     # proposed tokens, each position sampled and verified (worker.verify)
     num_draft_tokens: int = 0
+    # draft-model speculation: tokens the worker's draft proposes before the step (it
+    # appends them to the record and counts them in num_draft_tokens: worker.draft)
+    num_model_drafts: int = 0
 
 
 @dataclass(slots=True)

@@ -1,7 +1,9 @@
 """Speculative decoding end to end (`serve --speculative-config`, bfloat16: the batch-invariant
 worker): with disaggregated prefill (the proposals on the decode worker) and with tensor
 parallelism (three gloo ranks verify together) the tokens are those of the same stack without
-speculation, every block comes back, and the acceptance counters move."""
+speculation, every block comes back, and the acceptance counters move; so with a draft model
+(the embedded GGUF in gguf_a8 drafting, `serve` handing the flag to the workers) on the
+decode worker of a disaggregated stack (the draft's K/V recomputed after the hand-off)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import json
 import pytest
 
 from sluiceway.client import Client
+from sluiceway.kernels import cpu_ops
+from sluiceway.model_files import embedded_model_path
 from sluiceway.v1 import inference_pb2
 from tests.integration.conftest import (
     generate_concurrently,
@@ -25,6 +29,8 @@ pytestmark = pytest.mark.slow
 BF16 = ("--dtype", "bfloat16")
 SPEC = ("--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4,
                                             "prompt_lookup_max": 4, "prompt_lookup_min": 2}))  # fmt: skip
+DRAFT = ("--speculative-config", json.dumps({"method": "draft_model", "num_speculative_tokens": 3,
+          "model": str(embedded_model_path()), "quantization": "gguf_a8"}))  # fmt: skip
 PARAGRAPH = (
     "The river rises in the hills above the town, runs past the old mill and the stone "
     "bridge, and reaches the sea after a long bend through the marshes."
@@ -63,6 +69,11 @@ def test_disaggregated_and_tensor_parallel_speculation_give_the_plain_tokens(
         requests, *BF16, *SPEC, "--num-prefill-workers", "1", "--num-decode-workers", "1"
     )
     assert disaggregated == plain and accepted > 0
+    if cpu_ops.quant_gemm_a8_supported():  # (the draft's int8 activations need VNNI)
+        drafted, accepted = _run(
+            requests, *BF16, *DRAFT, "--num-prefill-workers", "1", "--num-decode-workers", "1"
+        )
+        assert drafted == plain and accepted > 0
 
     tp_plain, _ = _run(requests, *BF16, "--tensor-parallel-size", "3")
     tp_spec, accepted = _run(requests, *BF16, *SPEC, "--tensor-parallel-size", "3")

@@ -32,9 +32,13 @@ def test_the_config_takes_vllms_keys_and_refuses_the_rest() -> None:
         '{"method": "ngram"}': "num_speculative_tokens is required",
         '{"method": "ngram", "num_speculative_tokens": 0}': r"must be \[1, 15\], got 0",
         '{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}': "unknown key.*foo",
-        '{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}': "model: a draft",
-        '{"method": "draft_model", "num_speculative_tokens": 2}': "method: draft_model is not",
-        '{"method": "eagle", "num_speculative_tokens": 2}': "method: one of ngram",
+        '{"method": "draft_model", "num_speculative_tokens": 2}': "model: the draft model's path",
+        '{"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 2, '
+        '"prompt_lookup_max": 3}': 'prompt_lookup_max: only with "method": "ngram"',
+        '{"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 2, '
+        '"quantization": "q2"}': "quantization: one of auto, gguf, gguf_a8, none, got 'q2'",
+        '{"method": "ngram", "model": "d.gguf", "num_speculative_tokens": 2}': "model: only with",
+        '{"method": "eagle", "num_speculative_tokens": 2}': "method: one of ngram, draft_model",
         '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
         '"prompt_lookup_max": 3}': "prompt_lookup_min .4. must be <= prompt_lookup_max .3.",
         "[1]": "a JSON object",
@@ -45,6 +49,13 @@ def test_the_config_takes_vllms_keys_and_refuses_the_rest() -> None:
             SpeculativeConfig.parse(text)
     with pytest.raises(ValueError, match="speculative_config"):
         SchedulerConfig(speculative_config='{"method": "ngram"}')
+    draft = SpeculativeConfig.parse(
+        '{"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 3}'
+    )
+    assert (draft.model, draft.quantization, draft.num_speculative_tokens) == ("d.gguf", "auto", 3)
+    assert SpeculativeConfig.parse(draft.to_json()) == draft
+    with pytest.raises(ValueError, match="draft_model needs tensor_parallel_size 1"):
+        SchedulerConfig(speculative_config=draft.to_json(), tensor_parallel_size=2)
 
 
 def _reference(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
@@ -117,6 +128,26 @@ def test_a_proposal_gets_its_slots_and_the_accepted_tokens_advance_the_sequence(
     with pytest.raises(ValueError, match="do not follow the proposal"):
         out = sched.schedule()
         sched.apply_sampled(out, {1: [99, 98]})
+
+
+def test_a_draft_models_proposal_is_a_count_and_its_answer_advances_the_sequence() -> None:
+    cfg = SpeculativeConfig("draft_model", 3, model="d.gguf")
+    sched = Scheduler(SchedulerConfig(), BlockManager(32, 16), 1024, cfg)
+    assert sched.proposer is None
+    seq = _decoding(sched, 1, list(range(100, 115)), max_tokens=50)
+    out = sched.schedule()
+    (s,) = out.scheduled
+    assert (s.draft_token_ids, s.num_draft_model_tokens, s.num_drafts) == ([], 3, 3)
+    assert (s.num_computed_tokens, s.num_new_tokens, s.samples) == (15, 4, True)
+    assert out.is_decode_only and len(seq.block_table) == 2  # positions 15..18
+    updates = sched.apply_sampled(out, {1: [21, 22, 23]})  # two accepted, then 23 sampled
+    assert [u.token_id for u in updates] == [21, 22, 23]
+    assert seq.num_computed_tokens == 18 and seq.num_tokens == 19
+    counts = sched.spec_decode
+    assert (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) == (1, 3, 2)
+    with pytest.raises(ValueError, match="do not follow the proposal 3"):
+        out = sched.schedule()
+        sched.apply_sampled(out, {1: [1, 2, 3, 4, 5]})  # more than 3 proposals + 1
 
 
 def test_proposals_stop_at_max_tokens_and_a_stop_token_among_them_ends_the_sequence() -> None:
@@ -196,3 +227,25 @@ def test_steps_of_one_size_keep_the_cost_the_fit_last_told() -> None:
     for _ in range(500):  # 32 decodes and nothing else: no spread to fit a slope on
         pace.observe_step(32, 0.033)
     assert pace.break_even(32) == before > 1
+
+
+def test_a_draft_models_passes_are_fitted_and_a_plain_step_keeps_them_known() -> None:
+    """Steps of 9 ms + 0.75 ms a row + 6 ms a draft pass (rows and passes varying apart):
+    the fit finds the three costs, and a draft position pays at 1 decode only when accepted
+    more than (6 + 2 * 0.75) / 9.75 = 0.77 of the time; at 32 decodes never (1.64). Every
+    32nd step with a proposal worth making proposes nothing (a plain step to fit on), and
+    while proposing does not pay no one-token probe is made (the draft would catch up)."""
+    pace = AdaptiveLength(3, probe_plain=True)
+    rng = random.Random(1)
+    for _ in range(400):
+        batch, passes = rng.choice([1, 4, 32]), rng.choice([0, 1, 2, 3])
+        rows = batch + sum(rng.randint(0, passes) for _ in range(batch))
+        pace.observe_step(rows, 0.009 + 0.00075 * rows + 0.006 * passes, passes)
+    a, b, c = pace._fitted() or (0.0, 0.0, 0.0)
+    assert (round(a, 4), round(b, 5), round(c, 4)) == (0.009, 0.00075, 0.006)
+    assert [round(pace.break_even(n), 2) for n in (1, 32)] == [0.77, 1.64]
+    for _ in range(50):
+        pace.record(1, 3, 3)  # every position accepted
+    limits = [pace.step_limit(1) for _ in range(64)]
+    assert limits.count(0) == 2 and set(limits) == {0, 3}
+    assert sum(pace.step_limit(32) for _ in range(64)) == 0

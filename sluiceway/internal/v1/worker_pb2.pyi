@@ -47,13 +47,14 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
-    __slots__ = ("seq_id", "appended_token_ids", "num_computed_tokens", "num_new_tokens", "new_block_ids", "draft_token_ids", "append_last_sampled")
+    __slots__ = ("seq_id", "appended_token_ids", "num_computed_tokens", "num_new_tokens", "new_block_ids", "draft_token_ids", "num_draft_model_tokens", "append_last_sampled")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     APPENDED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_MODEL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     APPEND_LAST_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     appended_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -61,8 +62,9 @@ class ScheduledSequence(_message.Message):
     num_new_tokens: int
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_model_tokens: int
     append_last_sampled: bool
-    def __init__(self, seq_id: _Optional[int] = ..., appended_token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., append_last_sampled: _Optional[bool] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., appended_token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., num_draft_model_tokens: _Optional[int] = ..., append_last_sampled: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "new_sequences", "scheduled", "finished_seq_ids", "previous_step_id")
