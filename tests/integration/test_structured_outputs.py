@@ -34,7 +34,7 @@ PERSON = {
 }
 PHONE = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
 SENTIMENTS = ["positive", "negative", "neutral"]
-SEEDS = 16  # n = 16 samples, seeds 1..16
+SEEDS = 8  # n = 8 samples, seeds 1..8
 MODEL = "SmolLM2-135M-Instruct"
 STOP = inference_pb2.FINISH_REASON_STOP
 
