@@ -280,10 +280,7 @@ class AdaptiveLength:
     def __init__(self, k: int, *, probe_plain: bool = False) -> None:
         """`k`: the config's num_speculative_tokens; `probe_plain` (a draft model): every
         `PLAIN_EVERY`-th step proposes nothing, so that the fit sees steps without draft
-        passes (with a pass count that never varies, their cost would hide in ``a``), and
-        no one-token probe while off (the draft would first compute every token since its
-        last proposal: a prefill for nothing; its acceptance is the two models', not the
-        text's, and the limit opens again when the batch shrinks)."""
+        passes (with a pass count that never varies, their cost would hide in ``a``)."""
         self.k = k
         self.probe_plain = probe_plain
         self._pace: dict[int, _Pace] = {}
@@ -295,6 +292,7 @@ class AdaptiveLength:
         # x, z, y, xx, xz, zz, xy, zy
         self._fit = [0.0] * 9
         self._cost: tuple[float, float, float] | None = None  # the last (a, b, c) told
+        self._cost_rows = 0.0  # the steps' mean rows then
         self._steps = 0
 
     def observe_step(self, rows: int, seconds: float, passes: int = 0) -> None:
@@ -307,10 +305,16 @@ class AdaptiveLength:
     def break_even(self, batch: int) -> float:
         """The acceptance probability a proposed token needs to pay at `batch` decodes (0
         until the fit has seen steps of different sizes; while recent steps are all of one
-        size, the last cost it could tell)."""
+        size, the last cost it could tell, unless its steps' mean rows were more than twice or
+        less than half `batch`: a cost fitted at other batches says little here, and
+        a draft model's passes, fitted apart from rows only at several decodes, would keep
+        a lone stream off for good)."""
         cost = self._fitted()
         if cost is not None:
-            self._cost = cost
+            w, x = self._fit[0], self._fit[1]
+            self._cost, self._cost_rows = cost, x / w
+        elif self._cost is not None and not 0.5 <= batch / max(1.0, self._cost_rows) <= 2.0:
+            return 0.0  # (a stale cost, told at other batches)
         if self._cost is None:
             return 0.0
         a, b, c = self._cost
@@ -342,8 +346,8 @@ class AdaptiveLength:
         limit = 0
         while limit < self.k and self._accepted[limit] / self._reached[limit] > need:
             limit += 1
-        if limit == 0 and not self.probe_plain and self._steps % self.PROBE_EVERY == 0:
-            return 1  # (not a draft model's: after steps off it computes every token since)
+        if limit == 0 and self._steps % self.PROBE_EVERY == 0:
+            return 1  # (a draft model's first computes the tokens since its last proposal)
         if limit and self.probe_plain and self._steps % self.PLAIN_EVERY == 0:
             return 0  # a step without the draft's passes: what they cost stays known
         return limit

@@ -82,7 +82,10 @@ class DraftModel:
     ) -> None:
         if tp.world_size > 1:
             raise ValueError("speculative_config: draft_model needs tensor_parallel_size 1")
-        model_dir = resolve_model(config.model)
+        try:
+            model_dir = resolve_model(config.model)
+        except ValueError as e:  # (a path that is missing or not a model)
+            raise ValueError(f"speculative_config.model: {e}") from None
         self.config: ModelConfig = load_config(model_dir)
         if self.config.vocab_size != vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary has "

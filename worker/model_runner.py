@@ -244,11 +244,14 @@ class ModelRunner:
         backend and KV dtype; None for any other config."""
         if speculative is None or speculative.method != "draft_model":
             return None
-        return DraftModel(
+        draft = DraftModel(
             speculative, vocab_size=self.config.vocab_size, max_model_len=self._max_model_len,
             device=self._device, dtype=self._dtype, kv_dtype=self.kv_dtype,
             backend=self.attention_backend, block_size=self._block_size, tp=self.tp,
         )  # fmt: skip
+        log.info("draft model %s (%s): %d KV bytes a block beside the model's",
+                 draft.model_dir, draft.quantization, draft.bytes_per_block)  # fmt: skip
+        return draft
 
     def _capture_cuda_graphs(self) -> DecodeCudaGraphs | None:
         """The decode forward's CUDA graphs, on CUDA with the Triton backend and one rank;

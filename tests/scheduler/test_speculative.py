@@ -233,8 +233,9 @@ def test_a_draft_models_passes_are_fitted_and_a_plain_step_keeps_them_known() ->
     """Steps of 9 ms + 0.75 ms a row + 6 ms a draft pass (rows and passes varying apart):
     the fit finds the three costs, and a draft position pays at 1 decode only when accepted
     more than (6 + 2 * 0.75) / 9.75 = 0.77 of the time; at 32 decodes never (1.64). Every
-    32nd step with a proposal worth making proposes nothing (a plain step to fit on), and
-    while proposing does not pay no one-token probe is made (the draft would catch up)."""
+    32nd step with a proposal worth making proposes nothing (a plain step to fit on). Once the
+    steps no longer tell the costs apart (a lone stream: rows and passes move together), a
+    cost told at other batches is not used (a lone stream would stay off for good)."""
     pace = AdaptiveLength(3, probe_plain=True)
     rng = random.Random(1)
     for _ in range(400):
@@ -248,4 +249,9 @@ def test_a_draft_models_passes_are_fitted_and_a_plain_step_keeps_them_known() ->
         pace.record(1, 3, 3)  # every position accepted
     limits = [pace.step_limit(1) for _ in range(64)]
     assert limits.count(0) == 2 and set(limits) == {0, 3}
-    assert sum(pace.step_limit(32) for _ in range(64)) == 0
+    assert sum(pace.step_limit(32) for _ in range(64)) == 2  # a one-token probe every 32
+    for step in range(500):  # then a lone stream drafting 3, plain every 32nd step
+        passes = 0 if step % 32 == 0 else 3
+        pace.observe_step(1 + passes, 0.009 + 0.00075 * (1 + passes) + 0.006 * passes, passes)
+    assert pace._fitted() is None and pace.break_even(1) == 0.0  # told at ~13 rows: stale
+    assert pace.step_limit(1) == 3

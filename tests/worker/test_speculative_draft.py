@@ -72,6 +72,13 @@ def prompts(tokenizer: Any) -> list[list[int]]:
     return [tokenizer(t).input_ids for t in [r.prompt for r in sharegpt] + [REPEAT, edit]]
 
 
+def test_a_draft_path_that_is_not_a_model_is_refused_naming_the_key(tmp_path: Any) -> None:
+    for path, words in [(tmp_path / "none.gguf", "does not exist"), (tmp_path, "config.json")]:
+        config = SpeculativeConfig("draft_model", 2, model=str(path))
+        with pytest.raises(ValueError, match=f"^speculative_config.model: .*{words}"):
+            ModelRunner(resolve_model(None), kv_cache_memory=64 << 20, speculative=config)
+
+
 def test_the_draft_state_keeps_the_accepted_proposals_it_computed() -> None:
     """Proposed [5, 6, 7] after position 10: the draft computed positions up to 12 (the last
     proposal's K/V never); what the sequence now holds there decides what stays valid."""
