@@ -7,6 +7,9 @@ import argparse
 from collections.abc import Callable
 from typing import NoReturn
 
+# --quantization (worker/quantized.py), also a draft model's (sluiceway.speculative)
+QUANTIZATION_CHOICES = ("auto", "gguf", "gguf_a8", "none")
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" to a flag's help, unless the help names its default already or

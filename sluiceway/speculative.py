@@ -29,6 +29,8 @@ import json
 from array import array
 from dataclasses import dataclass, field
 
+from sluiceway.argtypes import QUANTIZATION_CHOICES
+
 __all__ = [
     "METHODS",
     "AdaptiveLength",
@@ -120,8 +122,6 @@ class SpeculativeConfig:
     @classmethod
     def _draft_model(cls, raw: dict[str, object], k: int, off: int) -> SpeculativeConfig:
         """The draft_model config of `raw` (`parse` checked its method, K and off)."""
-        from sluiceway.worker.config import QUANTIZATION_CHOICES
-
         for key in _NGRAM_KEYS:
             if raw.get(key) is not None:
                 raise ValueError(f'speculative_config.{key}: only with "method": "ngram"')

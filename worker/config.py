@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sluiceway.argtypes import bounded_float, byte_size, non_negative_int, positive_int
+from sluiceway.argtypes import (
+    QUANTIZATION_CHOICES,
+    bounded_float,
+    byte_size,
+    non_negative_int,
+    positive_int,
+)
 from sluiceway.options import (
     DEFAULT_SCHEDULER,
     LOG_FORMAT,
@@ -20,8 +26,6 @@ from sluiceway.options import (
     metrics_port,
     option,
 )
-
-QUANTIZATION_CHOICES = ("auto", "gguf", "gguf_a8", "none")  # --quantization (worker/quantized.py)
 
 
 @dataclass(slots=True, kw_only=True)
