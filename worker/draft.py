@@ -147,9 +147,9 @@ class DraftModel:
             return
         for c in todo:
             c.seq.draft = c.seq.draft or DraftState()
-        first = [ScheduledChunk(c.seq, self._start(c.seq), 0) for c in todo]
-        for share in first:
-            share.num_new_tokens = len(share.seq.token_ids) - share.num_computed_tokens
+        starts = [self._start(c.seq) for c in todo]
+        first = [ScheduledChunk(c.seq, start, len(c.seq.token_ids) - start)
+                 for c, start in zip(todo, starts, strict=True)]  # fmt: skip
         bases = [len(c.seq.token_ids) for c in todo]
         self._append(todo, self._greedy(first))
         for j in range(1, max(c.num_model_drafts for c in todo)):
