@@ -23,6 +23,8 @@ they are given and return nothing):
 - ``quant_gemm(out, x, packed, qtype, bias)``, ``quant_rows(out, packed, ids, qtype, n)``
   (GGUF-quantized weights, packed by :mod:`sluiceway.kernels.quant_pack`); their int8-activation
   twins for the ``a8`` layout ``quant_gemm_a8``, ``quant_rows_a8``, ``quant_gemm_a8_supported()``
+- ``decoder_layers(hidden, residual, ...)``: a Llama-family decoder's layers in one call
+  (the ops above in the per-layer path's order; it returns the last layer's output)
 
 The Python wrappers below give their shapes and dtypes.
 """
@@ -35,19 +37,23 @@ import hashlib
 import logging
 import os
 import pathlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from sluiceway.kernels.quant_pack import QuantWeight
+    from sluiceway.kernels.varlen_metadata import VarlenMetadata
 
 __all__ = [
+    "LINEAR_KINDS",
     "CpuKernelsUnavailable",
+    "LayerStackArgs",
     "argmax_log_normalizer",
     "bf16_gemm_supported",
     "bf16_linear",
+    "decoder_layers",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
     "load",
@@ -72,9 +78,10 @@ SOURCES = (
     "quant_gemm.cpp",
     "quant_gemm_f32.cpp",
     "quant_gemm_a8.cpp",
+    "decoder_layers.cpp",
     "bindings.cpp",
 )
-HEADERS = ("cpu_math.h", "bf16_tile.h", "quant_layout.h")
+HEADERS = ("cpu_math.h", "bf16_tile.h", "quant_layout.h", "ops.h")
 CSRC = pathlib.Path(__file__).with_name("csrc")
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 
@@ -432,6 +439,60 @@ def quant_embedding(weight: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
     )
     rows(out, weight.packed, ids, int(weight.qtype), weight.n)
     return out
+
+
+# The linear kernels decoder_layers runs, by QuantWeight.layout (and "bf16_pairs": the packed
+# weights of bf16_linear); the values are kernels/csrc/decoder_layers.cpp's LinearKind.
+LINEAR_KINDS = {"bf16_pairs": 0, "tile": 1, "a8": 2}
+
+
+class LayerStackArgs(Protocol):
+    """What :func:`decoder_layers` reads of a layer stack (:class:`worker.layer_stack.LayerStack`
+    gives the meanings)."""
+
+    weights: list[torch.Tensor]
+    kinds: list[int]
+    qtypes: list[int]
+    out_features: list[int]
+    biases: list[torch.Tensor | None]
+    norms: list[torch.Tensor]
+    qk_norms: list[torch.Tensor | None]
+    windows: list[int]
+    scale: float
+    num_heads: int
+    num_kv_heads: int
+    eps: float
+
+
+def decoder_layers(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    stack: LayerStackArgs,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_caches: Sequence[torch.Tensor],
+    metadata: VarlenMetadata,
+) -> torch.Tensor:
+    """A Llama-family decoder's layers in one call (kernels/csrc/decoder_layers.cpp, whose
+    header gives the steps): ``hidden`` ``[T, H]`` contiguous (the embeddings with
+    ``residual`` None, else the previous layer's output and ``residual`` the stream before
+    it; both overwritten in place, the stream ends in ``residual``, or in ``hidden`` when it
+    was None) -> the last layer's output ``[T, H]``, a new tensor. ``stack`` holds the layers'
+    weights (:class:`worker.layer_stack.LayerStack`), ``positions`` ``[T]`` int64, ``cos`` /
+    ``sin`` the float32 rotary tables, ``kv_caches`` a cache per layer, ``metadata`` the
+    step's :class:`kernels.varlen_metadata.VarlenMetadata`.
+
+    Raises:
+        RuntimeError: lists of the wrong lengths, or what a kernel it calls raises.
+    """
+    return torch.ops.sluiceway.decoder_layers(
+        hidden, residual, stack.weights, stack.kinds, stack.qtypes, stack.out_features,
+        stack.biases, stack.norms, stack.qk_norms, positions, cos, sin, list(kv_caches),
+        metadata.slot_mapping, metadata.block_tables, metadata.context_lens,
+        metadata.query_start_loc, stack.scale, stack.windows, stack.num_heads,
+        stack.num_kv_heads, stack.eps,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":  # `python -m sluiceway.kernels.cpu_ops`: build now (make install does)

@@ -26,6 +26,7 @@ from torch import nn
 from sluiceway.kernels import cpu_ops, onednn_linear
 from sluiceway.kernels.backend import AttentionBackend, TorchAttentionBackend
 from sluiceway.kernels.quant_pack import QuantWeight
+from sluiceway.worker.layer_stack import LayerStack, build_layer_stack
 from sluiceway.worker.layers import (
     LINEAR_WEIGHTS,
     AttentionBlock,
@@ -171,6 +172,9 @@ class LlamaForCausalLM(nn.Module):
         self._logits_buffer = torch.empty(0)  # compute_logits(reuse_buffer=True) writes here
         self.packed_weight_bytes = 0  # bytes of the plain weights freed by pack_linear_weights
         self.triton_ops: TritonOps | None = None  # see use_triton_ops
+        # the layers as one C++ call on the backend it was built for (see _layer_stack)
+        self._stack: LayerStack | None = None
+        self._stack_backend: AttentionBackend | None = None
 
     def use_triton_ops(self) -> None:
         """Run every linear layer and the logits on :func:`kernels.triton_matmul.triton_linear`
@@ -184,6 +188,7 @@ class LlamaForCausalLM(nn.Module):
             return
         ops = TritonOps.load()
         self.triton_ops = ops
+        self._stack_backend = None
         layers: list[AttentionBlock] = list(self.layers)  # type: ignore[arg-type]
         for layer in layers:
             layer.triton_ops = ops
@@ -200,6 +205,7 @@ class LlamaForCausalLM(nn.Module):
         forward is batch invariant; ``bf16_pairs``); else oneDNN's reordered layout
         (:mod:`kernels.onednn_linear`), the logits from a float32 copy of the weight."""
         layers: list[AttentionBlock] = list(self.layers)  # type: ignore[arg-type]
+        self._stack_backend = None  # (the stack holds the packed weights)
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
         self.bf16_pairs = weight.dtype == torch.bfloat16 and cpu_ops.bf16_gemm_supported()
         self.packed_weight_bytes = sum(
@@ -283,9 +289,13 @@ class LlamaForCausalLM(nn.Module):
         if self.gemma:  # transformers: the float32 sqrt(H) rounded to the dtype, then multiplied
             hidden = hidden * torch.tensor(self.config.hidden_size**0.5).to(hidden.dtype)
         residual: torch.Tensor | None = None
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            rope = ropes[layer.rope_key]  # type: ignore[index]
-            hidden, residual = layer(hidden, residual, rope, cache, metadata, backend)
+        stack = self._layer_stack(backend)
+        if stack is not None:
+            hidden, residual = stack.run(hidden, None, ropes["global"], kv_caches, metadata)
+        else:
+            for layer, cache in zip(self.layers, kv_caches, strict=True):
+                rope = ropes[layer.rope_key]  # type: ignore[index]
+                hidden, residual = layer(hidden, residual, rope, cache, metadata, backend)
         fused = backend.fused_layer_ops
         weight: torch.Tensor = self.norm_weight
         if self.gemma and fused:
@@ -296,6 +306,15 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual, weight, self.config.rms_norm_eps, fused, self.triton_ops, self.gemma
         )
         return normed
+
+    def _layer_stack(self, backend: AttentionBackend) -> LayerStack | None:
+        """The layers as one C++ call (:mod:`worker.layer_stack`) on ``backend``, or None
+        (the per-layer path); built on the first forward after the weights are packed."""
+        if self._stack_backend is not backend:
+            layers: list[AttentionBlock] = list(self.layers)  # type: ignore[arg-type]
+            self._stack = build_layer_stack(layers, backend, DecoderLayer)
+            self._stack_backend = backend
+        return self._stack
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` ids -> ``[T, H]``. Vocab-parallel: each rank looks up the ids of its shard,

@@ -1,42 +1,9 @@
 // Registers the CPU kernels as torch operators, torch.ops.sluiceway.<name>; each writes into
-// tensors it is given (no allocation) and returns nothing.
-#include <ATen/core/Tensor.h>
-
-#include <optional>
+// tensors it is given (no allocation) and returns nothing, but decoder_layers, which returns
+// the hidden states and the residual stream it made.
 #include <torch/library.h>
 
-namespace sluiceway {
-
-void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                     const at::Tensor& block_tables, const at::Tensor& context_lens,
-                     const at::Tensor& query_start_loc, double scale, int64_t sliding_window);
-void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
-void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
-                        double eps);
-void silu_and_mul(at::Tensor& out, const at::Tensor& x);
-void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x);
-void qk_rms_norm(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
-                 int64_t num_heads, int64_t num_kv_heads, double eps);
-void rotary_embedding_write_kv(at::Tensor& qkv, const at::Tensor& positions,
-                               const at::Tensor& cos, const at::Tensor& sin,
-                               at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-                               int64_t num_heads, int64_t num_kv_heads);
-void argmax_logsumexp(at::Tensor& argmax, at::Tensor& logsumexp, const at::Tensor& logits);
-void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
-bool bf16_gemm_supported();
-void bf16_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-               const std::optional<at::Tensor>& bias);
-void quant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
-                const std::optional<at::Tensor>& bias);
-void quant_rows(at::Tensor& out, const at::Tensor& packed, const at::Tensor& ids,
-                int64_t qtype, int64_t n);
-bool quant_gemm_a8_supported();
-void quant_gemm_a8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                   int64_t qtype, const std::optional<at::Tensor>& bias);
-void quant_rows_a8(at::Tensor& out, const at::Tensor& packed, const at::Tensor& ids,
-                   int64_t qtype, int64_t n);
-
-}  // namespace sluiceway
+#include "ops.h"
 
 TORCH_LIBRARY(sluiceway, m) {
   m.def(
@@ -61,6 +28,12 @@ TORCH_LIBRARY(sluiceway, m) {
   m.def("quant_gemm_a8_supported() -> bool");
   m.def("quant_gemm_a8(Tensor(a!) out, Tensor x, Tensor packed, int qtype, Tensor? bias) -> ()");
   m.def("quant_rows_a8(Tensor(a!) out, Tensor packed, Tensor ids, int qtype, int n) -> ()");
+  m.def(
+      "decoder_layers(Tensor(a!) hidden, Tensor(b!)? residual, Tensor[] weights, int[] kinds, "
+      "int[] qtypes, int[] out_features, Tensor?[] biases, Tensor[] norms, Tensor?[] qk_norms, "
+      "Tensor positions, Tensor cos, Tensor sin, Tensor(c!)[] kv_caches, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor context_lens, Tensor query_start_loc, float scale, "
+      "int[] sliding_windows, int num_heads, int num_kv_heads, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sluiceway, CPU, m) {
@@ -78,6 +51,7 @@ TORCH_LIBRARY_IMPL(sluiceway, CPU, m) {
   m.impl("quant_rows", &sluiceway::quant_rows);
   m.impl("quant_gemm_a8", &sluiceway::quant_gemm_a8);
   m.impl("quant_rows_a8", &sluiceway::quant_rows_a8);
+  m.impl("decoder_layers", &sluiceway::decoder_layers);
 }
 
 TORCH_LIBRARY_IMPL(sluiceway, CompositeExplicitAutograd, m) {
