@@ -182,8 +182,10 @@ def attention_quantized(
 ) -> torch.Tensor:
     """The reference attention over a quantized cache (the oracle of the C++ kernel's):
     per sequence, its blocks dequantized to float32, one masked ``scaled_dot_product_attention``
-    in float32 (causal, within ``sliding_window`` when given), the output rounded once to
-    ``query``'s dtype. Shapes as :func:`kernels.paged_attention.paged_attention`."""
+    in float32 (float64 for a float64 ``query``: the tests' exact oracle, whose result does not
+    hang on the order the CPU's SDPA sums in), causal, within ``sliding_window`` when given; the
+    output rounded once to ``query``'s dtype. Shapes as
+    :func:`kernels.paged_attention.paged_attention`."""
     t, hq, d = query.shape
     keys, values, key_scales, value_scales = split_blocks(kv_cache, d)
     hkv = keys.shape[1]
@@ -191,6 +193,7 @@ def attention_quantized(
         scale = 1.0 / math.sqrt(d)
     assert metadata.step is not None, "metadata built without its step indices"
     step = metadata.step
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, c) in enumerate(zip(step.query_lens, step.context_lens, strict=True)):
@@ -204,11 +207,11 @@ def attention_quantized(
         visible = kpos[None, :] <= qpos[:, None]
         if sliding_window is not None:
             visible &= kpos[None, :] > qpos[:, None] - sliding_window
-        q = query[start : start + q_len].transpose(0, 1).float().unsqueeze(0)
+        q = query[start : start + q_len].transpose(0, 1).to(compute).unsqueeze(0)
         o = F.scaled_dot_product_attention(
             q,
-            k.unsqueeze(0),
-            v.unsqueeze(0),
+            k.to(compute).unsqueeze(0),
+            v.to(compute).unsqueeze(0),
             attn_mask=visible[None, None],
             scale=scale,
             enable_gqa=hq != hkv,
