@@ -193,7 +193,7 @@ def attention_quantized(
         scale = 1.0 / math.sqrt(d)
     assert metadata.step is not None, "metadata built without its step indices"
     step = metadata.step
-    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    compute = torch.promote_types(query.dtype, torch.float32)  # float64 stays float64
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, c) in enumerate(zip(step.query_lens, step.context_lens, strict=True)):
