@@ -7,10 +7,12 @@
 # Fills .gpu/ (ignored by git through .git/info/exclude; carry it to the device with
 # carry: [".gpu"]) with
 #   .gpu/wheels/     cp312 manylinux x86_64 wheels of what the GPU image (Python 3.12, torch
-#                    CUDA build) lacks or has too old: grpcio-health-checking,
-#                    grpcio-reflection, structlog, gguf, and protobuf + grpcio at the versions
-#                    of this venv (the generated *_pb2.py need the protobuf 7 runtime, the
-#                    *_pb2_grpc.py this grpcio);
+#                    CUDA build) lacks: the closure of sluiceway's runtime requirements
+#                    less the image's packages (grpcio-status, googleapis-common-protos,
+#                    structlog, gguf, fastapi and opentelemetry-api, pydantic, uvicorn,
+#                    xgrammar ...), and protobuf + grpcio, all at the versions of this venv
+#                    (the generated *_pb2.py need the protobuf 7 runtime, the *_pb2_grpc.py
+#                    this grpcio); the first GPU run (2026-12-04) failed on each one missing;
 #   .gpu/tokenizer/  SmolLM2's tokenizer files from the converted embedded model (the 98 MB
 #                    GGUF itself stays here): tests/integration/test_cuda_parity.py builds a
 #                    random model around them.
@@ -31,11 +33,46 @@ exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qxF '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
 
-version() { "$PYTHON" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
-pins=()
-for pkg in protobuf grpcio grpcio-health-checking grpcio-reflection structlog gguf; do
-    pins+=("$pkg==$(version "$pkg")")
-done
+# What the GPU image lacks: the closure of sluiceway's runtime requirements in this venv, less
+# the packages the image has (KINDS.md's list for nvidia-h200, read 2026-11-17), but with
+# protobuf, grpcio and typing-extensions at this venv's versions whatever the image holds.
+mapfile -t pins < <("$PYTHON" - <<'PY'
+import importlib.metadata as md
+import re
+
+from packaging.requirements import Requirement
+
+IMAGE_HAS = {
+    "torch", "triton", "numpy", "transformers", "tokenizers", "safetensors", "uvloop",
+    "prometheus-client", "ninja", "huggingface-hub", "hf-xet", "filelock", "fsspec",
+    "jinja2", "markupsafe", "networkx", "sympy", "mpmath", "packaging", "pyyaml", "regex",
+    "requests", "certifi", "charset-normalizer", "idna", "urllib3", "tqdm", "anyio", "h11",
+    "click", "sniffio", "setuptools", "annotated-doc", "typer", "shellingham", "rich",
+    "markdown-it-py", "mdurl", "pygments", "httpx", "httpcore", "xxhash", "psutil",
+}
+FORCE = {"protobuf", "grpcio", "typing-extensions"}
+
+
+def norm(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+seen, todo = set(), ["sluiceway"]
+while todo:
+    name = todo.pop()
+    for text in md.requires(name) or []:
+        req = Requirement(text)
+        if req.marker and not req.marker.evaluate({"extra": ""}):
+            continue
+        dep = norm(req.name)
+        if dep in seen or dep.startswith("nvidia-") or (dep in IMAGE_HAS and dep not in FORCE):
+            continue
+        seen.add(dep)
+        todo.append(dep)
+for dep in sorted(seen):
+    print(f"{dep}=={md.version(dep)}")
+PY
+)
 echo "gpu_wheels: pinned from $PYTHON: ${pins[*]}"
 
 rm -rf "$DEST/wheels" "$DEST/tokenizer"  # one version of each wheel, no stale files

@@ -79,13 +79,14 @@ class WindowCase:
         )  # fmt: skip
 
     def oracle(self, sliding_window: int | None) -> torch.Tensor:
-        """The dense float32 result of the step's rows, ``[T, Hq, D]``."""
+        """The dense float32 result of the step's rows, ``[T, Hq, D]``, on the CPU (where
+        ``keys``/``values`` are, whatever device the query was moved to)."""
         starts = [0]
         for _, q in self.seqs:
             starts.append(starts[-1] + q)
         return torch.cat(
             [
-                dense_window_attention(self.query[a:b], k, v, sliding_window)
+                dense_window_attention(self.query[a:b].cpu(), k, v, sliding_window)
                 for a, b, k, v in zip(starts, starts[1:], self.keys, self.values, strict=False)
             ]
         )

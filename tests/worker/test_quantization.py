@@ -16,11 +16,14 @@ from safetensors import safe_open
 
 from sluiceway.gguf_blocks import has_blocks, read_blocks
 from sluiceway.kernels import cpu_ops
+from sluiceway.kernels.backend import TorchAttentionBackend
 from sluiceway.model_files import export_hf_folder, resolve_model
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.worker.config import WorkerConfig
 from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
 from sluiceway.worker.model_setup import packing_note
+from sluiceway.worker.parallel import TensorParallelGroup
+from sluiceway.worker.quantized import quantization_obstacles
 from tests.worker.runner_logits import step_logits
 
 needs_bf16 = pytest.mark.skipif(
@@ -280,3 +283,25 @@ def test_an_unreadable_blocks_file_is_one_clear_error(tmp_path: pathlib.Path) ->
     (tmp_path / "gguf" / "blocks.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
     with pytest.raises(ValueError, match=r"blocks.safetensors is not a readable GGUF blocks file"):
         read_blocks(tmp_path)
+
+
+def test_a_cuda_worker_never_builds_the_cpu_kernels_to_plan_its_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the first GPU run (2026-12-04) every CUDA worker spent minutes building the C++ CPU
+    kernels because the plan asked whether the CPU GEMM runs: a CUDA device is an obstacle
+    by itself, and the CPU kernels are not asked about."""
+
+    def build() -> bool:
+        raise AssertionError("a CUDA worker asked the C++ CPU kernels")
+
+    monkeypatch.setattr(cpu_ops, "bf16_gemm_supported", build)
+    monkeypatch.setattr(cpu_ops, "quant_gemm_a8_supported", build)
+    obstacles = quantization_obstacles(
+        resolve_model(None), device=torch.device("cuda"), dtype=torch.bfloat16,
+        backend=TorchAttentionBackend(), tp=TensorParallelGroup(), mode="gguf_a8",
+    )  # fmt: skip
+    assert obstacles == [
+        "it runs on the CPU only, not cuda",
+        "it runs beside the C++ CPU kernels, not the torch backend",
+    ]
