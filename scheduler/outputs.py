@@ -57,6 +57,9 @@ class SchedulerOutput:
     # async scheduling: the step's progress was counted when the next one was built
     # (`Scheduler.advance`), before its tokens came
     advanced: bool = False
+    # speculative decoding: whether the step ran the speculating policy (`SpeculationGate`);
+    # None without a speculative config
+    speculating: bool | None = None
 
     @property
     def num_batched_tokens(self) -> int:

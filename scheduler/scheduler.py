@@ -65,6 +65,7 @@ from sluiceway.scheduler.block_manager import BlockManager
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.outputs import KvUsage, ScheduledSequence, SchedulerOutput, TokenUpdate
 from sluiceway.scheduler.sequence import Sequence, SequenceStatus
+from sluiceway.spec_gate import SpeculationGate
 from sluiceway.speculative import (
     AdaptiveLength,
     NgramProposer,
@@ -123,11 +124,16 @@ class Scheduler:
             if speculative is not None and speculative.method == "ngram"
             else None
         )
-        self.pace = AdaptiveLength(
-            speculative.num_speculative_tokens if speculative else 0,
-            probe_plain=speculative is not None and speculative.method == "draft_model",
-        )
+        self.pace = AdaptiveLength(speculative.num_speculative_tokens if speculative else 0)
         self.spec_decode = SpecDecodeCounts()
+        # whether to speculate at all, per batch size: measured. A draft model's explored
+        # step computes every token its sequences made since their last proposal (their
+        # prompts, for new ones): it explores seldom once plain decoding won
+        self.gate = SpeculationGate(
+            explore_speculation_every=SpeculationGate.EXPLORE_EVERY
+            if speculative is None or speculative.method == "ngram"
+            else SpeculationGate.EXPLORE_DRAFT_EVERY
+        )
 
     # -- queue changes ----------------------------------------------------------
 
@@ -351,7 +357,9 @@ class Scheduler:
         preempted = False
         i = 0
         on = self.speculative is not None and self.speculative.allows(len(self.running))
-        limit = self.pace.step_limit(len(self.running)) if on else 0
+        if on:
+            on = out.speculating = self.gate.choose(len(self.running))
+        limit = self.pace.k if on else 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.num_pending_tokens and self._ends_at_pending(seq):

@@ -278,9 +278,24 @@ class StepLoop:
             ahead.t1 = max(ahead.t1, t2)
         decode_only = step.out.is_decode_only  # (before the step's tokens are applied)
         self._apply(sched, step.out, response)
-        if decode_only and not step.out.advanced:  # a decode step's cost: speculation's pace
-            passes = max(s.num_draft_model_tokens for s in step.out.scheduled)
-            sched.pace.observe_step(step.out.num_batched_tokens, t2 - step.t1, passes)
+        if decode_only and not step.out.advanced and step.out.speculating is not None:
+            # a decode step's goodput: the speculation gate's measure
+            batch = len(step.out.scheduled)
+            log.debug(
+                "speculation_step",
+                batch=batch,
+                speculating=step.out.speculating,
+                rows=step.out.num_batched_tokens,
+                tokens=len(response.sampled),
+                ms=round(1e3 * (t2 - step.t1), 2),
+            )
+            if sched.gate.observe(batch, step.out.speculating, len(response.sampled), t2 - step.t1):
+                log.info(
+                    "speculation_switched",
+                    group=self.group.name,
+                    batch=batch,
+                    speculating=step.out.speculating,
+                )
         self._record(step, response, t2)
         if self.after_step is not None:
             await self.after_step()

@@ -243,114 +243,24 @@ class _Pace:
 
 
 class AdaptiveLength:
-    """How many tokens each sequence's next proposal may have: the speculation turns itself
-    down where it does not pay.
+    """How many tokens each sequence's next proposal may have (whether a step speculates at all
+    is :class:`sluiceway.spec_gate.SpeculationGate`'s, measured).
 
-    A proposed token costs a row of the step's forward whether or not it is accepted. With a
-    step of ``rows`` rows taking ``T = a + b * rows`` (``a``: what a step costs whatever its
-    rows, the weights read once; ``b``: a row's compute), a batch of ``B`` decodes makes ``B``
-    tokens in ``a + b B``, and a proposed token accepted with probability ``p`` adds ``p``
-    tokens for ``b``: it pays when ``p / b > B / (a + b B)``, i.e. ``p > b B / (a + b B)``
-    (nearly any ``p`` at batch 1 on a CPU, where ``a`` dominates; close to 1 at large
-    batches, where rows dominate), with a proposed row counted as `ROW_COST_FACTOR` rows.
-    A draft model adds ``c`` a step per proposed position (its forward over the sequences
-    proposing it: ``T = a + b * rows + c * passes``), so a position proposed for all ``B``
-    needs ``p > (c + f b B) / (a + b B)`` (``f`` = `ROW_COST_FACTOR`; ``c`` = 0 for n-gram).
-    ``a``, ``b`` and ``c`` are fitted to the decode steps the scheduler times (least
-    squares, recent steps weighted more: `observe_step`; prompt chunks' rows cost
-    otherwise); ``p`` per position of the proposal from recent outcomes. `step_limit` is the
-    longest proposal whose last token still pays (with a one-token probe every
-    `PROBE_EVERY` steps so that the estimates follow a workload that turns repetitive).
+    The next proposal has at most one token more than the last one accepted (K shrinks to what
+    the text gives), and after a proposal of which nothing was accepted the sequence skips 1,
+    2, 4 ... 32 steps (plain decoding meanwhile), back to no wait at the first acceptance.
 
-    Per sequence on top: the next proposal has at most one token more than the last one
-    accepted (K shrinks to what the text gives), and after a proposal of which nothing was
-    accepted the sequence skips 1, 2, 4 ... 32 steps (plain decoding meanwhile), back to no
-    wait at the first acceptance."""
+    (A cost model used to decide per step how long a proposal pays, fitting step seconds to
+    rows and draft passes: with rows and passes moving together at one stream it told a draft
+    model's 37.5 ms for 4 tokens, against 15 ms for one plainly, to stop, and it missed the
+    draft's catch-up at 4-32 streams. The gate measures both policies instead.)"""
 
     MAX_WAIT = 32
-    PROBE_EVERY = 32
-    PLAIN_EVERY = 32
-    DECAY = 0.98  # weight of older steps and outcomes, per new one
-    # A proposed token's row costs more than the fitted decode row: its chunk of several
-    # queries takes the prefill attention path, and it adds a logits and a sampling row.
-    # Measured (scripts/bench_spec.sh, ShareGPT at 32 streams, 76-78% accepted): with the
-    # fitted cost alone speculation ran 0.95-0.97x plain with TPOT P50 15-21% longer.
-    ROW_COST_FACTOR = 2.0
 
-    def __init__(self, k: int, *, probe_plain: bool = False) -> None:
-        """`k`: the config's num_speculative_tokens; `probe_plain` (a draft model): every
-        `PLAIN_EVERY`-th step proposes nothing, so that the fit sees steps without draft
-        passes (with a pass count that never varies, their cost would hide in ``a``)."""
+    def __init__(self, k: int) -> None:
+        """`k`: the config's num_speculative_tokens."""
         self.k = k
-        self.probe_plain = probe_plain
         self._pace: dict[int, _Pace] = {}
-        # per position of a proposal: decayed counts of proposals that reached it and of
-        # those whose token there was accepted (a prior of one accepted each: start on)
-        self._reached = [1.0] * k
-        self._accepted = [1.0] * k
-        # decayed sums of the fit of step seconds y on rows x and draft passes z: weight,
-        # x, z, y, xx, xz, zz, xy, zy
-        self._fit = [0.0] * 9
-        self._cost: tuple[float, float, float] | None = None  # the last (a, b, c) told
-        self._cost_rows = 0.0  # the steps' mean rows then
-        self._steps = 0
-
-    def observe_step(self, rows: int, seconds: float, passes: int = 0) -> None:
-        """A finished step of `rows` batched tokens and `passes` draft-model forwards that
-        took `seconds` (scheduler's view)."""
-        x, z, y = rows, passes, seconds
-        new = (1, x, z, y, x * x, x * z, z * z, x * y, z * y)
-        self._fit = [v * self.DECAY + n for v, n in zip(self._fit, new, strict=True)]
-
-    def break_even(self, batch: int) -> float:
-        """The acceptance probability a proposed token needs to pay at `batch` decodes (0
-        until the fit has seen steps of different sizes; while recent steps are all of one
-        size, the last cost it could tell, unless its steps' mean rows were more than twice or
-        less than half `batch`: a cost fitted at other batches says little here, and
-        a draft model's passes, fitted apart from rows only at several decodes, would keep
-        a lone stream off for good)."""
-        cost = self._fitted()
-        if cost is not None:
-            w, x = self._fit[0], self._fit[1]
-            self._cost, self._cost_rows = cost, x / w
-        elif self._cost is not None and not 0.5 <= batch / max(1.0, self._cost_rows) <= 2.0:
-            return 0.0  # (a stale cost, told at other batches)
-        if self._cost is None:
-            return 0.0
-        a, b, c = self._cost
-        return (c + self.ROW_COST_FACTOR * b * batch) / (a + b * batch)
-
-    def _fitted(self) -> tuple[float, float, float] | None:
-        """(a, b, c) by least squares over the decayed sums, or None while the steps do not
-        tell them apart (too few, or rows of one size; passes of one size: c = 0)."""
-        w, x, z, y, xx, xz, zz, xy, zy = self._fit
-        if w < 4:
-            return None
-        mx, mz, my = x / w, z / w, y / w  # centred (co)variances
-        vxx, vzz, vxz = xx / w - mx * mx, zz / w - mz * mz, xz / w - mx * mz
-        cxy, czy = xy / w - mx * my, zy / w - mz * my
-        if vxx < 1.0:
-            return None
-        det = vxx * vzz - vxz * vxz
-        if vzz < 0.05 or det <= 0.05 * vxx * vzz:  # no passes, or passes follow rows
-            b, c = cxy / vxx, 0.0
-        else:
-            b, c = (cxy * vzz - czy * vxz) / det, (czy * vxx - cxy * vxz) / det
-        b, c = max(0.0, b), max(0.0, c)
-        return max(1e-9, my - b * mx - c * mz), b, c
-
-    def step_limit(self, batch: int) -> int:
-        """The longest proposal worth making in this step of `batch` decodes."""
-        self._steps += 1
-        need = self.break_even(batch)
-        limit = 0
-        while limit < self.k and self._accepted[limit] / self._reached[limit] > need:
-            limit += 1
-        if limit == 0 and self._steps % self.PROBE_EVERY == 0:
-            return 1  # (a draft model's first computes the tokens since its last proposal)
-        if limit and self.probe_plain and self._steps % self.PLAIN_EVERY == 0:
-            return 0  # a step without the draft's passes: what they cost stays known
-        return limit
 
     def allowed(self, seq_id: int) -> int:
         """Tokens the sequence may propose this step (0: it waits). Counts the step."""
@@ -362,12 +272,6 @@ class AdaptiveLength:
 
     def record(self, seq_id: int, proposed: int, accepted: int) -> None:
         """The outcome of a proposal of `proposed` tokens, `accepted` of them accepted."""
-        for j in range(self.k):
-            self._reached[j] *= self.DECAY
-            self._accepted[j] *= self.DECAY
-        for j in range(proposed):
-            self._reached[j] += 1
-            self._accepted[j] += j < accepted
         pace = self._pace.setdefault(seq_id, _Pace(self.k))
         pace.k = max(1, min(self.k, accepted + 1))
         if accepted:

@@ -183,29 +183,6 @@ def test_no_proposal_above_disable_by_batch_size_or_for_a_first_token() -> None:
     assert sched.schedule().scheduled[0].draft_token_ids == []  # the prompt's step
 
 
-def test_the_proposal_length_follows_what_a_row_costs_and_what_is_accepted() -> None:
-    """Steps of 9 ms + 0.75 ms a row (this CPU's gguf step), a proposed row counted twice: a
-    proposed token accepted half the time pays at 1 decode (break-even 0.15), not at 4
-    (0.50), 32 (1.45) nor 200 (1.89: never)."""
-    pace = AdaptiveLength(4)
-    assert pace.break_even(32) == 0.0  # no steps seen: no cost known, speculate
-    rng = random.Random(0)
-    for _ in range(300):
-        rows = rng.choice([1, 5, 32, 64, 160])
-        pace.observe_step(rows, 0.009 + 0.00075 * rows)
-    assert [round(pace.break_even(b), 2) for b in (1, 4, 32, 200)] == [0.15, 0.5, 1.45, 1.89]
-    for _ in range(200):  # the first position accepted 90% of the time, the others half
-        pace.record(1, 4, 1)
-        for _ in range(4):
-            pace.record(1, 4, 4)
-        for _ in range(4):
-            pace.record(1, 4, 0 if _ == 0 else 1)
-    limits = [pace.step_limit(b) for b in (1, 4, 32, 200)]
-    assert limits == [4, 1, 0, 0]
-    probes = sum(pace.step_limit(200) for _ in range(64))
-    assert probes == 2  # a one-token probe every 32 steps
-
-
 def test_per_sequence_the_length_shrinks_to_what_was_accepted_and_misses_wait() -> None:
     pace = AdaptiveLength(4)
     assert pace.allowed(1) == 4
@@ -217,41 +194,3 @@ def test_per_sequence_the_length_shrinks_to_what_was_accepted_and_misses_wait() 
     assert [pace.allowed(1) for _ in range(3)] == [0, 0, 1]  # then 2
     pace.record(1, 1, 1)
     assert pace.allowed(1) == 2
-
-
-def test_steps_of_one_size_keep_the_cost_the_fit_last_told() -> None:
-    pace = AdaptiveLength(4)
-    for rows in (1, 32) * 20:
-        pace.observe_step(rows, 0.009 + 0.00075 * rows)
-    before = pace.break_even(32)
-    for _ in range(500):  # 32 decodes and nothing else: no spread to fit a slope on
-        pace.observe_step(32, 0.033)
-    assert pace.break_even(32) == before > 1
-
-
-def test_a_draft_models_passes_are_fitted_and_a_plain_step_keeps_them_known() -> None:
-    """Steps of 9 ms + 0.75 ms a row + 6 ms a draft pass (rows and passes varying apart):
-    the fit finds the three costs, and a draft position pays at 1 decode only when accepted
-    more than (6 + 2 * 0.75) / 9.75 = 0.77 of the time; at 32 decodes never (1.64). Every
-    32nd step with a proposal worth making proposes nothing (a plain step to fit on). Once the
-    steps no longer tell the costs apart (a lone stream: rows and passes move together), a
-    cost told at other batches is not used (a lone stream would stay off for good)."""
-    pace = AdaptiveLength(3, probe_plain=True)
-    rng = random.Random(1)
-    for _ in range(400):
-        batch, passes = rng.choice([1, 4, 32]), rng.choice([0, 1, 2, 3])
-        rows = batch + sum(rng.randint(0, passes) for _ in range(batch))
-        pace.observe_step(rows, 0.009 + 0.00075 * rows + 0.006 * passes, passes)
-    a, b, c = pace._fitted() or (0.0, 0.0, 0.0)
-    assert (round(a, 4), round(b, 5), round(c, 4)) == (0.009, 0.00075, 0.006)
-    assert [round(pace.break_even(n), 2) for n in (1, 32)] == [0.77, 1.64]
-    for _ in range(50):
-        pace.record(1, 3, 3)  # every position accepted
-    limits = [pace.step_limit(1) for _ in range(64)]
-    assert limits.count(0) == 2 and set(limits) == {0, 3}
-    assert sum(pace.step_limit(32) for _ in range(64)) == 2  # a one-token probe every 32
-    for step in range(500):  # then a lone stream drafting 3, plain every 32nd step
-        passes = 0 if step % 32 == 0 else 3
-        pace.observe_step(1 + passes, 0.009 + 0.00075 * (1 + passes) + 0.006 * passes, passes)
-    assert pace._fitted() is None and pace.break_even(1) == 0.0  # told at ~13 rows: stale
-    assert pace.step_limit(1) == 3

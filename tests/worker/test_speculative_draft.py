@@ -9,6 +9,7 @@ a preemption, a prefix-cache hit or a resume it computes the sequence's tokens a
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -19,6 +20,7 @@ from sluiceway.kernels import cpu_ops
 from sluiceway.model_files import embedded_model_path, resolve_model
 from sluiceway.sampling_params import SamplingParams
 from sluiceway.sharegpt import sample_requests
+from sluiceway.spec_gate import SpeculationGate
 from sluiceway.speculative import SpeculativeConfig
 from sluiceway.v1 import inference_pb2
 from sluiceway.worker.draft import DraftState
@@ -171,3 +173,23 @@ def test_structured_outputs_and_a_resumed_stream(
     sent = [tokens[:9] for tokens in plain.tokens]
     resumed = generate(runner, target, [GREEDY, SEEDED], speculative_config=DRAFT, resumed=sent)
     assert resumed.tokens == plain.tokens
+
+
+@in_bf16
+def test_the_gates_plain_steps_between_proposals_keep_the_plain_tokens(
+    runner: ModelRunner, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gate (sluiceway.spec_gate) runs plain steps between speculating ones, runs of them
+    where speculation loses: the draft then catches up on every token since its last
+    proposal. Steps in cycles of 8 (speculating, plain, speculating, 5 plain) at a batch of
+    6 (4 ShareGPT prompts and the two repetitive ones): the plain tokens, and fewer forward
+    steps than plain decoding."""
+    pattern = itertools.cycle([True, False, True, False, False, False, False, False])
+    monkeypatch.setattr(SpeculationGate, "choose", lambda self, batch: next(pattern))
+    chosen = prompts[:4] + prompts[-2:]
+    every = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)] * len(chosen)
+    plain = generate(runner, chosen, every)
+    spec = generate(runner, chosen, every, speculative_config=DRAFT)
+    assert spec.tokens == plain.tokens
+    assert spec.scheduler.spec_decode.num_accepted_tokens > 0
+    assert spec.num_steps < plain.num_steps

@@ -1,0 +1,158 @@
+"""Whether speculative decoding runs at all at a given batch size: an A/B test of the two
+policies on the steps themselves.
+
+:class:`~sluiceway.speculative.AdaptiveLength` predicts from a fitted cost model how long a
+proposal pays. A model misses what it does not model (a draft model's catch-up forwards, its
+sampling and bookkeeping per proposal, the prefill-path attention of a chunk of several
+queries), and at 4-32 streams a draft model ran 0.67-0.78x plain decoding with the model's
+limit still above zero. The gate measures instead: per batch-size class it runs one policy
+(speculate, or decode plainly) and every :attr:`SpeculationGate.EXPLORE_EVERY`-th step the
+other, and compares that step's goodput (tokens emitted per second of the step) with the
+recent steps' of the policy in use (their tokens over their seconds, the last ten or so
+weighted most), which ran at about the same batch (a pair of neighbours:
+the batch drifts slowly, so the pair cancels it). The gate switches to speculation when its
+goodput beats plain decoding's by :attr:`SpeculationGate.MARGIN` on average over recent
+pairs, and to plain decoding when plain decoding comes within ``MARGIN`` of it: a tie goes to
+plain decoding, whose per-stream latency is steadier (at 32 streams n-gram lookup matched
+plain decoding's throughput with a 7-9% longer TPOT median). What the
+exploration costs: one step in ``EXPLORE_EVERY`` under the worse policy (one in
+``EXPLORE_FIRST`` until a batch class's first decision); a draft model is not tried again
+where plain decoding won (its explored step would first catch its draft up).
+
+A step that leaves plain decoding for speculation carries the draft model's catch-up (the
+tokens since its last proposal), so an explored speculative step looks worse than a steady
+one: the gate errs on the side of plain decoding, the side that never makes a workload slower.
+The in-use policy's goodput is its recent steps' tokens over their seconds, so a draft
+model's catch-up steps (a new sequence's prompt) count at their full cost.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["SpeculationGate"]
+
+
+@dataclass(slots=True)
+class _Class:
+    """One batch-size class: the policy in use and what recent steps measured."""
+
+    speculate: bool = True  # the policy in use
+    steps: int = 0
+    # the policy in use: decayed sums of its steps' tokens and seconds (their ratio, the
+    # goodput, counts a draft model's catch-up steps at their full cost)
+    recent_tokens: float = 0.0
+    recent_seconds: float = 0.0
+    log_ratio: float = 0.0  # decayed sum of log(explored / recent) over explored steps
+    weight: float = 0.0  # decayed count of those
+    pairs: int = 0  # explored steps since the last switch
+    explored: int = 0  # explored steps ever
+
+
+class SpeculationGate:
+    """Chooses, step by step, whether a step of ``batch`` decoding sequences speculates.
+
+    Batch-size classes are powers of two (1, 2-3, 4-7, 8-15, ...): one decision each, since
+    what pays at one stream (nearly any proposal, the weights read once per step dominate)
+    loses at 32 (the step's rows dominate)."""
+
+    EXPLORE_EVERY = 32
+    # until a class's first MIN_PAIRS explored steps: decide early, though not so early that
+    # a draft model's first catch-up (the prompt) is most of what the pairs see
+    EXPLORE_FIRST = 8
+    MIN_PAIRS = 3  # explored steps before a switch
+    MARGIN = 0.02  # speculation must be this much faster (goodput ratio - 1) to run
+    RECENT_DECAY = 0.9  # the policy in use: about its last ten steps
+    PAIR_DECAY = 0.8  # explored steps: about the last five
+
+    # A draft model's explored step first computes the draft's K/V for every token since
+    # its sequences' last proposal (new sequences' whole prompts): at 32 streams one took 7 s
+    # against 83 ms for a plain step. Once plain decoding won a class, it stays there.
+    EXPLORE_DRAFT_EVERY = 0
+
+    def __init__(self, explore_speculation_every: int = EXPLORE_EVERY) -> None:
+        """`explore_speculation_every`: while plain decoding is in use, every how many steps
+        one speculates; 0: never, once plain decoding won (a draft model:
+        :attr:`EXPLORE_DRAFT_EVERY`). Plain decoding is explored every :attr:`EXPLORE_EVERY`
+        steps while speculation is in use."""
+        self.explore_speculation_every = explore_speculation_every
+        self._classes: dict[int, _Class] = {}
+
+    @staticmethod
+    def batch_class(batch: int) -> int:
+        """The class of a step of ``batch`` decodes: ``batch.bit_length()``."""
+        return max(1, batch).bit_length()
+
+    def choose(self, batch: int) -> bool:
+        """Whether the next step, of ``batch`` decoding sequences, speculates. Counts it."""
+        c = self._class(batch)
+        c.steps += 1
+        if c.speculate:
+            every = self.EXPLORE_FIRST if c.explored < self.MIN_PAIRS else self.EXPLORE_EVERY
+        elif not self.explore_speculation_every:
+            return False
+        else:
+            every = (
+                self.EXPLORE_FIRST
+                if c.explored < self.MIN_PAIRS
+                else self.explore_speculation_every
+            )
+        explore = c.steps % every == 0 and c.recent_seconds > 0.0  # (a pair needs the policy's)
+        return c.speculate != explore
+
+    def _class(self, batch: int) -> _Class:
+        """``batch``'s class. One that has measured nothing yet follows the nearest class that
+        has (the larger of two as near; none: speculate): a class met only in steps that
+        also prefill, which the gate does not measure, would otherwise keep its first policy
+        (at 32 streams the dips to 16-31 while a wave of prompts came in speculated, each such
+        step computing the draft's K/V for all their prompts)."""
+        key = self.batch_class(batch)
+        c = self._classes.get(key)
+        if c is None:
+            c = self._classes[key] = _Class()
+        if not c.recent_seconds and not c.explored:
+            c.speculate = self._prior(key)
+        return c
+
+    def _prior(self, key: int) -> bool:
+        measured = [(abs(k - key), -k, c.speculate)
+                    for k, c in self._classes.items() if c.recent_seconds or c.explored]  # fmt: skip
+        return min(measured)[2] if measured else True
+
+    def speculating(self, batch: int) -> bool:
+        """The policy in use for ``batch`` (no step counted)."""
+        key = self.batch_class(batch)
+        c = self._classes.get(key)
+        if c is None or (not c.recent_seconds and not c.explored):
+            return self._prior(key)
+        return c.speculate
+
+    def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> bool:
+        """A finished decode step of ``batch`` sequences that ran policy ``speculated`` and
+        emitted ``tokens`` tokens (accepted proposals included) in ``seconds``. Returns
+        whether the class's policy switched (to ``speculated``)."""
+        if tokens <= 0 or seconds <= 0.0:
+            return False
+        c = self._class(batch)
+        goodput = tokens / seconds
+        if speculated == c.speculate:
+            c.recent_tokens = self.RECENT_DECAY * c.recent_tokens + tokens
+            c.recent_seconds = self.RECENT_DECAY * c.recent_seconds + seconds
+            return False
+        if not c.recent_seconds:
+            return False  # nothing to pair it with yet
+        recent = c.recent_tokens / c.recent_seconds
+        c.log_ratio = self.PAIR_DECAY * c.log_ratio + math.log(goodput / recent)
+        c.weight = self.PAIR_DECAY * c.weight + 1.0
+        c.pairs += 1
+        c.explored += 1
+        # ties go to plain decoding: its per-stream latency is the steadier
+        threshold = math.log1p(self.MARGIN if speculated else -self.MARGIN)
+        if c.pairs >= self.MIN_PAIRS and c.log_ratio / c.weight > threshold:
+            c.speculate = speculated
+            c.recent_tokens, c.recent_seconds = tokens, seconds
+            c.log_ratio = c.weight = 0.0
+            c.pairs = 0
+            return True
+        return False
