@@ -128,7 +128,7 @@ class Scheduler:
         self.spec_decode = SpecDecodeCounts()
         # whether to speculate at all, per batch size: measured. A draft model's explored
         # step computes every token its sequences made since their last proposal (their
-        # prompts, for new ones): it explores seldom once plain decoding won
+        # prompts, for new ones): it is not tried again where plain decoding won
         self.gate = SpeculationGate(
             explore_speculation_every=SpeculationGate.EXPLORE_EVERY
             if speculative is None or speculative.method == "ngram"

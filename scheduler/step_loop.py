@@ -280,16 +280,16 @@ class StepLoop:
         self._apply(sched, step.out, response)
         if decode_only and not step.out.advanced and step.out.speculating is not None:
             # a decode step's goodput: the speculation gate's measure
-            batch = len(step.out.scheduled)
+            batch, tokens, seconds = len(step.out.scheduled), len(response.sampled), t2 - step.t1
             log.debug(
                 "speculation_step",
                 batch=batch,
                 speculating=step.out.speculating,
                 rows=step.out.num_batched_tokens,
-                tokens=len(response.sampled),
-                ms=round(1e3 * (t2 - step.t1), 2),
+                tokens=tokens,
+                ms=round(1e3 * seconds, 2),
             )
-            if sched.gate.observe(batch, step.out.speculating, len(response.sampled), t2 - step.t1):
+            if sched.gate.observe(batch, step.out.speculating, tokens, seconds):
                 log.info(
                     "speculation_switched",
                     group=self.group.name,

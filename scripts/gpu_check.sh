@@ -163,7 +163,11 @@ fi
 # The correctness steps run side by side (each its own process, a 1 GiB KV pool per stack,
 # its own parity folder): on one GPU they fit together, and together they fit a lease. The
 # timed steps then run alone.
-pstep() { step "$@" >"$WORK/$1.out" 2>&1 & }
+PARALLEL=()  # the side-by-side steps, their output shown in this order once all ended
+pstep() {
+    PARALLEL+=("$1")
+    step "$@" >"$WORK/$1.out" 2>&1 &
+}
 # (without_triton is a CPU test: it builds the C++ CPU kernels, over 2 minutes on the GPU
 # machine's image, and timed out there on 2026-12-04)
 pstep kernels 200 "${PYTEST[@]}" tests/kernels/test_triton_kernels.py \
@@ -179,7 +183,7 @@ pstep tp 200 env SLUICEWAY_PARITY_DIR="$SLUICEWAY_PARITY_DIR-tp" \
 pstep disagg 200 env SLUICEWAY_PARITY_DIR="$SLUICEWAY_PARITY_DIR-disagg" \
     "${PYTEST[@]}" "$PARITY" -k disaggregated
 wait
-for name in kernels invariance kv-ipc parity tp disagg; do cat "$WORK/$name.out"; done
+for name in "${PARALLEL[@]}"; do cat "$WORK/$name.out"; done
 step inv-bench 120 "$PYTHON" scripts/invariance_bench.py "${INV_BENCH[@]}" --json "$OUT/invariance.json"
 step bench 180 "$PYTHON" -m sluiceway.cli bench step "${BENCH[@]}" --json "$OUT/bench_step.json"
 step bench-ni 180 env SLUICEWAY_BATCH_INVARIANT=0 "$PYTHON" -m sluiceway.cli bench step \

@@ -1,8 +1,8 @@
 """Whether speculative decoding runs at all at a given batch size: an A/B test of the two
 policies on the steps themselves.
 
-:class:`~sluiceway.speculative.AdaptiveLength` predicts from a fitted cost model how long a
-proposal pays. A model misses what it does not model (a draft model's catch-up forwards, its
+:class:`~sluiceway.speculative.AdaptiveLength` used to predict from a fitted cost model how long
+a proposal pays. A model misses what it does not model (a draft model's catch-up forwards, its
 sampling and bookkeeping per proposal, the prefill-path attention of a chunk of several
 queries), and at 4-32 streams a draft model ran 0.67-0.78x plain decoding with the model's
 limit still above zero. The gate measures instead: per batch-size class it runs one policy
@@ -49,6 +49,11 @@ class _Class:
     pairs: int = 0  # explored steps since the last switch
     explored: int = 0  # explored steps ever
 
+    @property
+    def measured(self) -> bool:
+        """Whether a step of the policy in use was measured (an explored step needs one)."""
+        return self.recent_seconds > 0.0
+
 
 class SpeculationGate:
     """Chooses, step by step, whether a step of ``batch`` decoding sequences speculates.
@@ -88,18 +93,11 @@ class SpeculationGate:
         """Whether the next step, of ``batch`` decoding sequences, speculates. Counts it."""
         c = self._class(batch)
         c.steps += 1
-        if c.speculate:
-            every = self.EXPLORE_FIRST if c.explored < self.MIN_PAIRS else self.EXPLORE_EVERY
-        elif not self.explore_speculation_every:
-            return False
-        else:
-            every = (
-                self.EXPLORE_FIRST
-                if c.explored < self.MIN_PAIRS
-                else self.explore_speculation_every
-            )
-        explore = c.steps % every == 0 and c.recent_seconds > 0.0  # (a pair needs the policy's)
-        return c.speculate != explore
+        later = self.EXPLORE_EVERY if c.speculate else self.explore_speculation_every
+        if not later or not c.measured:
+            return c.speculate
+        every = self.EXPLORE_FIRST if c.explored < self.MIN_PAIRS else later
+        return c.speculate != (c.steps % every == 0)
 
     def _class(self, batch: int) -> _Class:
         """``batch``'s class. One that has measured nothing yet follows the nearest class that
@@ -111,22 +109,20 @@ class SpeculationGate:
         c = self._classes.get(key)
         if c is None:
             c = self._classes[key] = _Class()
-        if not c.recent_seconds and not c.explored:
+        if not c.measured:
             c.speculate = self._prior(key)
         return c
 
     def _prior(self, key: int) -> bool:
         measured = [(abs(k - key), -k, c.speculate)
-                    for k, c in self._classes.items() if c.recent_seconds or c.explored]  # fmt: skip
+                    for k, c in self._classes.items() if c.measured]  # fmt: skip
         return min(measured)[2] if measured else True
 
     def speculating(self, batch: int) -> bool:
         """The policy in use for ``batch`` (no step counted)."""
         key = self.batch_class(batch)
         c = self._classes.get(key)
-        if c is None or (not c.recent_seconds and not c.explored):
-            return self._prior(key)
-        return c.speculate
+        return c.speculate if c is not None and c.measured else self._prior(key)
 
     def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> bool:
         """A finished decode step of ``batch`` sequences that ran policy ``speculated`` and
@@ -140,7 +136,7 @@ class SpeculationGate:
             c.recent_tokens = self.RECENT_DECAY * c.recent_tokens + tokens
             c.recent_seconds = self.RECENT_DECAY * c.recent_seconds + seconds
             return False
-        if not c.recent_seconds:
+        if not c.measured:
             return False  # nothing to pair it with yet
         recent = c.recent_tokens / c.recent_seconds
         c.log_ratio = self.PAIR_DECAY * c.log_ratio + math.log(goodput / recent)

@@ -81,12 +81,11 @@ def quantization_obstacles(
         out.append(
             f"it runs bfloat16 or float32 activations, not {str(dtype).removeprefix('torch.')}"
         )
-    if device.type != "cpu":
-        pass  # asking would build the C++ CPU kernels on a GPU machine, for nothing
-    elif not cpu_ops.bf16_gemm_supported():
-        out.append("its GEMM needs a CPU with AVX512-BF16")
-    elif mode == "gguf_a8" and not cpu_ops.quant_gemm_a8_supported():
-        out.append("its int8 GEMM needs a CPU with AVX512-VNNI")
+    if device.type == "cpu":  # (elsewhere asking would build the C++ CPU kernels, for nothing)
+        if not cpu_ops.bf16_gemm_supported():
+            out.append("its GEMM needs a CPU with AVX512-BF16")
+        elif mode == "gguf_a8" and not cpu_ops.quant_gemm_a8_supported():
+            out.append("its int8 GEMM needs a CPU with AVX512-VNNI")
     if not backend.fused_layer_ops:
         out.append(f"it runs beside the C++ CPU kernels, not the {backend.name} backend")
     if tp.world_size > 1:
