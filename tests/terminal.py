@@ -43,7 +43,8 @@ class Terminal:
         os.close(slave)
         self._output = bytearray()
         self._changed = threading.Condition()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
 
     def _pump(self) -> None:
         while True:
@@ -80,8 +81,11 @@ class Terminal:
         os.write(self.master, b"\x03")
 
     def close(self) -> None:
-        """Kills the process group if it still runs; closes the terminal."""
+        """Kills the process group if it still runs, reads what it wrote up to the terminal's
+        end (its last lines may still be in the terminal after it exited), closes the
+        terminal."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+        self._pump_thread.join(timeout=10)  # EIO once every writer has closed the terminal
         os.close(self.master)
