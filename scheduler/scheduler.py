@@ -89,9 +89,12 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         speculative: SpeculativeConfig | None = None,
+        draft_catches_up: bool = True,
     ):
         """`speculative`: propose tokens to decoding sequences (the workers' forward must be
         batch invariant: see `sluiceway.speculative`); None: plain decoding.
+        `draft_catches_up`: a draft model's proposal first computes the draft's K/V for the
+        tokens since the sequence's last one (False: the draft reads the model's K/V).
 
         `max_model_len` is the model's (or the user's) limit; `self.max_model_len` is
         that capped so that every sequence can always run again: at most the tokens the
@@ -126,13 +129,16 @@ class Scheduler:
         )
         self.pace = AdaptiveLength(speculative.num_speculative_tokens if speculative else 0)
         self.spec_decode = SpecDecodeCounts()
-        # whether to speculate at all, per batch size: measured. A draft model's explored
-        # step computes every token its sequences made since their last proposal (their
-        # prompts, for new ones): it is not tried again where plain decoding won
+        # whether to speculate at all, per batch size: measured. A draft model that catches
+        # up computes, in an explored step, every token its sequences made since their last
+        # proposal (their prompts, for new ones): it is not tried again where plain won
+        catches_up = (
+            draft_catches_up and speculative is not None and speculative.method == "draft_model"
+        )
         self.gate = SpeculationGate(
-            explore_speculation_every=SpeculationGate.EXPLORE_EVERY
-            if speculative is None or speculative.method == "ngram"
-            else SpeculationGate.EXPLORE_DRAFT_EVERY
+            explore_speculation_every=SpeculationGate.EXPLORE_DRAFT_EVERY
+            if catches_up
+            else SpeculationGate.EXPLORE_EVERY
         )
 
     # -- queue changes ----------------------------------------------------------

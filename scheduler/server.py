@@ -150,6 +150,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             worker_id=request.worker_id,
             batch_invariant=request.batch_invariant,
             has_draft_model=request.has_draft_model,
+            draft_reads_model_kv=request.draft_reads_model_kv,
         )
         try:
             max_model_len = await self.engine.register_worker(info)

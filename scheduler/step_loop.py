@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import statistics
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
@@ -279,17 +280,20 @@ class StepLoop:
         decode_only = step.out.is_decode_only  # (before the step's tokens are applied)
         self._apply(sched, step.out, response)
         if decode_only and not step.out.advanced and step.out.speculating is not None:
-            # a decode step's goodput: the speculation gate's measure
+            # a decode step's goodput and its typical stream's: the speculation gate's measure
             batch, tokens, seconds = len(step.out.scheduled), len(response.sampled), t2 - step.t1
+            per_seq = Counter(t.seq_id for t in response.sampled)
+            median = statistics.median(per_seq[s.seq.seq_id] for s in step.out.scheduled)
             log.debug(
                 "speculation_step",
                 batch=batch,
                 speculating=step.out.speculating,
                 rows=step.out.num_batched_tokens,
                 tokens=tokens,
+                median_tokens=median,
                 ms=round(1e3 * seconds, 2),
             )
-            if sched.gate.observe(batch, step.out.speculating, tokens, seconds):
+            if sched.gate.observe(batch, step.out.speculating, tokens, median, seconds):
                 log.info(
                     "speculation_switched",
                     group=self.group.name,

@@ -74,6 +74,7 @@ class WorkerInfo:
     worker_id: str = ""  # random per worker process; "" from a worker that sends none
     batch_invariant: bool = False  # its forward's rows do not depend on the rest of the step
     has_draft_model: bool = False  # it loaded a --speculative-config draft_model's draft
+    draft_reads_model_kv: bool = False  # that draft uses the model's KV pool (worker.draft)
 
     def same_process(self, other: WorkerInfo) -> bool:
         """Whether `other` is a registration of the very process this one came from (it
@@ -199,6 +200,7 @@ class WorkerGroup:
             BlockManager(num_blocks, block_size, self.config.enable_prefix_caching),
             max_model_len,
             speculative,
+            draft_catches_up=not all(r.draft_reads_model_kv for r in self.ranks.values()),
         )
         if previous is not None:  # counters are "since start": a new worker does not reset them
             self.scheduler.carry_counters_from(previous)

@@ -186,7 +186,7 @@ def _resolve_model(config: ServeConfig) -> tuple[pathlib.Path, str]:
         ValueError: `--device cuda` without a GPU, a model path that is not one, an
             architecture the worker does not implement, a `--max-model-len` above the
             model's context (`sluiceway.preflight`), a `--chat-template` that cannot be read
-            or parsed.
+            or parsed, a draft model (`--speculative-config`) that is none of those.
     """
     from sluiceway.model_files import resolve_model, served_model_name
     from sluiceway.preflight import check_architecture, check_device, check_max_model_len
@@ -198,7 +198,28 @@ def _resolve_model(config: ServeConfig) -> tuple[pathlib.Path, str]:
     model_dir = resolve_model(config.worker.model)
     check_architecture(model_dir)
     check_max_model_len(model_dir, config.worker.max_model_len)
+    _check_draft_model(config.worker.speculative_config)
     return model_dir, served_model_name(model_dir, config.worker.served_model_name)
+
+
+def _check_draft_model(speculative_config: str) -> None:
+    """A ``draft_model`` config's model resolved (a GGUF converted once, before the workers)
+    and its architecture checked, as the model's.
+
+    Raises:
+        ValueError: the message prefixed ``speculative_config.model: ``.
+    """
+    from sluiceway.model_files import resolve_model
+    from sluiceway.preflight import check_architecture
+    from sluiceway.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(speculative_config) if speculative_config else None
+    if spec is None or spec.method != "draft_model":
+        return
+    try:
+        check_architecture(resolve_model(spec.model))
+    except ValueError as e:
+        raise ValueError(f"speculative_config.model: {e}") from None
 
 
 def build_children(

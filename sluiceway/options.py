@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any, Self
 
 from sluiceway.argtypes import bounded_int, log_level, metrics_port_number, positive_int
-from sluiceway.speculative import speculative_config_arg
+from sluiceway.speculative import MAX_SPECULATIVE_TOKENS, speculative_config_arg
 
 _KEY = "sluiceway.option"  # the key of a field's Option in its dataclass metadata
 
@@ -207,8 +207,8 @@ SPECULATIVE_CONFIG = Option(
     help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, '
     '"prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B} or '
     '{"method": "draft_model", "model": PATH, "num_speculative_tokens": K, "quantization": Q}; '
-    "the tokens are those of plain decoding, bitwise (needs a batch-invariant worker; a draft "
-    'model: on the scheduler and its workers alike); "": off',
+    f"K in [1, {MAX_SPECULATIVE_TOKENS}]; the tokens are those of plain decoding, bitwise (needs "
+    'a batch-invariant worker; a draft model: on the scheduler and its workers alike); "": off',
     type=speculative_config_arg,
 )
 LOG_FORMAT = Option(

@@ -10,14 +10,19 @@ limit still above zero. The gate measures instead: per batch-size class it runs 
 other, and compares that step's goodput (tokens emitted per second of the step) with the
 recent steps' of the policy in use (their tokens over their seconds, the last ten or so
 weighted most), which ran at about the same batch (a pair of neighbours:
-the batch drifts slowly, so the pair cancels it). The gate switches to speculation when its
-goodput beats plain decoding's by :attr:`SpeculationGate.MARGIN` on average over recent
-pairs, and to plain decoding when plain decoding comes within ``MARGIN`` of it: a tie goes to
-plain decoding, whose per-stream latency is steadier (at 32 streams n-gram lookup matched
-plain decoding's throughput with a 7-9% longer TPOT median). What the
+the batch drifts slowly, so the pair cancels it). Each step is measured twice: its goodput,
+and its typical stream's pace (the median over its sequences of the tokens each emitted, per
+second of the step): speculation that adds tokens to a few streams while every stream's step
+takes longer raises the one and lowers the other (n-gram lookup at 4 streams: 1.04x the
+throughput with a 17% longer TPOT median). Speculation must win on both. The gate switches
+to speculation when it beats plain decoding by :attr:`SpeculationGate.MARGIN` on both on
+average over recent pairs, and to plain decoding when plain decoding comes within ``MARGIN``
+of it on either: a tie goes to plain decoding, whose per-stream latency is steadier (at 32
+streams n-gram lookup matched plain decoding's throughput with a 7-9% longer TPOT median). What the
 exploration costs: one step in ``EXPLORE_EVERY`` under the worse policy (one in
-``EXPLORE_FIRST`` until a batch class's first decision); a draft model is not tried again
-where plain decoding won (its explored step would first catch its draft up).
+``EXPLORE_FIRST`` until a batch class's first decision); a draft model with a KV pool of its
+own is not tried again where plain decoding won (its explored step would first catch its
+draft up; a draft that reads the model's K/V is explored as n-gram lookup is).
 
 A step that leaves plain decoding for speculation carries the draft model's catch-up (the
 tokens since its last proposal), so an explored speculative step looks worse than a steady
@@ -43,8 +48,11 @@ class _Class:
     # the policy in use: decayed sums of its steps' tokens and seconds (their ratio, the
     # goodput, counts a draft model's catch-up steps at their full cost)
     recent_tokens: float = 0.0
+    recent_median: float = 0.0  # (each step's median over its sequences of tokens emitted)
     recent_seconds: float = 0.0
-    log_ratio: float = 0.0  # decayed sum of log(explored / recent) over explored steps
+    # decayed sum over explored steps of log(explored / recent): of the measure on which
+    # speculation fares worse (explored speculation: the lower ratio; explored plain: the higher)
+    log_ratio: float = 0.0
     weight: float = 0.0  # decayed count of those
     pairs: int = 0  # explored steps since the last switch
     explored: int = 0  # explored steps ever
@@ -71,9 +79,10 @@ class SpeculationGate:
     RECENT_DECAY = 0.9  # the policy in use: about its last ten steps
     PAIR_DECAY = 0.8  # explored steps: about the last five
 
-    # A draft model's explored step first computes the draft's K/V for every token since
-    # its sequences' last proposal (new sequences' whole prompts): at 32 streams one took 7 s
-    # against 83 ms for a plain step. Once plain decoding won a class, it stays there.
+    # A draft model's explored step, with a KV pool of its own, first computes the draft's
+    # K/V for every token since its sequences' last proposal (new sequences' whole prompts):
+    # at 32 streams one took 7 s against 83 ms for a plain step. Once plain decoding won a
+    # class, it stays there.
     EXPLORE_DRAFT_EVERY = 0
 
     def __init__(self, explore_speculation_every: int = EXPLORE_EVERY) -> None:
@@ -124,22 +133,30 @@ class SpeculationGate:
         c = self._classes.get(key)
         return c.speculate if c is not None and c.measured else self._prior(key)
 
-    def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> bool:
+    def observe(
+        self, batch: int, speculated: bool, tokens: int, median_tokens: float, seconds: float
+    ) -> bool:
         """A finished decode step of ``batch`` sequences that ran policy ``speculated`` and
-        emitted ``tokens`` tokens (accepted proposals included) in ``seconds``. Returns
-        whether the class's policy switched (to ``speculated``)."""
-        if tokens <= 0 or seconds <= 0.0:
+        emitted ``tokens`` tokens (accepted proposals included), ``median_tokens`` the median
+        over its sequences of the tokens each emitted, in ``seconds``. Returns whether the
+        class's policy switched (to ``speculated``)."""
+        if tokens <= 0 or median_tokens <= 0.0 or seconds <= 0.0:
             return False
         c = self._class(batch)
-        goodput = tokens / seconds
         if speculated == c.speculate:
             c.recent_tokens = self.RECENT_DECAY * c.recent_tokens + tokens
+            c.recent_median = self.RECENT_DECAY * c.recent_median + median_tokens
             c.recent_seconds = self.RECENT_DECAY * c.recent_seconds + seconds
             return False
         if not c.measured:
             return False  # nothing to pair it with yet
-        recent = c.recent_tokens / c.recent_seconds
-        c.log_ratio = self.PAIR_DECAY * c.log_ratio + math.log(goodput / recent)
+        # (the seconds cancel in neither ratio: the recent ones are decayed sums)
+        ratios = (
+            math.log(tokens / seconds * c.recent_seconds / c.recent_tokens),
+            math.log(median_tokens / seconds * c.recent_seconds / c.recent_median),
+        )
+        worse_for_speculation = min(ratios) if speculated else max(ratios)
+        c.log_ratio = self.PAIR_DECAY * c.log_ratio + worse_for_speculation
         c.weight = self.PAIR_DECAY * c.weight + 1.0
         c.pairs += 1
         c.explored += 1
@@ -147,7 +164,7 @@ class SpeculationGate:
         threshold = math.log1p(self.MARGIN if speculated else -self.MARGIN)
         if c.pairs >= self.MIN_PAIRS and c.log_ratio / c.weight > threshold:
             c.speculate = speculated
-            c.recent_tokens, c.recent_seconds = tokens, seconds
+            c.recent_tokens, c.recent_median, c.recent_seconds = tokens, median_tokens, seconds
             c.log_ratio = c.weight = 0.0
             c.pairs = 0
             return True

@@ -166,7 +166,7 @@ def _int(raw: dict[str, object], key: str, default: int | None, lo: int, hi: int
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"speculative_config.{key}: an integer, got {value!r}")
     if value < lo or (hi is not None and value > hi):
-        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise ValueError(f"speculative_config.{key} must be {bound}, got {value}")
     return value
 

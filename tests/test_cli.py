@@ -393,6 +393,18 @@ def test_serve_a_folder_without_config_json(tmp_path: pathlib.Path) -> None:
     )
 
 
+def test_serve_a_draft_model_that_is_not_a_model_is_refused_before_any_process(
+    tmp_path: pathlib.Path,
+) -> None:
+    for path, reason in [("/nonexistent.gguf", "model path /nonexistent.gguf does not exist"),
+                         (str(tmp_path), f"{tmp_path} is a folder without config.json: not an "
+                                         "HF model folder")]:  # fmt: skip
+        spec = json.dumps({"method": "draft_model", "model": path, "num_speculative_tokens": 3})
+        assert one_line_error("serve", "--speculative-config", spec) == (
+            f"sluiceway: speculative_config.model: {reason}"
+        )
+
+
 @pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only torch build")
 def test_serve_device_cuda_on_a_cpu_only_torch() -> None:
     assert one_line_error("serve", "--device", "cuda") == (

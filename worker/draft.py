@@ -4,10 +4,20 @@ greedy tokens (Leviathan et al., "Fast Inference from Transformers via Speculati
 ICML 2023). The target verifies them as it verifies n-gram proposals (:mod:`worker.verify`),
 so what the draft proposes changes how many tokens a step emits, never which.
 
-The draft's K/V live in a pool of its own with the target pool's number of blocks, indexed by
-the target's block table: the scheduler's block manager hands out both at once (a block id
-holds a position's K/V in each pool), and the KV budget is split in proportion to their
-bytes per block. The draft computes lazily: each sequence's :class:`DraftState` says up to
+A draft that is the target's own weights in another quantization (the same model folder,
+e.g. the embedded GGUF as ``gguf_a8`` drafting for its ``none`` bfloat16 copy) reads and
+writes the target's KV pool, as QSpec does (Zhao et al., "QSpec: Speculative Decoding with
+Complementary Quantization Schemes", EMNLP 2025, arXiv 2410.11305): the target's K/V of the
+sequence so far stand in for the draft's own, so a proposal computes one position per
+proposed token and nothing else. The draft writes its K/V at the positions it proposes
+from, which the target's verifying forward of the same step writes again before any
+attention reads them (each layer writes its step's K/V, then attends:
+:mod:`kernels.backend`), so the target only ever reads its own K/V.
+
+Any other draft keeps its K/V in a pool of its own with the target pool's number of blocks,
+indexed by the target's block table: the scheduler's block manager hands out both at once (a
+block id holds a position's K/V in each pool), and the KV budget is split in proportion to
+their bytes per block. It computes lazily: each sequence's :class:`DraftState` says up to
 which position its draft K/V hold the sequence's own tokens, and a proposal first computes
 the positions from there to the last token (the whole prompt the first time, or after a
 preemption, a prefix-cache hit, a disaggregated hand-off or a stream resume: none of those
@@ -60,7 +70,12 @@ class DraftState:
 class DraftModel:
     """A loaded draft (``config.model``, with ``config.quantization``) for a target of
     ``vocab_size`` tokens and ``max_model_len`` positions, on the target's device, dtype,
-    attention backend and KV dtype. :meth:`allocate_pool` once the block count is known.
+    attention backend and KV dtype. :meth:`attach_pool` once the block count is known.
+
+    ``target_dir`` and ``target_config``: the target's model folder (None: weights not read
+    from a folder) and config. ``shares_kv`` (the attribute) is whether the draft uses the
+    target's pool: a draft from the same folder does unless ``share_kv=False`` (a pool of its
+    own, as any other draft has; beyond vLLM's config, for tests).
 
     Raises:
         ValueError: tensor parallelism (not built), a vocabulary other than the target's, a
@@ -79,6 +94,9 @@ class DraftModel:
         backend: AttentionBackend,
         block_size: int,
         tp: TensorParallelGroup,
+        target_dir: pathlib.Path | None,
+        target_config: ModelConfig,
+        share_kv: bool = True,
     ) -> None:
         if tp.world_size > 1:
             raise ValueError("speculative_config: draft_model needs tensor_parallel_size 1")
@@ -113,13 +131,19 @@ class DraftModel:
         self._kv_dtype = kv_dtype
         self._block_size = block_size
         self._max_model_len = max_model_len
-        self.bytes_per_block = kv_bytes_per_block(
+        same_weights = target_dir is not None and self.model_dir.resolve() == target_dir.resolve()
+        self.shares_kv = share_kv and same_weights and self.config == target_config
+        self.bytes_per_block = 0 if self.shares_kv else kv_bytes_per_block(
             self.config, self.model.num_kv_heads, block_size, kv_dtype
-        )
+        )  # fmt: skip
         self._kv_caches: list[torch.Tensor] = []
 
-    def allocate_pool(self, num_blocks: int) -> None:
-        """The draft's KV pool: ``num_blocks`` blocks, the target pool's count."""
+    def attach_pool(self, num_blocks: int, target_caches: Sequence[torch.Tensor]) -> None:
+        """The draft's K/V: the target's per-layer caches ``target_caches`` when it shares
+        them, else a pool of its own of ``num_blocks`` blocks (the target pool's count)."""
+        if self.shares_kv:
+            self._kv_caches = list(target_caches)
+            return
         pool = allocate_kv_pool(
             None,
             self.config,
@@ -162,11 +186,13 @@ class DraftModel:
             state.base, state.proposed = base, c.seq.token_ids[base:]
             state.computed = len(c.seq.token_ids) - 1  # the last proposal's K/V: not computed
 
-    @staticmethod
-    def _start(seq: SequenceData) -> int:
+    def _start(self, seq: SequenceData) -> int:
         """The first position the draft computes for ``seq``: its first position without
-        the draft's K/V, at most the last token (whose logits propose)."""
+        the draft's K/V, at most the last token (whose logits propose). With the target's
+        pool, the last token: the target holds the K/V of every token before it."""
         assert seq.draft is not None
+        if self.shares_kv:
+            return len(seq.token_ids) - 1
         return min(seq.draft.valid(seq.token_ids), len(seq.token_ids) - 1)
 
     @staticmethod

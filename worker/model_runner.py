@@ -115,7 +115,10 @@ class ModelRunner:
             layout in float8 e4m3; torch and cpu backends only).
         speculative: a ``draft_model`` config loads its draft (:class:`worker.draft.DraftModel`,
             ``draft``: its KV pool has this pool's block count, the budget split by their
-            bytes per block); any other config or None: no draft.
+            bytes per block; a draft of this ``model_dir``'s own weights reads and writes
+            this pool instead); any other config or None: no draft.
+        draft_shares_kv: False keeps even a draft of the model's own weights in a pool of
+            its own (beyond the base API; for tests of that path).
         enforce_eager: never run decode steps through CUDA graphs (vLLM's flag). Graphs are
             captured on CUDA with the Triton backend and one rank
             (:mod:`worker.cuda_graphs`); everywhere else steps run eagerly anyway.
@@ -165,6 +168,7 @@ class ModelRunner:
         model: LlamaForCausalLM | None = None,
         kv_cache_dtype: str = "auto",
         speculative: SpeculativeConfig | None = None,
+        draft_shares_kv: bool = True,
     ) -> None:
         model_dir = pathlib.Path(model_dir)
         self.model_dir = model_dir
@@ -203,7 +207,8 @@ class ModelRunner:
         self.quantization = plan.apply(self.model)
         # before the CUDA profiling forward and the graph capture, which run the model
         select_linear_kernels(self.model, self.attention_backend, self._dtype)
-        self.draft = self._load_draft(speculative)  # (its weights before CUDA's profile)
+        # (its weights before CUDA's profile)
+        self.draft = self._load_draft(speculative, None if model else model_dir, draft_shares_kv)
         hkv = self.model.num_kv_heads  # the rank's
         self.bytes_per_block = kv_bytes_per_block(self.config, hkv, block_size, self.kv_dtype)
         draft_bytes = self.draft.bytes_per_block if self.draft is not None else 0
@@ -224,8 +229,6 @@ class ModelRunner:
         self._num_blocks = count_kv_blocks(
             kv_cache_memory, self.bytes_per_block + draft_bytes, self.tp
         )
-        if self.draft is not None:
-            self.draft.allocate_pool(self._num_blocks)
         self.kv_pool = allocate_kv_pool(
             kv_pool_factory,
             self.config,
@@ -236,21 +239,31 @@ class ModelRunner:
             device=self._device,
         )
         self._kv_caches = list(self.kv_pool.unbind(0))
+        if self.draft is not None:
+            self.draft.attach_pool(self._num_blocks, self._kv_caches)
         self.cuda_graphs = None if enforce_eager else self._capture_cuda_graphs()
         self._log_start()
 
-    def _load_draft(self, speculative: SpeculativeConfig | None) -> DraftModel | None:
+    def _load_draft(
+        self, speculative: SpeculativeConfig | None, weights: pathlib.Path | None, share_kv: bool
+    ) -> DraftModel | None:
         """The draft model of a ``draft_model`` config, on this runner's device, dtype,
-        backend and KV dtype; None for any other config."""
+        backend and KV dtype (the model's own KV pool when it is the model's ``weights``
+        folder and ``share_kv``); None for any other config."""
         if speculative is None or speculative.method != "draft_model":
             return None
         draft = DraftModel(
             speculative, vocab_size=self.config.vocab_size, max_model_len=self._max_model_len,
             device=self._device, dtype=self._dtype, kv_dtype=self.kv_dtype,
             backend=self.attention_backend, block_size=self._block_size, tp=self.tp,
+            target_dir=weights, target_config=self.config, share_kv=share_kv,
         )  # fmt: skip
-        log.info("draft model %s (%s): %d KV bytes a block beside the model's",
-                 draft.model_dir, draft.quantization, draft.bytes_per_block)  # fmt: skip
+        if draft.shares_kv:
+            log.info("draft model %s (%s): the model's own weights, it reads the model's K/V",
+                     draft.model_dir, draft.quantization)  # fmt: skip
+        else:
+            log.info("draft model %s (%s): %d KV bytes a block beside the model's",
+                     draft.model_dir, draft.quantization, draft.bytes_per_block)  # fmt: skip
         return draft
 
     def _capture_cuda_graphs(self) -> DecodeCudaGraphs | None:

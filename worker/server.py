@@ -356,6 +356,7 @@ async def register(
         worker_id=worker_id,
         batch_invariant=runner.batch_invariant,
         has_draft_model=runner.draft is not None,
+        draft_reads_model_kv=runner.draft is not None and runner.draft.shares_kv,
     )
     options = [
         *channel_options(),

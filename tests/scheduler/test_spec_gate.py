@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 
 from sluiceway.spec_gate import SpeculationGate
 
@@ -18,7 +19,7 @@ def _run(gate: SpeculationGate, batch: int, steps: int, goodput: dict[bool, floa
         chosen.append(speculate)
         rate = goodput[speculate] * (1.0 + rng.uniform(-noise, noise))
         tokens = batch * 2 if speculate else batch
-        gate.observe(batch, speculate, tokens, tokens / rate)
+        gate.observe(batch, speculate, tokens, tokens / batch, tokens / rate)
     return chosen
 
 
@@ -96,8 +97,8 @@ def test_a_tie_goes_to_plain_decoding_and_speculation_must_win_by_2_percent() ->
 
 def test_a_step_without_tokens_or_time_is_ignored() -> None:
     gate = SpeculationGate()
-    assert not gate.observe(1, False, 0, 0.01)
-    assert not gate.observe(1, False, 1, 0.0)
+    assert not gate.observe(1, False, 0, 0, 0.01)
+    assert not gate.observe(1, False, 1, 1, 0.0)
     assert gate.speculating(1)
 
 
@@ -127,9 +128,9 @@ def test_catch_up_steps_count_at_their_full_cost() -> None:
         if speculate:
             steps += 1
             slow = 10.0 if steps % 8 == 0 else 1.0
-            gate.observe(4, True, 15, 0.071 * slow)
+            gate.observe(4, True, 15, 4, 0.071 * slow)
         else:
-            gate.observe(4, False, 4, 0.024)
+            gate.observe(4, False, 4, 1, 0.024)
     assert not gate.speculating(4)
 
 
@@ -143,3 +144,20 @@ def test_a_class_met_only_in_prefill_steps_follows_the_measured_ones() -> None:
     _run(gate, 32, 64, {True: 67.0, False: 100.0})
     assert not gate.speculating(32)
     assert not any(gate.choose(20) for _ in range(64))
+
+
+def test_speculation_that_speeds_a_few_streams_and_slows_the_typical_one_turns_off() -> None:
+    """n-gram lookup at 4 streams: one stream's proposals accepted (4 tokens), the other three
+    without one, and the step 25% longer than a plain one (its rows): 7 tokens against 4, 1.4x
+    the goodput, but the median stream emits 1 token in 1.25x the time. Plain decoding wins;
+    with two of the four accepting, the median stream gains too and speculation stays."""
+    for accepting, expected in ((1, False), (2, True)):
+        gate = SpeculationGate()
+        for _ in range(64):
+            speculate = gate.choose(4)
+            if speculate:
+                per_seq = [4] * accepting + [1] * (4 - accepting)
+                gate.observe(4, True, sum(per_seq), statistics.median(per_seq), 0.025)
+            else:
+                gate.observe(4, False, 4, 1, 0.020)
+        assert gate.speculating(4) == expected, accepting

@@ -30,7 +30,7 @@ def test_the_config_takes_vllms_keys_and_refuses_the_rest() -> None:
     assert legacy.method == "ngram"
     refused = {
         '{"method": "ngram"}': "num_speculative_tokens is required",
-        '{"method": "ngram", "num_speculative_tokens": 0}': r"must be \[1, 15\], got 0",
+        '{"method": "ngram", "num_speculative_tokens": 0}': r"must be in \[1, 15\], got 0",
         '{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}': "unknown key.*foo",
         '{"method": "draft_model", "num_speculative_tokens": 2}': "model: the draft model's path",
         '{"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 2, '

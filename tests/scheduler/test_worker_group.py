@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from sluiceway.ports import free_port
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.worker_group import WorkerGroup, WorkerInfo
+from sluiceway.spec_gate import SpeculationGate
 
 
 def rank(r: int, worker_id: str) -> WorkerInfo:
@@ -83,3 +84,26 @@ def test_a_rank_back_at_its_old_address_answers_the_first_probe() -> None:
             await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_a_draft_that_reads_the_models_kv_is_explored_again_where_plain_decoding_won() -> None:
+    """A draft model's explored step catches its K/V up (a new sequence's whole prompt), so
+    where plain decoding won it is not tried again; a draft of the model's own weights reads
+    the model's K/V (worker.draft) and is explored as n-gram lookup is. Speculation needs a
+    batch-invariant worker with the draft loaded, else it is off."""
+    draft = '{"method": "draft_model", "model": "d", "num_speculative_tokens": 3}'
+    config = SchedulerConfig(speculative_config=draft)
+    one = dataclasses.replace(rank(0, "a"), tensor_parallel_size=1, batch_invariant=True)
+
+    def explore_every(**fields: bool) -> int | None:
+        group = WorkerGroup(0, "both", 1, config)
+        group.ranks[0] = dataclasses.replace(one, **fields)
+        scheduler = group.new_scheduler(128)
+        if scheduler.speculative is None:
+            return None
+        return scheduler.gate.explore_speculation_every
+
+    assert explore_every(has_draft_model=True) == SpeculationGate.EXPLORE_DRAFT_EVERY == 0
+    assert explore_every(has_draft_model=True, draft_reads_model_kv=True) == 32
+    assert explore_every(has_draft_model=False) is None
+    assert explore_every(has_draft_model=True, batch_invariant=False) is None

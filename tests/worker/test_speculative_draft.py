@@ -4,8 +4,10 @@ its own Q4_1 file as the draft (`gguf_a8`: int8 activations, a cheaper forward),
 seeded, alone and beside unrelated streams, under preemption, chunked prefill, parallel
 samples, structured outputs and a resumed stream; and its proposals save forward steps.
 
-The draft's K/V are recomputed from its last valid position (worker.draft.DraftState): after
-a preemption, a prefix-cache hit or a resume it computes the sequence's tokens again."""
+The draft, being the target's own weights, reads and writes the target's KV pool; with a
+pool of its own (`draft_shares_kv=False`, as any other draft has) its K/V are recomputed from
+its last valid position (worker.draft.DraftState): after a preemption, a prefix-cache hit or
+a resume it computes the sequence's tokens again."""
 
 from __future__ import annotations
 
@@ -40,22 +42,30 @@ DRAFT = json.dumps({"method": "draft_model", "model": str(embedded_model_path())
                     "num_speculative_tokens": 4, "quantization": "gguf_a8"})  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=32)
-TARGETS = [("none", "bfloat16"), ("gguf", "float32")]  # (--quantization, --dtype)
-in_bf16 = pytest.mark.parametrize("runner", TARGETS[:1], indirect=True, ids="-".join)
+KV_MEMORY = 256 << 20
+# (--quantization, --dtype, the draft in the target's KV pool)
+TARGETS = [("none", "bfloat16", True), ("gguf", "float32", True)]
+OWN_POOL = ("none", "bfloat16", False)
+in_bf16 = pytest.mark.parametrize(
+    "runner", TARGETS[:1], indirect=True, ids=lambda t: "-".join(t[:2])
+)
+either_pool = pytest.mark.parametrize("runner", [TARGETS[0], OWN_POOL], indirect=True,
+                                      ids=["shared-kv", "own-kv"])  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def runner(request: pytest.FixtureRequest) -> ModelRunner:
-    quantization, dtype = request.param
+    quantization, dtype, shares_kv = request.param
     r = ModelRunner(
         resolve_model(None),
         dtype=dtype,
         quantization=quantization,
-        kv_cache_memory=256 << 20,
+        kv_cache_memory=KV_MEMORY,
         speculative=SpeculativeConfig.parse(DRAFT),
+        draft_shares_kv=shares_kv,
     )
     assert r.batch_invariant and r.draft is not None
-    assert r.draft.quantization == "gguf_a8"
+    assert r.draft.quantization == "gguf_a8" and r.draft.shares_kv == shares_kv
     return r
 
 
@@ -81,6 +91,16 @@ def test_a_draft_path_that_is_not_a_model_is_refused_naming_the_key(tmp_path: An
             ModelRunner(resolve_model(None), kv_cache_memory=64 << 20, speculative=config)
 
 
+@pytest.mark.parametrize("runner", TARGETS, indirect=True, ids=lambda t: "-".join(t[:2]))
+def test_a_draft_of_the_models_own_weights_uses_the_models_kv_pool(runner: ModelRunner) -> None:
+    """No second pool: the draft's caches are the model's, and the KV budget holds as many
+    blocks as without a draft (a pool of its own halves them: the same bytes per block)."""
+    assert runner.draft is not None
+    assert runner.draft.bytes_per_block == 0
+    assert all(d is t for d, t in zip(runner.draft._kv_caches, runner._kv_caches, strict=True))
+    assert runner.num_kv_blocks == KV_MEMORY // runner.bytes_per_block
+
+
 def test_the_draft_state_keeps_the_accepted_proposals_it_computed() -> None:
     """Proposed [5, 6, 7] after position 10: the draft computed positions up to 12 (the last
     proposal's K/V never); what the sequence now holds there decides what stays valid."""
@@ -92,7 +112,7 @@ def test_the_draft_state_keeps_the_accepted_proposals_it_computed() -> None:
     assert DraftState().valid(base) == 0  # never computed
 
 
-@pytest.mark.parametrize("runner", TARGETS, indirect=True, ids="-".join)
+@pytest.mark.parametrize("runner", TARGETS, indirect=True, ids=lambda t: "-".join(t[:2]))
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_tokens_equal_plain_decoding_for_sharegpt_and_repetitive_prompts(
     runner: ModelRunner, prompts: list[list[int]], params: SamplingParams
@@ -119,7 +139,7 @@ def test_repetitive_prompts_take_under_0_6_forward_steps_per_token(
         assert decode_steps / 63 < 0.6, (decode_steps, spec.scheduler.spec_decode)
 
 
-@in_bf16
+@either_pool
 def test_beside_20_streams_under_preemption_chunked_prefill_and_parallel_samples(
     runner: ModelRunner, prompts: list[list[int]]
 ) -> None:
@@ -153,7 +173,7 @@ def test_beside_20_streams_under_preemption_chunked_prefill_and_parallel_samples
     assert spec.scheduler.spec_decode.num_accepted_tokens > 0
 
 
-@in_bf16
+@either_pool
 def test_structured_outputs_and_a_resumed_stream(
     runner: ModelRunner, prompts: list[list[int]]
 ) -> None:

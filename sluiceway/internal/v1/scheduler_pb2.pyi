@@ -90,7 +90,7 @@ class KvCacheStats(_message.Message):
     def __init__(self, utilization: _Optional[float] = ..., tokens_stored_total: _Optional[int] = ..., slots_allocated_total: _Optional[int] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., spec_decode_num_drafts_total: _Optional[int] = ..., spec_decode_num_draft_tokens_total: _Optional[int] = ..., spec_decode_num_accepted_tokens_total: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("address", "rank", "model_id", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "worker_group", "tensor_parallel_size", "kv_pool", "worker_id", "batch_invariant", "has_draft_model")
+    __slots__ = ("address", "rank", "model_id", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "worker_group", "tensor_parallel_size", "kv_pool", "worker_id", "batch_invariant", "has_draft_model", "draft_reads_model_kv")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class RegisterWorkerRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     HAS_DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_READS_MODEL_KV_FIELD_NUMBER: _ClassVar[int]
     address: str
     rank: int
     model_id: str
@@ -117,7 +118,8 @@ class RegisterWorkerRequest(_message.Message):
     worker_id: str
     batch_invariant: bool
     has_draft_model: bool
-    def __init__(self, address: _Optional[str] = ..., rank: _Optional[int] = ..., model_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_group: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolHandle, _Mapping]] = ..., worker_id: _Optional[str] = ..., batch_invariant: _Optional[bool] = ..., has_draft_model: _Optional[bool] = ...) -> None: ...
+    draft_reads_model_kv: bool
+    def __init__(self, address: _Optional[str] = ..., rank: _Optional[int] = ..., model_id: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., worker_group: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_pool: _Optional[_Union[KvPoolHandle, _Mapping]] = ..., worker_id: _Optional[str] = ..., batch_invariant: _Optional[bool] = ..., has_draft_model: _Optional[bool] = ..., draft_reads_model_kv: _Optional[bool] = ...) -> None: ...
 
 class KvPoolHandle(_message.Message):
     __slots__ = ("shm_path", "cuda_ipc_handle", "shape", "dtype", "device_index", "owner")
