@@ -132,13 +132,10 @@ class Scheduler:
         # whether to speculate at all, per batch size: measured. A draft model that catches
         # up computes, in an explored step, every token its sequences made since their last
         # proposal (their prompts, for new ones): it is not tried again where plain won
-        catches_up = (
-            draft_catches_up and speculative is not None and speculative.method == "draft_model"
-        )
         self.gate = SpeculationGate(
-            explore_speculation_every=SpeculationGate.EXPLORE_DRAFT_EVERY
-            if catches_up
-            else SpeculationGate.EXPLORE_EVERY
+            draft_catches_up=draft_catches_up
+            and speculative is not None
+            and speculative.method == "draft_model"
         )
 
     # -- queue changes ----------------------------------------------------------

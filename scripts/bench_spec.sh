@@ -17,13 +17,13 @@
 #
 # Each (workload, concurrency) pair is one `bench compare` (two servers: "continuous" and
 # "continuous + spec") with 8 x concurrency prompts (at least 8, at most 128), its JSON saved under
-# $OUT (default docs/bench/speculative/). Prints each table; the summary line per pair gives
+# $OUT (default docs/bench/speculative/METHOD/). Prints each table; the summary line per pair gives
 # output tok/s, TPOT P50/P99 and E2E latency P50/P99 of both and the ratio.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-OUT=${OUT:-docs/bench/speculative}
 SPEC=${SPEC:-'{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'}
+OUT=${OUT:-docs/bench/speculative/$($PY -c 'import json, sys; print(json.loads(sys.argv[1])["method"])' "$SPEC")}
 CONCURRENCY=${CONCURRENCY:-"1 4 32"}
 WORKLOADS=${WORKLOADS:-"sharegpt repeat"}
 SERVE_ARGS=${SERVE_ARGS:-}  # more `serve` flags for both servers (e.g. the target's mode)

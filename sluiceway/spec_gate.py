@@ -19,10 +19,11 @@ to speculation when it beats plain decoding by :attr:`SpeculationGate.MARGIN` on
 average over recent pairs, and to plain decoding when plain decoding comes within ``MARGIN``
 of it on either: a tie goes to plain decoding, whose per-stream latency is steadier (at 32
 streams n-gram lookup matched plain decoding's throughput with a 7-9% longer TPOT median). What the
-exploration costs: one step in ``EXPLORE_EVERY`` under the worse policy (one in
-``EXPLORE_FIRST`` until a batch class's first decision); a draft model with a KV pool of its
-own is not tried again where plain decoding won (its explored step would first catch its
-draft up; a draft that reads the model's K/V is explored as n-gram lookup is).
+exploration costs: one step in ``EXPLORE_EVERY`` under the worse policy, one in 64, 128, then
+256 as explored steps keep confirming it (one in ``EXPLORE_FIRST``, every other step, until a
+batch class's first decision); a draft model with a KV pool of its own is not tried again
+where plain decoding won (its explored step would first catch its draft up; a draft that
+reads the model's K/V is explored as n-gram lookup is).
 
 A step that leaves plain decoding for speculation carries the draft model's catch-up (the
 tokens since its last proposal), so an explored speculative step looks worse than a steady
@@ -71,26 +72,32 @@ class SpeculationGate:
     loses at 32 (the step's rows dominate)."""
 
     EXPLORE_EVERY = 32
-    # until a class's first MIN_PAIRS explored steps: decide early, though not so early that
-    # a draft model's first catch-up (the prompt) is most of what the pairs see
-    EXPLORE_FIRST = 8
+    # each MIN_PAIRS explored steps in a row that keep the policy in use double the interval,
+    # up to 8x: a settled class pays less for the question (at 32 streams a draft model's
+    # speculating step took 4.3x a plain one's time for 3.9x its tokens)
+    BACKOFF_DOUBLINGS = 3
+    # until a class's first MIN_PAIRS explored steps: every other step, so that it decides
+    # within 6 steps; every 8th for a draft that catches up, so that its first catch-up (the
+    # prompt) is not most of what the pairs see
+    EXPLORE_FIRST = 2
+    EXPLORE_FIRST_CATCHING_UP = 8
     MIN_PAIRS = 3  # explored steps before a switch
     MARGIN = 0.02  # speculation must be this much faster (goodput ratio - 1) to run
     RECENT_DECAY = 0.9  # the policy in use: about its last ten steps
     PAIR_DECAY = 0.8  # explored steps: about the last five
 
-    # A draft model's explored step, with a KV pool of its own, first computes the draft's
-    # K/V for every token since its sequences' last proposal (new sequences' whole prompts):
-    # at 32 streams one took 7 s against 83 ms for a plain step. Once plain decoding won a
-    # class, it stays there.
-    EXPLORE_DRAFT_EVERY = 0
-
-    def __init__(self, explore_speculation_every: int = EXPLORE_EVERY) -> None:
-        """`explore_speculation_every`: while plain decoding is in use, every how many steps
-        one speculates; 0: never, once plain decoding won (a draft model:
-        :attr:`EXPLORE_DRAFT_EVERY`). Plain decoding is explored every :attr:`EXPLORE_EVERY`
-        steps while speculation is in use."""
-        self.explore_speculation_every = explore_speculation_every
+    def __init__(self, draft_catches_up: bool = False) -> None:
+        """`draft_catches_up`: a draft model with a KV pool of its own, whose explored step
+        first computes the draft's K/V for every token since its sequences' last proposal
+        (new sequences' whole prompts: at 32 streams one took 7 s against 83 ms for a plain
+        step): once plain decoding won a class it stays there
+        (``explore_speculation_every`` 0), and a class's first explored steps come every
+        :attr:`EXPLORE_FIRST_CATCHING_UP`. Otherwise the policy not in use is explored every
+        :attr:`EXPLORE_EVERY` steps, with back-off (:attr:`BACKOFF_DOUBLINGS`)."""
+        self.explore_speculation_every = 0 if draft_catches_up else self.EXPLORE_EVERY
+        self.explore_first = (
+            self.EXPLORE_FIRST_CATCHING_UP if draft_catches_up else self.EXPLORE_FIRST
+        )
         self._classes: dict[int, _Class] = {}
 
     @staticmethod
@@ -105,7 +112,10 @@ class SpeculationGate:
         later = self.EXPLORE_EVERY if c.speculate else self.explore_speculation_every
         if not later or not c.measured:
             return c.speculate
-        every = self.EXPLORE_FIRST if c.explored < self.MIN_PAIRS else later
+        if c.explored < self.MIN_PAIRS:
+            every = self.explore_first
+        else:  # (the intervals are multiples of each other: no step explored twice as soon)
+            every = later << min(c.pairs // self.MIN_PAIRS, self.BACKOFF_DOUBLINGS)
         return c.speculate != (c.steps % every == 0)
 
     def _class(self, batch: int) -> _Class:
