@@ -198,26 +198,28 @@ def _resolve_model(config: ServeConfig) -> tuple[pathlib.Path, str]:
     model_dir = resolve_model(config.worker.model)
     check_architecture(model_dir)
     check_max_model_len(model_dir, config.worker.max_model_len)
-    _check_draft_model(config.worker.speculative_config)
+    _check_draft_model(config.worker.speculative_config, model_dir)
     return model_dir, served_model_name(model_dir, config.worker.served_model_name)
 
 
-def _check_draft_model(speculative_config: str) -> None:
-    """A ``draft_model`` config's model resolved (a GGUF converted once, before the workers)
-    and its architecture checked, as the model's.
+def _check_draft_model(speculative_config: str, model_dir: pathlib.Path) -> None:
+    """A ``draft_model`` config's model resolved (a GGUF converted once, before the workers),
+    its architecture checked as the model's, and its vocabulary the model's (`model_dir`).
 
     Raises:
         ValueError: the message prefixed ``speculative_config.model: ``.
     """
     from sluiceway.model_files import resolve_model
-    from sluiceway.preflight import check_architecture
+    from sluiceway.preflight import check_architecture, check_draft_vocabulary
     from sluiceway.speculative import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(speculative_config) if speculative_config else None
     if spec is None or spec.method != "draft_model":
         return
     try:
-        check_architecture(resolve_model(spec.model))
+        draft_dir = resolve_model(spec.model)
+        check_architecture(draft_dir)
+        check_draft_vocabulary(model_dir, draft_dir)
     except ValueError as e:
         raise ValueError(f"speculative_config.model: {e}") from None
 

@@ -62,3 +62,16 @@ def check_architecture(model_dir: pathlib.Path) -> None:
         model_type_of(config)
     except UnsupportedModelError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_draft_vocabulary(model_dir: pathlib.Path, draft_dir: pathlib.Path) -> None:
+    """Refuses a draft model (``--speculative-config``) whose ``config.json`` vocabulary
+    differs from the model's, as the worker would once both are loaded (the same line).
+
+    Raises:
+        ConfigError: the two ``vocab_size`` values differ.
+    """
+    draft, model = (json.loads((d / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+                    for d in (draft_dir, model_dir))  # fmt: skip
+    if draft != model:
+        raise ConfigError(f"the draft's vocabulary has {draft} tokens, the model's {model}")

@@ -405,6 +405,20 @@ def test_serve_a_draft_model_that_is_not_a_model_is_refused_before_any_process(
         )
 
 
+def test_serve_a_draft_model_of_another_vocabulary_is_refused_before_any_process(
+    tmp_path: pathlib.Path,
+) -> None:
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 262144}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = json.dumps(
+        {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3}
+    )
+    assert one_line_error("serve", "--speculative-config", spec) == (
+        "sluiceway: speculative_config.model: the draft's vocabulary has 262144 tokens, the "
+        "model's 49152"
+    )
+
+
 @pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only torch build")
 def test_serve_device_cuda_on_a_cpu_only_torch() -> None:
     assert one_line_error("serve", "--device", "cuda") == (
