@@ -53,6 +53,7 @@ from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.security import api_keys, check_files
 from sluiceway.serve_config import ServeConfig
 from sluiceway.serve_stop import STOP_TIMEOUT_S, StopSignals, stop_stack
+from sluiceway.speculative import SpeculativeConfig
 from sluiceway.worker.compute_thread import openmp_defaults
 from sluiceway.worker.config import WorkerConfig
 
@@ -198,11 +199,11 @@ def _resolve_model(config: ServeConfig) -> tuple[pathlib.Path, str]:
     model_dir = resolve_model(config.worker.model)
     check_architecture(model_dir)
     check_max_model_len(model_dir, config.worker.max_model_len)
-    _check_draft_model(config.worker.speculative_config, model_dir)
+    _check_draft_model(config.scheduler.speculative, model_dir)
     return model_dir, served_model_name(model_dir, config.worker.served_model_name)
 
 
-def _check_draft_model(speculative_config: str, model_dir: pathlib.Path) -> None:
+def _check_draft_model(spec: SpeculativeConfig | None, model_dir: pathlib.Path) -> None:
     """A ``draft_model`` config's model resolved (a GGUF converted once, before the workers),
     its architecture checked as the model's, and its vocabulary the model's (`model_dir`).
 
@@ -211,9 +212,7 @@ def _check_draft_model(speculative_config: str, model_dir: pathlib.Path) -> None
     """
     from sluiceway.model_files import resolve_model
     from sluiceway.preflight import check_architecture, check_draft_vocabulary
-    from sluiceway.speculative import SpeculativeConfig
 
-    spec = SpeculativeConfig.parse(speculative_config) if speculative_config else None
     if spec is None or spec.method != "draft_model":
         return
     try:

@@ -72,8 +72,8 @@ class DraftModel:
     ``vocab_size`` tokens and ``max_model_len`` positions, on the target's device, dtype,
     attention backend and KV dtype. :meth:`attach_pool` once the block count is known.
 
-    ``target_dir`` and ``target_config``: the target's model folder (None: weights not read
-    from a folder) and config. ``shares_kv`` (the attribute) is whether the draft uses the
+    ``target_dir``: the target's model folder (None: weights not read from a folder; the
+    same folder holds the same config.json). ``shares_kv`` (the attribute) is whether the draft uses the
     target's pool: a draft from the same folder does unless ``share_kv=False`` (a pool of its
     own, as any other draft has; beyond vLLM's config, for tests).
 
@@ -95,7 +95,6 @@ class DraftModel:
         block_size: int,
         tp: TensorParallelGroup,
         target_dir: pathlib.Path | None,
-        target_config: ModelConfig,
         share_kv: bool = True,
     ) -> None:
         if tp.world_size > 1:
@@ -132,7 +131,7 @@ class DraftModel:
         self._block_size = block_size
         self._max_model_len = max_model_len
         same_weights = target_dir is not None and self.model_dir.resolve() == target_dir.resolve()
-        self.shares_kv = share_kv and same_weights and self.config == target_config
+        self.shares_kv = share_kv and same_weights
         self.bytes_per_block = 0 if self.shares_kv else kv_bytes_per_block(
             self.config, self.model.num_kv_heads, block_size, kv_dtype
         )  # fmt: skip
@@ -169,8 +168,6 @@ class DraftModel:
         todo = [c for c in chunks if c.num_model_drafts > 0]
         if not todo:
             return
-        for c in todo:
-            c.seq.draft = c.seq.draft or DraftState()
         starts = [self._start(c.seq) for c in todo]
         first = [ScheduledChunk(c.seq, start, len(c.seq.token_ids) - start)
                  for c, start in zip(todo, starts, strict=True)]  # fmt: skip
@@ -180,6 +177,8 @@ class DraftModel:
             going = [c for c in todo if c.num_model_drafts > j]
             shares = [ScheduledChunk(c.seq, len(c.seq.token_ids) - 1, 1) for c in going]
             self._append(going, self._greedy(shares))
+        if self.shares_kv:
+            return  # (no DraftState: the target's K/V are the draft's)
         for c, base in zip(todo, bases, strict=True):
             state = c.seq.draft
             assert state is not None
@@ -190,9 +189,9 @@ class DraftModel:
         """The first position the draft computes for ``seq``: its first position without
         the draft's K/V, at most the last token (whose logits propose). With the target's
         pool, the last token: the target holds the K/V of every token before it."""
-        assert seq.draft is not None
         if self.shares_kv:
             return len(seq.token_ids) - 1
+        seq.draft = seq.draft or DraftState()
         return min(seq.draft.valid(seq.token_ids), len(seq.token_ids) - 1)
 
     @staticmethod

@@ -256,7 +256,7 @@ class ModelRunner:
             speculative, vocab_size=self.config.vocab_size, max_model_len=self._max_model_len,
             device=self._device, dtype=self._dtype, kv_dtype=self.kv_dtype,
             backend=self.attention_backend, block_size=self._block_size, tp=self.tp,
-            target_dir=weights, target_config=self.config, share_kv=share_kv,
+            target_dir=weights, share_kv=share_kv,
         )  # fmt: skip
         if draft.shares_kv:
             log.info("draft model %s (%s): the model's own weights, it reads the model's K/V",
