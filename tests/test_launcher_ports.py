@@ -182,9 +182,15 @@ def test_a_taken_port_is_one_line_naming_its_flag_before_any_child_starts(
     assert children == set()  # no worker, scheduler or router was started
 
 
-def test_make_serve_finds_a_taken_port_before_the_install_with_the_standard_library() -> None:
+def test_make_serve_finds_a_taken_port_before_the_install_with_the_standard_library(
+    tmp_path: pathlib.Path,
+) -> None:
     """`make serve` runs sluiceway/serve_check.py with `python3 -S` before it builds the venv:
-    without site-packages, the same parser and check give serve's line."""
+    without site-packages, the same parser and checks give serve's line (a taken port, a bad
+    flag, a model path or a draft model's path that is not a model)."""
+    free = ["--port", "0", "--http-port", "0", "--metrics-port", "0"]
+    draft = '{"method": "draft_model", "model": "%s", "num_speculative_tokens": 3}'
+    missing = tmp_path / "missing.gguf"
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -193,8 +199,12 @@ def test_make_serve_finds_a_taken_port_before_the_install_with_the_standard_libr
             [_fill(f, port) for f in TAKEN[0][0]],
             ["--port", str(port - 1), "--num-routers", "2", "--http-port", "-1"],
             ["--max-num-seqs", "0"],
-            ["--port", "0", "--http-port", "0", "--metrics-port", "0"],
+            free,
             ["--help"],
+            [*free, "--model", str(missing)],
+            [*free, "--model", str(tmp_path)],
+            [*free, "--speculative-config", draft % missing],
+            [*free, "--model", "gemma3-270m", "--speculative-config", draft % "gemma3-270m"],
         ]
         env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)}
         results = [
@@ -216,6 +226,11 @@ def test_make_serve_finds_a_taken_port_before_the_install_with_the_standard_libr
                 "(see sluiceway serve --help)\n"),
         (0, "", ""),
         (0, "", ""),  # the installed serve prints the help
+        (2, "", f"sluiceway: model path {missing} does not exist\n"),
+        (2, "", f"sluiceway: {tmp_path} is a folder without config.json: not an HF model "
+                "folder\n"),
+        (2, "", f"sluiceway: speculative_config.model: model path {missing} does not exist\n"),
+        (0, "", ""),  # a short name: its package is looked up after the install
     ]  # fmt: skip
 
 
