@@ -280,24 +280,25 @@ class StepLoop:
         decode_only = step.out.is_decode_only  # (before the step's tokens are applied)
         self._apply(sched, step.out, response)
         if decode_only and not step.out.advanced and step.out.speculating is not None:
-            # a decode step's goodput and its typical stream's: the speculation gate's measure
-            batch, tokens, seconds = len(step.out.scheduled), len(response.sampled), t2 - step.t1
+            # the tokens each sequence emitted, and the step's time: the speculation gate's measure
             per_seq = Counter(t.seq_id for t in response.sampled)
-            median = statistics.median(per_seq[s.seq.seq_id] for s in step.out.scheduled)
+            emitted = [per_seq[s.seq.seq_id] for s in step.out.scheduled]
+            seconds = t2 - step.t1
             log.debug(
                 "speculation_step",
-                batch=batch,
+                batch=len(emitted),
                 speculating=step.out.speculating,
                 rows=step.out.num_batched_tokens,
-                tokens=tokens,
-                median_tokens=median,
+                tokens=sum(emitted),
+                median_tokens=statistics.median(emitted),
+                min_tokens=min(emitted),
                 ms=round(1e3 * seconds, 2),
             )
-            if sched.gate.observe(batch, step.out.speculating, tokens, median, seconds):
+            if sched.gate.observe(step.out.speculating, emitted, seconds):
                 log.info(
                     "speculation_switched",
                     group=self.group.name,
-                    batch=batch,
+                    batch=len(emitted),
                     speculating=step.out.speculating,
                 )
         self._record(step, response, t2)

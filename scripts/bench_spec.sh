@@ -16,9 +16,12 @@
 #     "quantization":"gguf_a8"}' SERVE_ARGS="--quantization none" bash scripts/bench_spec.sh
 #
 # Each (workload, concurrency) pair is one `bench compare` (two servers: "continuous" and
-# "continuous + spec") with 8 x concurrency prompts (at least 8, at most 128), its JSON saved under
-# $OUT (default docs/bench/speculative/METHOD/). Prints each table; the summary line per pair gives
-# output tok/s, TPOT P50/P99 and E2E latency P50/P99 of both and the ratio.
+# "continuous + spec") with 8 x concurrency prompts (at least 8, at most 128; NUM_PROMPTS=N sets
+# it: a P99 over 32 requests is their slowest one), its JSON saved under
+# $OUT (default docs/bench/speculative/METHOD/). Prints each table; the summary lines per pair give
+# output tok/s, TPOT P50/P99 and E2E latency P50/P99 of both and the ratio, and each request's
+# E2E latency with speculation over its own without (both runs send the same prompts and emit
+# the same tokens): its quantiles and how many requests were more than 5% slower.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -33,6 +36,7 @@ for workload in $WORKLOADS; do
   for c in $CONCURRENCY; do
     n=$(( c * 8 > 8 ? c * 8 : 8 ))
     n=$(( n > 128 ? 128 : n ))
+    n=${NUM_PROMPTS:-$n}
     case $workload in
       repeat) lengths=(--sharegpt-output-len 320) ;;
       *) lengths=(--sharegpt-max-output-len 256) ;;
@@ -44,9 +48,16 @@ for workload in $WORKLOADS; do
       "${lengths[@]}" --seed 1 ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} \
       --save-result "$out" | tail -12
     $PY - "$out" <<'EOF'
-import json, sys
-runs = {c["label"]: c["figures"] for c in json.load(open(sys.argv[1]))["configurations"]}
-plain, spec = runs["continuous"], runs["continuous + spec"]
+import json, statistics, sys
+configurations = {c["label"]: c for c in json.load(open(sys.argv[1]))["configurations"]}
+plain, spec = (configurations[k]["figures"] for k in ("continuous", "continuous + spec"))
+# request i is the same prompt in both runs, and its tokens are the same: pair them
+ratios = sorted(
+    s["e2e_ms"] / p["e2e_ms"]
+    for p, s in zip(*(configurations[k]["requests"] for k in ("continuous", "continuous + spec")))
+    if p["ok"] and s["ok"]
+)
+deciles = statistics.quantiles(ratios, n=100, method="inclusive")
 print(
     f"summary: plain {plain['output_throughput']:.1f} tok/s TPOT P50/P99 "
     f"{plain['median_tpot_ms']:.1f}/{plain['p99_tpot_ms']:.1f} ms; spec "
@@ -57,6 +68,11 @@ print(
     f"{spec['output_throughput'] / plain['output_throughput']:.2f}x; "
     f"acceptance {spec['spec_decode_acceptance_rate_pct']:.0f}%, "
     f"{spec['spec_decode_mean_acceptance_length']:.2f} tokens per proposal step"
+)
+print(
+    f"per request (spec E2E / plain E2E, the same prompt): P10 {deciles[9]:.2f}, P50 "
+    f"{deciles[49]:.2f}, P90 {deciles[89]:.2f}, P99 {deciles[98]:.2f}; "
+    f"{sum(r > 1.05 for r in ratios)} of {len(ratios)} more than 5% slower"
 )
 EOF
   done

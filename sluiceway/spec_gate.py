@@ -18,7 +18,13 @@ throughput with a 17% longer TPOT median). Speculation must win on both. The gat
 to speculation when it beats plain decoding by :attr:`SpeculationGate.MARGIN` on both on
 average over recent pairs, and to plain decoding when plain decoding comes within ``MARGIN``
 of it on either: a tie goes to plain decoding, whose per-stream latency is steadier (at 32
-streams n-gram lookup matched plain decoding's throughput with a 7-9% longer TPOT median). What the
+streams n-gram lookup matched plain decoding's throughput with a 7-9% longer TPOT median).
+The slowest stream's pace is not a third measure: a stream whose proposals miss, or a reply
+in its last tokens, emits one token in a step the others' rows made longer, and weighing it
+(the fewest tokens a sequence emitted per second) cost n-gram lookup at 4 streams on
+`repeat` 1.43x -> 1.13x plain decoding's throughput while the requests that ended more than
+5% later went only from 25 to 18 of 128 (the gate cannot follow which streams share a
+step). What the
 exploration costs: one step in ``EXPLORE_EVERY`` under the worse policy, one in 64, 128, then
 256 as explored steps keep confirming it (one in ``EXPLORE_FIRST``, every other step, until a
 batch class's first decision); a draft model with a KV pool of its own is not tried again
@@ -35,6 +41,8 @@ model's catch-up steps (a new sequence's prompt) count at their full cost.
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["SpeculationGate"]
@@ -120,10 +128,10 @@ class SpeculationGate:
 
     def _class(self, batch: int) -> _Class:
         """``batch``'s class. One that has measured nothing yet follows the nearest class that
-        has (the larger of two as near; none: speculate): a class met only in steps that
-        also prefill, which the gate does not measure, would otherwise keep its first policy
-        (at 32 streams the dips to 16-31 while a wave of prompts came in speculated, each such
-        step computing the draft's K/V for all their prompts)."""
+        has (the larger of two as near; none: speculate): a class met mostly in steps that
+        may prefill, which do not speculate and are not measured
+        (`Scheduler._prefill_due`), would otherwise keep its first policy in its few
+        decode-only steps."""
         key = self.batch_class(batch)
         c = self._classes.get(key)
         if c is None:
@@ -143,27 +151,26 @@ class SpeculationGate:
         c = self._classes.get(key)
         return c.speculate if c is not None and c.measured else self._prior(key)
 
-    def observe(
-        self, batch: int, speculated: bool, tokens: int, median_tokens: float, seconds: float
-    ) -> bool:
-        """A finished decode step of ``batch`` sequences that ran policy ``speculated`` and
-        emitted ``tokens`` tokens (accepted proposals included), ``median_tokens`` the median
-        over its sequences of the tokens each emitted, in ``seconds``. Returns whether the
-        class's policy switched (to ``speculated``)."""
-        if tokens <= 0 or median_tokens <= 0.0 or seconds <= 0.0:
-            return False
-        c = self._class(batch)
+    def observe(self, speculated: bool, emitted: Sequence[int], seconds: float) -> bool:
+        """A finished decode step that ran policy ``speculated`` in ``seconds``; ``emitted``:
+        the tokens each of its sequences emitted (accepted proposals included; its length
+        is the batch). Returns whether the class's policy switched (to ``speculated``)."""
+        if not emitted or min(emitted) <= 0 or seconds <= 0.0:
+            return False  # (a sequence without a token: cancelled; nothing to weigh)
+        tokens, median = sum(emitted), statistics.median(emitted)
+        c = self._class(len(emitted))
         if speculated == c.speculate:
-            c.recent_tokens = self.RECENT_DECAY * c.recent_tokens + tokens
-            c.recent_median = self.RECENT_DECAY * c.recent_median + median_tokens
-            c.recent_seconds = self.RECENT_DECAY * c.recent_seconds + seconds
+            d = self.RECENT_DECAY
+            c.recent_tokens = d * c.recent_tokens + tokens
+            c.recent_median = d * c.recent_median + median
+            c.recent_seconds = d * c.recent_seconds + seconds
             return False
         if not c.measured:
             return False  # nothing to pair it with yet
-        # (the seconds cancel in neither ratio: the recent ones are decayed sums)
+        # (the seconds cancel in no ratio: the recent ones are decayed sums)
         ratios = (
             math.log(tokens / seconds * c.recent_seconds / c.recent_tokens),
-            math.log(median_tokens / seconds * c.recent_seconds / c.recent_median),
+            math.log(median / seconds * c.recent_seconds / c.recent_median),
         )
         worse_for_speculation = min(ratios) if speculated else max(ratios)
         c.log_ratio = self.PAIR_DECAY * c.log_ratio + worse_for_speculation
@@ -174,7 +181,7 @@ class SpeculationGate:
         threshold = math.log1p(self.MARGIN if speculated else -self.MARGIN)
         if c.pairs >= self.MIN_PAIRS and c.log_ratio / c.weight > threshold:
             c.speculate = speculated
-            c.recent_tokens, c.recent_median, c.recent_seconds = tokens, median_tokens, seconds
+            c.recent_tokens, c.recent_median, c.recent_seconds = tokens, median, seconds
             c.log_ratio = c.weight = 0.0
             c.pairs = 0
             return True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import statistics
 
 from sluiceway.spec_gate import SpeculationGate
 
@@ -18,8 +17,8 @@ def _run(gate: SpeculationGate, batch: int, steps: int, goodput: dict[bool, floa
         speculate = gate.choose(batch)
         chosen.append(speculate)
         rate = goodput[speculate] * (1.0 + rng.uniform(-noise, noise))
-        tokens = batch * 2 if speculate else batch
-        gate.observe(batch, speculate, tokens, tokens / batch, tokens / rate)
+        emitted = [2 if speculate else 1] * batch  # every stream gains alike
+        gate.observe(speculate, emitted, sum(emitted) / rate)
     return chosen
 
 
@@ -99,8 +98,9 @@ def test_a_tie_goes_to_plain_decoding_and_speculation_must_win_by_2_percent() ->
 
 def test_a_step_without_tokens_or_time_is_ignored() -> None:
     gate = SpeculationGate()
-    assert not gate.observe(1, False, 0, 0, 0.01)
-    assert not gate.observe(1, False, 1, 1, 0.0)
+    assert not gate.observe(False, [], 0.01)
+    assert not gate.observe(False, [1, 0], 0.01)  # (a cancelled sequence)
+    assert not gate.observe(False, [1], 0.0)
     assert gate.speculating(1)
 
 
@@ -130,9 +130,9 @@ def test_catch_up_steps_count_at_their_full_cost() -> None:
         if speculate:
             steps += 1
             slow = 10.0 if steps % 8 == 0 else 1.0
-            gate.observe(4, True, 15, 4, 0.071 * slow)
+            gate.observe(True, [4, 4, 4, 3], 0.071 * slow)
         else:
-            gate.observe(4, False, 4, 1, 0.024)
+            gate.observe(False, [1, 1, 1, 1], 0.024)
     assert not gate.speculating(4)
 
 
@@ -158,8 +158,7 @@ def test_speculation_that_speeds_a_few_streams_and_slows_the_typical_one_turns_o
         for _ in range(64):
             speculate = gate.choose(4)
             if speculate:
-                per_seq = [4] * accepting + [1] * (4 - accepting)
-                gate.observe(4, True, sum(per_seq), statistics.median(per_seq), 0.025)
+                gate.observe(True, [4] * accepting + [1] * (4 - accepting), 0.025)
             else:
-                gate.observe(4, False, 4, 1, 0.020)
+                gate.observe(False, [1, 1, 1, 1], 0.020)
         assert gate.speculating(4) == expected, accepting

@@ -194,3 +194,27 @@ def test_per_sequence_the_length_shrinks_to_what_was_accepted_and_misses_wait() 
     assert [pace.allowed(1) for _ in range(3)] == [0, 0, 1]  # then 2
     pace.record(1, 1, 1)
     assert pace.allowed(1) == 2
+
+
+def test_a_step_that_may_prefill_does_not_propose() -> None:
+    """A waiting prompt (with room in the batch) or a running one not all computed keeps the
+    step plain: proposals would lengthen the step that holds the new prompt."""
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2)
+    spec = SpeculativeConfig("ngram", 4, 1, 3)
+    sched = Scheduler(cfg, BlockManager(32, 16), 1024, spec)
+    _decoding(sched, 1, [7, 8, 7], max_tokens=20)
+    sched.add(Sequence(seq_id=2, request_id="r2", prompt_token_ids=list(range(100, 200)),
+                       sampling=SamplingParams(temperature=0, max_tokens=5)))  # fmt: skip
+    for done in ((3, 0), (4, 63)):  # the prompt's 100 tokens in chunks: 63 (the budget less
+        out = sched.schedule()  # the decode's token), then 37
+        assert [(s.seq.seq_id, s.num_computed_tokens, s.draft_token_ids) for s in out.scheduled] \
+            == [(1, done[0], []), (2, done[1], [])]  # fmt: skip
+        assert out.speculating is None  # (the gate is not asked)
+        sched.apply_sampled(out, {s.seq.seq_id: 7 for s in out.scheduled if s.samples})
+    out = sched.schedule()  # both decode: proposals come back ([7, 8, 7, 7, 7, 7]: after 2..4)
+    assert [s.draft_token_ids for s in out.scheduled] == [[7], []]
+    sched.apply_sampled(out, {1: [7, 7], 2: 9})
+    sched.add(Sequence(seq_id=3, request_id="r3", prompt_token_ids=[5, 6],
+                       sampling=SamplingParams(temperature=0, max_tokens=5)))  # fmt: skip
+    out = sched.schedule()  # a third waits, but max_num_seqs 2 leaves it no room: propose
+    assert [s.seq.seq_id for s in out.scheduled] == [1, 2] and out.scheduled[0].draft_token_ids
