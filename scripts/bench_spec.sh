@@ -59,7 +59,7 @@ ratios = sorted(
     for p, s in zip(*(configurations[k]["requests"] for k in ("continuous", "continuous + spec")))
     if p["ok"] and s["ok"]
 )
-deciles = statistics.quantiles(ratios, n=100, method="inclusive")
+percentiles = statistics.quantiles(ratios, n=100, method="inclusive")
 print(
     f"summary: plain {plain['output_throughput']:.1f} tok/s TPOT P50/P99 "
     f"{plain['median_tpot_ms']:.1f}/{plain['p99_tpot_ms']:.1f} ms; spec "
@@ -72,8 +72,8 @@ print(
     f"{spec['spec_decode_mean_acceptance_length']:.2f} tokens per proposal step"
 )
 print(
-    f"per request (spec E2E / plain E2E, the same prompt): P10 {deciles[9]:.2f}, P50 "
-    f"{deciles[49]:.2f}, P90 {deciles[89]:.2f}, P99 {deciles[98]:.2f}; "
+    f"per request (spec E2E / plain E2E, the same prompt): P10 {percentiles[9]:.2f}, P50 "
+    f"{percentiles[49]:.2f}, P90 {percentiles[89]:.2f}, P99 {percentiles[98]:.2f}; "
     f"{sum(r > 1.05 for r in ratios)} of {len(ratios)} more than 5% slower"
 )
 EOF

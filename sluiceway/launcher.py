@@ -213,10 +213,10 @@ def _check_draft_model(spec: SpeculativeConfig | None, model_dir: pathlib.Path) 
     from sluiceway.model_files import resolve_model
     from sluiceway.preflight import check_architecture, check_draft_vocabulary
 
-    if spec is None or spec.method != "draft_model":
+    if spec is None or spec.draft_model_path is None:
         return
     try:
-        draft_dir = resolve_model(spec.model)
+        draft_dir = resolve_model(spec.draft_model_path)
         check_architecture(draft_dir)
         check_draft_vocabulary(model_dir, draft_dir)
     except ValueError as e:

@@ -50,7 +50,7 @@ def check_model_paths(config: ServeConfig) -> None:
             ``speculative_config.model: ``).
     """
     spec = config.scheduler.speculative
-    draft = spec.model if spec is not None and spec.method == "draft_model" else None
+    draft = spec.draft_model_path if spec is not None else None
     for prefix, given in (("", config.worker.model), ("speculative_config.model: ", draft)):
         path = local_model_path(given)
         if path is None:

@@ -137,6 +137,11 @@ class SpeculativeConfig:
         return cls("draft_model", k, disable_by_batch_size=off, model=model,
                    quantization=str(quantization))  # fmt: skip
 
+    @property
+    def draft_model_path(self) -> str | None:
+        """The draft model's path (``model``) with ``draft_model``; None for n-gram lookup."""
+        return self.model if self.method == "draft_model" else None
+
     def allows(self, batch: int) -> bool:
         """Whether a step of `batch` running sequences may propose (`disable_by_batch_size`)."""
         return not self.disable_by_batch_size or batch <= self.disable_by_batch_size
