@@ -60,6 +60,8 @@ class SchedulerOutput:
     # speculative decoding: whether the step ran the speculating policy (`SpeculationGate`);
     # None without a speculative config
     speculating: bool | None = None
+    # the gate chose to speculate and `StreamGuard` kept the step plain (speculating False)
+    guarded: bool = False
 
     @property
     def num_batched_tokens(self) -> int:

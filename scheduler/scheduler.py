@@ -64,8 +64,9 @@ from typing import TYPE_CHECKING
 from sluiceway.scheduler.block_manager import BlockManager
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.scheduler.outputs import KvUsage, ScheduledSequence, SchedulerOutput, TokenUpdate
+from sluiceway.scheduler.proposals import Proposal, step_proposals
 from sluiceway.scheduler.sequence import Sequence, SequenceStatus
-from sluiceway.spec_gate import SpeculationGate
+from sluiceway.spec_gate import SpeculationGate, StreamGuard
 from sluiceway.speculative import (
     AdaptiveLength,
     NgramProposer,
@@ -117,6 +118,7 @@ class Scheduler:
         self._batch_parents: set[str] = set()  # static: parallel-sampling requests in it
         self._holding: list[Sequence] = []  # static: finished members keeping their blocks
         self._samples: dict[str, list[Sequence]] = {}  # parent request id -> its live samples
+        self._slot_freed = False  # a sequence finished since the last step was built
         # tokens; 0: a prefill chunk is capped only by the step's budget
         self.long_prefill_token_threshold = config.resolved_long_prefill_token_threshold(
             max_model_len
@@ -137,6 +139,7 @@ class Scheduler:
             and speculative is not None
             and speculative.method == "draft_model"
         )
+        self.guard = StreamGuard()  # and per step, whether each stream gains
 
     # -- queue changes ----------------------------------------------------------
 
@@ -163,6 +166,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._slot_freed = True
         self._forget(seq)
         self._leave_parent(seq)
         if not self._static:
@@ -361,9 +365,12 @@ class Scheduler:
         i = 0
         spec = self.speculative
         on = spec is not None and spec.allows(len(self.running)) and not self._prefill_due()
+        self._slot_freed = False
         if on:
             on = out.speculating = self.gate.choose(len(self.running))
-        limit = self.pace.k if on else 0
+        proposals = self._step_proposals(budget) if on else {}
+        if proposals is None:  # the guard's: a plain step, which the gate does not weigh
+            out.speculating, out.guarded, proposals = False, True, {}
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.num_pending_tokens and self._ends_at_pending(seq):
@@ -371,8 +378,7 @@ class Scheduler:
                 continue
             remaining = seq.num_tokens_with_pending - seq.num_computed_tokens
             num_new = self._chunk(remaining, budget)
-            proposes = limit and remaining == 1 and not seq.num_pending_tokens
-            drafts, n = self._propose(seq, min(limit, budget - 1)) if proposes else ([], 0)
+            drafts, n = proposals.get(seq.seq_id, ([], 0))
             if n and (new_blocks := bm.allocate_slots(seq, 1 + n)) is not None:
                 out.scheduled.append(self._schedule(seq, 1 + n, new_blocks, drafts, n))
                 budget -= 1 + n
@@ -398,14 +404,22 @@ class Scheduler:
             break  # seq preempted itself: no other running sequence was a victim before it
         return preempted
 
+    def _step_proposals(self, budget: int) -> dict[int, Proposal] | None:
+        return step_proposals(self.running, budget, self.pace, self.proposer, self.guard,
+                              self.max_model_len)  # fmt: skip
+
     def _prefill_due(self) -> bool:
-        """Whether the next step may compute a prompt chunk: a running sequence's prompt is
-        not all computed (a chunked or recomputed one), or a sequence waits and the batch has
-        room. Such a step does not speculate: its proposals' draft forwards and verifying
-        rows would lengthen the step that holds the new prompt (its TTFT) and the step of
-        every other stream, in the steps the gate does not measure (at 4 streams with a
-        draft model, ShareGPT replies under 10 tokens ended 1.6x later, their TTFT 1.6x)."""
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
+        """Whether the next step may compute a prompt chunk, or the one after it: a running
+        sequence's prompt is not all computed (a chunked or recomputed one), a sequence waits
+        and the batch has room, or a sequence finished since the last step (a freed slot is
+        mostly filled at once: a client with more requests, an agent's next call, a
+        benchmark at fixed concurrency; its prompt comes while this step runs and waits it
+        out). Such a step does not speculate: its proposals' draft forwards and verifying
+        rows would lengthen the step that holds or delays the new prompt (its TTFT) and the
+        step of every other stream, in the steps the gate does not measure (at 4 streams
+        with a draft model, ShareGPT replies under 10 tokens ended 1.6x later, their TTFT
+        1.6x; with the waiting rule alone TTFT P50 was still 1.18x plain decoding's)."""
+        if self._slot_freed or (self.waiting and len(self.running) < self.config.max_num_seqs):
             return True
         return any(s.num_tokens_with_pending - s.num_computed_tokens > 1 for s in self.running)
 
@@ -479,25 +493,6 @@ class Scheduler:
             num_draft_model_tokens=0 if drafts else num_drafts,
         )
 
-    def _propose(self, seq: Sequence, budget: int) -> tuple[list[int], int]:
-        """Tokens to verify after decoding `seq`'s last token and their number: the n-gram
-        proposal, or ([], n) for n tokens of the workers' draft model; at most `budget`,
-        never past `max_tokens` or `max_model_len` (the last emitted token is sampled after
-        them); none for a first token (a prompt's step: it carries the prompt logprobs and
-        the queue time)."""
-        if not seq.output_token_ids:
-            return [], 0
-        room = min(
-            self.pace.allowed(seq.seq_id),
-            budget,
-            seq.sampling.max_tokens - len(seq.output_token_ids) - 1,
-            self.max_model_len - seq.num_tokens,
-        )
-        if self.proposer is None:
-            return [], max(0, room)
-        drafts = self.proposer.propose(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids, room)
-        return drafts, len(drafts)
-
     def _waits_for_sibling(self, seq: Sequence) -> bool:
         """Whether waiting `seq`, a sample of a parallel-sampling request with no output yet,
         is to wait for a running sibling computing their prompt: until one has computed the
@@ -561,7 +556,8 @@ class Scheduler:
         seq.num_pending_tokens = 0  # (a step in flight samples it: dropped when it comes)
         if self.proposer is not None:
             self.proposer.forget(seq.seq_id)
-            self.pace.forget(seq.seq_id)
+        self.pace.forget(seq.seq_id)
+        self.guard.forget(seq.seq_id)
         if seq.wants_prompt_logprobs:
             seq.prompt_logprobs.clear()  # computed again with the prompt
         if seq.num_tokens_on_worker:

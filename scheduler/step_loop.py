@@ -287,11 +287,15 @@ class StepLoop:
                 "speculation_step",
                 batch=len(emitted),
                 speculating=step.out.speculating,
+                guarded=step.out.guarded,
                 rows=step.out.num_batched_tokens,
                 emitted=emitted,  # (the gate computes its measures from these)
                 ms=round(1e3 * seconds, 2),
             )
-            if sched.gate.observe(step.out.speculating, emitted, seconds):
+            seq_ids = [s.seq.seq_id for s in step.out.scheduled]
+            sched.guard.observe(seq_ids, emitted, step.out.num_batched_tokens, seconds)
+            # (a guarded step: the gate chose to speculate, so a plain one is not its measure)
+            if not step.out.guarded and sched.gate.observe(step.out.speculating, emitted, seconds):
                 log.info(
                     "speculation_switched",
                     group=self.group.name,

@@ -23,7 +23,8 @@
 # $OUT (default docs/bench/speculative/METHOD/). Prints each table; the summary lines per pair give
 # output tok/s, TPOT P50/P99 and E2E latency P50/P99 of both and the ratio, and each request's
 # E2E latency with speculation over its own without (both runs send the same prompts and emit
-# the same tokens): its quantiles and how many requests were more than 5% slower.
+# the same tokens): its quantiles and how many requests were more than 5% slower; then the same
+# of its TTFT and of its decoding (E2E less TTFT).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -54,11 +55,12 @@ import json, statistics, sys
 configurations = {c["label"]: c for c in json.load(open(sys.argv[1]))["configurations"]}
 plain, spec = (configurations[k]["figures"] for k in ("continuous", "continuous + spec"))
 # request i is the same prompt in both runs, and its tokens are the same: pair them
-ratios = sorted(
-    s["e2e_ms"] / p["e2e_ms"]
+pairs = [
+    (p, s)
     for p, s in zip(*(configurations[k]["requests"] for k in ("continuous", "continuous + spec")))
     if p["ok"] and s["ok"]
-)
+]
+ratios = sorted(s["e2e_ms"] / p["e2e_ms"] for p, s in pairs)
 percentiles = statistics.quantiles(ratios, n=100, method="inclusive")
 print(
     f"summary: plain {plain['output_throughput']:.1f} tok/s TPOT P50/P99 "
@@ -76,6 +78,13 @@ print(
     f"{percentiles[49]:.2f}, P90 {percentiles[89]:.2f}, P99 {percentiles[98]:.2f}; "
     f"{sum(r > 1.05 for r in ratios)} of {len(ratios)} more than 5% slower"
 )
+# the same of the two parts: TTFT, and decoding (E2E less TTFT) of replies of 2+ tokens
+for part, of in (("TTFT", lambda r: r["ttft_ms"]),
+                 ("decoding", lambda r: r["e2e_ms"] - r["ttft_ms"])):  # fmt: skip
+    part_ratios = [of(s) / of(p) for p, s in pairs if of(p) > 0 and p["output_len"] > 1]
+    q = statistics.quantiles(part_ratios, n=100, method="inclusive")
+    print(f"  {part}: P50 {q[49]:.2f}, P90 {q[89]:.2f}, P99 {q[98]:.2f}; "
+          f"{sum(r > 1.05 for r in part_ratios)} of {len(part_ratios)} more than 5% slower")
 EOF
   done
 done

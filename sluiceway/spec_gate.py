@@ -1,5 +1,6 @@
 """Whether speculative decoding runs at all at a given batch size: an A/B test of the two
-policies on the steps themselves.
+policies on the steps themselves (:class:`SpeculationGate`); and whether a step the gate chose
+to speculate does, given its streams' proposals (:class:`StreamGuard`).
 
 :class:`~sluiceway.speculative.AdaptiveLength` used to predict from a fitted cost model how long
 a proposal pays. A model misses what it does not model (a draft model's catch-up forwards, its
@@ -24,7 +25,7 @@ in its last tokens, emits one token in a step the others' rows made longer, and 
 (the fewest tokens a sequence emitted per second) cost n-gram lookup at 4 streams on
 `repeat` 1.43x -> 1.13x plain decoding's throughput while the requests that ended more than
 5% later went only from 25 to 18 of 128 (the gate cannot follow which streams share a
-step). What the
+step): :class:`StreamGuard` weighs them per step instead. What the
 exploration costs: one step in ``EXPLORE_EVERY`` under the worse policy, one in 64, 128, then
 256 as explored steps keep confirming it (one in ``EXPLORE_FIRST``, every other step, until a
 batch class's first decision); a draft model with a KV pool of its own is not tried again
@@ -45,7 +46,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SpeculationGate"]
+__all__ = ["SpeculationGate", "StreamGuard"]
 
 
 @dataclass(slots=True)
@@ -186,3 +187,97 @@ class SpeculationGate:
             c.pairs = 0
             return True
         return False
+
+
+@dataclass(slots=True)
+class _Cost:
+    """One batch-size class's step times: decayed sums."""
+
+    plain_seconds: float = 0.0
+    plain_steps: float = 0.0
+    extra_seconds: float = 0.0  # speculating steps: their seconds over the plain mean
+    extra_rows: float = 0.0  # and their rows beyond one a sequence
+
+
+class StreamGuard:
+    """Per step, at two or more decoding sequences: whether a step the gate chose to speculate
+    does, given the proposals its sequences have. The gate weighs a batch class's steps on
+    average (their goodput and their median stream); a speculating step lasts longer for
+    every stream in it, and a stream that gains no token from it (no proposal: no n-gram
+    match, a reply in its last token, a proposal after misses) emits one token in that longer
+    step. On 2 cores that made a third of ShareGPT's requests at 4 streams more than 5% slower
+    (their decoding time up to 1.9x at P90) while the workload's tok/s rose 1.2x.
+
+    So each stream keeps an account, in plain steps' time: a speculating step in which it
+    emitted ``e`` tokens in ``r`` times a plain step's seconds adds ``e - r`` (what plain
+    decoding would have taken for those tokens, less what it took). A step speculates only
+    when every stream's account, plus :attr:`TOLERANCE` of a plain step per token it has
+    emitted, stays at or above zero after the step's expected outcome, ``1 + expected
+    accepted - r`` (a stream without a proposal: ``1 - r``). A stream that gained can afford
+    a step that costs it; a new one, or one whose proposals miss, keeps the step plain. The
+    cost ratio ``r`` is predicted from this class's measured steps as ``1 + extra rows x
+    seconds per extra row / plain step seconds`` (a draft model's forwards and catch-up count
+    in its seconds per row, on average), and settled with the step's measured seconds. Until
+    a class has measured both kinds of step the guard lets the gate's exploration run."""
+
+    DECAY = 0.9  # about the last ten steps of each kind
+    TOLERANCE = 0.05  # a stream's decoding may take 5% longer than plain decoding's
+
+    def __init__(self) -> None:
+        self._costs: dict[int, _Cost] = {}
+        self._accounts: dict[int, float] = {}  # seq_id -> plain steps gained (< 0: lost)
+
+    def observe(self, seq_ids: Sequence[int], emitted: Sequence[int], rows: int,
+                seconds: float) -> None:  # fmt: skip
+        """A finished decode-only step of sequences ``seq_ids``, which emitted ``emitted``
+        tokens each, that computed ``rows`` positions (more than the batch: it carried
+        proposals) in ``seconds``."""
+        batch = len(seq_ids)
+        if batch < 1 or seconds <= 0.0:
+            return
+        c = self._costs.setdefault(SpeculationGate.batch_class(batch), _Cost())
+        d = self.DECAY
+        if rows <= batch:
+            c.plain_seconds = d * c.plain_seconds + seconds
+            c.plain_steps = d * c.plain_steps + 1.0
+            return
+        if not c.plain_steps:
+            return
+        plain = c.plain_seconds / c.plain_steps
+        c.extra_seconds = d * c.extra_seconds + seconds - plain
+        c.extra_rows = d * c.extra_rows + rows - batch
+        ratio = seconds / plain
+        for seq_id, tokens in zip(seq_ids, emitted, strict=True):
+            self._accounts[seq_id] = self._accounts.get(seq_id, 0.0) + tokens - ratio
+
+    def cost_ratio(self, batch: int, extra_rows: int) -> float | None:
+        """A step of ``batch`` sequences and ``extra_rows`` proposed tokens over a plain
+        step's time, predicted; None until the class measured both kinds of step."""
+        c = self._costs.get(SpeculationGate.batch_class(batch))
+        if c is None or not c.plain_steps or not c.extra_rows:
+            return None
+        per_row = max(0.0, c.extra_seconds / c.extra_rows)
+        return 1.0 + extra_rows * per_row * c.plain_steps / c.plain_seconds
+
+    def account(self, seq_id: int) -> float:
+        """Plain steps' time sequence ``seq_id`` gained from speculating steps (< 0: lost)."""
+        return self._accounts.get(seq_id, 0.0)
+
+    def allows(self, seq_ids: Sequence[int], emitted: Sequence[int], proposed: Sequence[int],
+               expected_tokens: Sequence[float]) -> bool:  # fmt: skip
+        """Whether a step whose decoding sequences ``seq_ids``, having emitted ``emitted``
+        tokens each so far, propose ``proposed`` tokens each and are expected to emit
+        ``expected_tokens`` each in it (1 + expected accepted; 1 without a proposal)
+        speculates: always at one sequence (the gate's goodput is its pace), else when no
+        stream's account would fall below its tolerance."""
+        if len(seq_ids) < 2 or not any(proposed):
+            return True
+        ratio = self.cost_ratio(len(seq_ids), sum(proposed))
+        return ratio is None or all(
+            self.account(seq_id) + self.TOLERANCE * done + expected >= ratio
+            for seq_id, done, expected in zip(seq_ids, emitted, expected_tokens, strict=True)
+        )
+
+    def forget(self, seq_id: int) -> None:
+        """Drops a finished or preempted sequence's account."""
+        self._accounts.pop(seq_id, None)

@@ -245,6 +245,7 @@ class _Pace:
     k: int  # tokens the next proposal may have
     misses: int = 0  # proposals in a row of which none was accepted
     wait: int = 0  # steps to skip before the next proposal
+    accepted: float | None = None  # tokens accepted per proposal, decayed mean
 
 
 class AdaptiveLength:
@@ -254,6 +255,8 @@ class AdaptiveLength:
     The next proposal has at most one token more than the last one accepted (K shrinks to what
     the text gives), and after a proposal of which nothing was accepted the sequence skips 1,
     2, 4 ... 32 steps (plain decoding meanwhile), back to no wait at the first acceptance.
+    Its recent proposals' mean accepted tokens are what
+    :class:`sluiceway.spec_gate.StreamGuard` expects of its next one.
 
     (A cost model used to decide per step how long a proposal pays, fitting step seconds to
     rows and draft passes: with rows and passes moving together at one stream it told a draft
@@ -261,11 +264,23 @@ class AdaptiveLength:
     draft's catch-up at 4-32 streams. The gate measures both policies instead.)"""
 
     MAX_WAIT = 32
+    SEQ_DECAY = 0.5  # a sequence's acceptance: its last few proposals (text changes fast)
+    PRIOR_DECAY = 0.9  # every sequence's: a new sequence's prior
 
     def __init__(self, k: int) -> None:
         """`k`: the config's num_speculative_tokens."""
         self.k = k
         self._pace: dict[int, _Pace] = {}
+        self._prior: float | None = None
+
+    def expected_accepted(self, seq_id: int, proposed: int) -> float:
+        """Tokens of a proposal of `proposed` the sequence is expected to have accepted:
+        its recent proposals' mean, or every sequence's before its first (none yet: all),
+        at most `proposed`."""
+        pace = self._pace.get(seq_id)
+        mean = pace.accepted if pace is not None and pace.accepted is not None else None
+        mean = self._prior if mean is None else mean
+        return float(proposed) if mean is None else min(float(proposed), mean)
 
     def allowed(self, seq_id: int) -> int:
         """Tokens the sequence may propose this step (0: it waits). Counts the step."""
@@ -279,6 +294,8 @@ class AdaptiveLength:
         """The outcome of a proposal of `proposed` tokens, `accepted` of them accepted."""
         pace = self._pace.setdefault(seq_id, _Pace(self.k))
         pace.k = max(1, min(self.k, accepted + 1))
+        pace.accepted = _decayed(pace.accepted, accepted, self.SEQ_DECAY)
+        self._prior = _decayed(self._prior, accepted, self.PRIOR_DECAY)
         if accepted:
             pace.misses = pace.wait = 0
         else:
@@ -287,6 +304,11 @@ class AdaptiveLength:
 
     def forget(self, seq_id: int) -> None:
         self._pace.pop(seq_id, None)
+
+
+def _decayed(mean: float | None, value: float, decay: float) -> float:
+    """An exponentially decayed mean after `value` (the first value: itself)."""
+    return value if mean is None else decay * mean + (1.0 - decay) * value
 
 
 @dataclass(slots=True)

@@ -218,3 +218,51 @@ def test_a_step_that_may_prefill_does_not_propose() -> None:
                        sampling=SamplingParams(temperature=0, max_tokens=5)))  # fmt: skip
     out = sched.schedule()  # a third waits, but max_num_seqs 2 leaves it no room: propose
     assert [s.seq.seq_id for s in out.scheduled] == [1, 2] and out.scheduled[0].draft_token_ids
+
+
+def test_a_step_in_which_a_stream_would_not_gain_runs_plain() -> None:
+    """With steps measured at 20 ms plain and 1.25 ms more per proposed token (2 streams), a
+    step where a new stream has no n-gram match (1 token in a 1.25x longer step, nothing
+    gained before) runs plain (the gate is not told: `guarded`); where both propose 4 tokens,
+    expected accepted (none recorded yet: all), it speculates."""
+    for other_prompt, expected in (([100, 101, 102], False), ([1, 2, 3, 7, 1, 2, 3], True)):
+        sched = _scheduler()
+        for _ in range(10):
+            sched.guard.observe([8, 9], [1, 1], 2, 0.020)
+        for _ in range(10):
+            sched.guard.observe([8, 9], [1, 1], 10, 0.030)
+        # 7 sampled twice (the second in 2's prompt step): [3, 7, 7] -> [1, 2, 3, 7]
+        _decoding(sched, 1, [1, 2, 3, 7, 7, 1, 2, 3], max_tokens=20)
+        _decoding(sched, 2, other_prompt, max_tokens=20)
+        out = sched.schedule()
+        assert [s.draft_token_ids for s in out.scheduled] == (
+            [[1, 2, 3, 7]] * 2 if expected else [[], []]
+        )
+        assert (out.speculating, out.guarded) == (expected, not expected)
+
+
+def test_a_sequences_expected_acceptance_is_its_recent_mean_else_everyones() -> None:
+    pace = AdaptiveLength(4)
+    assert pace.expected_accepted(1, 3) == 3.0  # nothing recorded: no reason to doubt
+    pace.record(1, 4, 2)
+    pace.record(1, 4, 0)
+    assert pace.expected_accepted(1, 4) == 1.0  # (2 + 0) / 2, decay 0.5
+    assert pace.expected_accepted(2, 4) == pytest.approx(0.9 * 2.0)  # everyone's: 0.9 x 2 + 0
+    assert pace.expected_accepted(1, 0) == 0.0
+
+
+def test_the_step_after_a_sequence_finished_does_not_propose() -> None:
+    """A freed slot is mostly filled at once (a client's next request): the step built right
+    after a sequence finished runs plain, so that the new prompt waits out a plain step, not a
+    speculating one; the step after that proposes again."""
+    sched = _scheduler()
+    _decoding(sched, 1, [7, 8, 7], max_tokens=20)
+    short = _decoding(sched, 2, [100, 101], max_tokens=2)
+    out = sched.schedule()  # 1 proposes [7]; 2 has room for none (its last token)
+    assert [s.draft_token_ids for s in out.scheduled] == [[7], []]
+    sched.apply_sampled(out, {1: [7, 8], 2: 9})
+    assert short.is_finished
+    out = sched.schedule()
+    assert out.speculating is None and out.scheduled[0].draft_token_ids == []
+    sched.apply_sampled(out, {1: 7})
+    assert sched.schedule().scheduled[0].draft_token_ids != []
