@@ -9,8 +9,8 @@ import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -34,6 +34,8 @@ from sluiceway.router.request_path import RequestPath
 from sluiceway.router.streams import merge_streams
 from sluiceway.status import RequestError
 from sluiceway.v1 import inference_pb2
+
+T = TypeVar("T")
 
 __all__ = ["Run"]
 
@@ -155,26 +157,22 @@ class Run:
     async def respond(
         self, prompts: list[inference_pb2.GenerateRequest], raw: Request
     ) -> JSONResponse | StreamingResponse:
-        if self.body.stream:
-            stream = self._sse(prompts)
-            try:  # the first event: a request refused at once gets its HTTP status
-                first = await anext(stream)
-            except RequestError as e:
-                raise self._api_error(e) from None
-            return StreamingResponse(_prepend(first, stream), media_type="text/event-stream")
-        task = asyncio.create_task(self._whole(prompts))
-        watcher = asyncio.create_task(_disconnected(raw))
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:  # the client left: cancel the generation (its blocks come back)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, RequestError):
-                await task
-            return error_response(499, "client disconnected", None)
-        watcher.cancel()
         try:
-            return JSONResponse(task.result())
+            if self.body.stream:
+                stream = self._sse(prompts)
+                # the first event, which waits for the queue and the prompt: a request refused
+                # at once gets its HTTP status; the stream's later writes notice a disconnect
+                first = await _unless_disconnected(anext(stream), raw)
+                if first is None:
+                    await stream.aclose()
+                    return error_response(499, "client disconnected", None)
+                return StreamingResponse(_prepend(first, stream), media_type="text/event-stream")
+            whole = await _unless_disconnected(self._whole(prompts), raw)
         except RequestError as e:
             raise self._api_error(e) from None
+        if whole is None:
+            return error_response(499, "client disconnected", None)
+        return JSONResponse(whole)
 
     def _api_error(self, e: RequestError) -> ApiError:
         fmt = self.body.response_format
@@ -258,7 +256,7 @@ class Run:
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    async def _sse(self, prompts: list[inference_pb2.GenerateRequest]) -> AsyncIterator[str]:
+    async def _sse(self, prompts: list[inference_pb2.GenerateRequest]) -> AsyncGenerator[str, None]:
         prompt_tokens: dict[int, int] = {}
         completion: dict[int, int] = {}
         offsets: dict[int, TextOffsets] = {}
@@ -313,6 +311,22 @@ async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 async def _disconnected(request: Request, poll_s: float = 0.2) -> None:
-    """Returns once the client of a non-streamed request has gone."""
+    """Returns once the client of ``request`` has gone."""
     while not await request.is_disconnected():
         await asyncio.sleep(poll_s)
+
+
+async def _unless_disconnected(work: Awaitable[T], request: Request) -> T | None:
+    """``work``'s result, or None once the client of ``request`` has gone first: ``work`` is
+    cancelled then (a generation's cancel reaches the scheduler, which frees its blocks).
+    Raises what ``work`` raises."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_disconnected(request))
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task not in done:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, RequestError):
+            await task
+        return None
+    watcher.cancel()
+    return task.result()

@@ -43,12 +43,16 @@ SHUTTING_DOWN = {
 Scenario = Callable[[Router, str], Awaitable[None]]
 
 
-def _run(tokenizer: Any, model_dir: pathlib.Path, scenario: Scenario) -> None:
-    """Runs `scenario(router, http_base_url)` against a router over a slow fake scheduler."""
+def _run(tokenizer: Any, model_dir: pathlib.Path, scenario: Scenario,
+         fake: FakeScheduler | None = None) -> None:  # fmt: skip
+    """Runs `scenario(router, http_base_url)` against a router over `fake` (default: a fake
+    scheduler that streams a token every 20 ms)."""
 
     async def main() -> None:
-        fake = FakeScheduler()
-        fake.delay_s = 0.02
+        nonlocal fake
+        if fake is None:
+            fake = FakeScheduler()
+            fake.delay_s = 0.02
         scheduler, _ = new_server()
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(fake, scheduler)
         address = bind(scheduler, "127.0.0.1:0")
