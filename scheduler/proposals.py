@@ -52,7 +52,7 @@ def step_proposals(running: Iterable[Sequence], budget: int, pace: AdaptiveLengt
         budget -= 1 + n
         proposals[seq.seq_id] = drafts, n
         emitted.append(len(seq.output_token_ids))
-        expected.append(1.0 + pace.expected_accepted(seq.seq_id, n) if n else 1.0)
+        expected.append(1.0 + pace.expected_accepted(seq.seq_id, n))  # (n 0: 1 token)
     proposed = [n for _, n in proposals.values()]
     if not guard.allows(list(proposals), emitted, proposed, expected):
         return None

@@ -368,7 +368,10 @@ class Scheduler:
         self._slot_freed = False
         if on:
             on = out.speculating = self.gate.choose(len(self.running))
-        proposals = self._step_proposals(budget) if on else {}
+        proposals: dict[int, Proposal] | None = {}
+        if on:
+            proposals = step_proposals(self.running, budget, self.pace, self.proposer,
+                                       self.guard, self.max_model_len)  # fmt: skip
         if proposals is None:  # the guard's: a plain step, which the gate does not weigh
             out.speculating, out.guarded, proposals = False, True, {}
         while i < len(self.running) and budget > 0:
@@ -403,10 +406,6 @@ class Scheduler:
                 continue
             break  # seq preempted itself: no other running sequence was a victim before it
         return preempted
-
-    def _step_proposals(self, budget: int) -> dict[int, Proposal] | None:
-        return step_proposals(self.running, budget, self.pace, self.proposer, self.guard,
-                              self.max_model_len)  # fmt: skip
 
     def _prefill_due(self) -> bool:
         """Whether the next step may compute a prompt chunk, or the one after it: a running

@@ -278,8 +278,9 @@ class AdaptiveLength:
         its recent proposals' mean, or every sequence's before its first (none yet: all),
         at most `proposed`."""
         pace = self._pace.get(seq_id)
-        mean = pace.accepted if pace is not None and pace.accepted is not None else None
-        mean = self._prior if mean is None else mean
+        mean = pace.accepted if pace is not None else None
+        if mean is None:
+            mean = self._prior
         return float(proposed) if mean is None else min(float(proposed), mean)
 
     def allowed(self, seq_id: int) -> int:
