@@ -38,6 +38,12 @@ class ScheduledSequence:
     num_draft_model_tokens: int = 0
     samples: bool = field(init=False)
 
+    @property
+    def is_prompt_chunk(self) -> bool:
+        """Whether the share computes prompt positions (a prefill chunk; a preempted
+        sequence's recompute too while it covers its prompt)."""
+        return self.num_computed_tokens < len(self.seq.prompt_token_ids)
+
     def __post_init__(self) -> None:
         end = self.num_computed_tokens + self.num_new_tokens - self.num_drafts
         self.samples = end == self.seq.num_tokens_with_pending

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
@@ -57,6 +58,34 @@ log = structlog.get_logger("scheduler")
 STEP_TIMEOUT_PER_TOKEN_S = 0.01
 STEP_TIMEOUT_PER_SEQ_S = 0.01
 STEP_TIMEOUT_PER_ATTENDED_S = 5e-6
+
+
+def emitted_per_sequence(out: SchedulerOutput, response: worker_pb2.StepResponse) -> list[int]:
+    """The tokens each scheduled sequence of `out` emitted in its answer, in `out.scheduled`'s
+    order (0 for a prompt chunk that does not sample; 1 + accepted drafts when speculating)."""
+    per_seq = Counter(t.seq_id for t in response.sampled)
+    return [per_seq[s.seq.seq_id] for s in out.scheduled]
+
+
+def log_step(step: SentStep, response: worker_pb2.StepResponse, execute_s: float) -> None:
+    """One debug `step` event for a step that computed: its worker time (`ms`, sent to
+    answered), its rows (`rows`, of which `prompt_rows` are prompt chunks: a prefill share),
+    and per sequence (`seq_ids`, the scheduler's) the tokens it emitted (`emitted`);
+    `speculating` and `guarded` as the gate and the guard chose (None without a speculative
+    config). scripts/step_attribution.py reads these to split a request's latency into
+    the steps it waited on."""
+    out = step.out
+    log.debug(
+        "step",
+        step_id=step.step_id,
+        ms=round(1e3 * execute_s, 2),
+        rows=out.num_batched_tokens,
+        prompt_rows=sum(s.num_new_tokens for s in out.scheduled if s.is_prompt_chunk),
+        seq_ids=[s.seq.seq_id for s in out.scheduled],
+        emitted=emitted_per_sequence(out, response),
+        speculating=out.speculating,
+        guarded=out.guarded,
+    )
 
 
 def step_timeout_s(out: SchedulerOutput) -> float:
@@ -280,18 +309,8 @@ class StepLoop:
         self._apply(sched, step.out, response)
         if decode_only and not step.out.advanced and step.out.speculating is not None:
             # the tokens each sequence emitted, and the step's time: the speculation gate's measure
-            per_seq = Counter(t.seq_id for t in response.sampled)
-            emitted = [per_seq[s.seq.seq_id] for s in step.out.scheduled]
+            emitted = emitted_per_sequence(step.out, response)
             seconds = t2 - step.t1
-            log.debug(
-                "speculation_step",
-                batch=len(emitted),
-                speculating=step.out.speculating,
-                guarded=step.out.guarded,
-                rows=step.out.num_batched_tokens,
-                emitted=emitted,  # (the gate computes its measures from these)
-                ms=round(1e3 * seconds, 2),
-            )
             seq_ids = [s.seq.seq_id for s in step.out.scheduled]
             sched.guard.observe(seq_ids, emitted, step.out.num_batched_tokens, seconds)
             # (a guarded step: the gate chose to speculate, so a plain one is not its measure)
@@ -402,6 +421,8 @@ class StepLoop:
         times.add_worker(response)
         if not out.scheduled:
             return
+        if log.is_enabled_for(logging.DEBUG):  # (not built otherwise: every step passes here)
+            log_step(step, response, execute_s)
         model = self.model_id()
         metrics.SCHEDULER_STEP_SECONDS.labels(model).observe(build_s)
         metrics.MODEL_STEP_SECONDS.labels(model).observe(execute_s)

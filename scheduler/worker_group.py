@@ -195,6 +195,8 @@ class WorkerGroup:
                 "--speculative-config (serve does)",
             )
             speculative = None
+        if speculative is not None:  # (a server that speculates says so, and how)
+            log.info("speculative_decoding_on", group=self.name, config=speculative.to_json())
         self.scheduler = Scheduler(
             self.config,
             BlockManager(num_blocks, block_size, self.config.enable_prefix_caching),

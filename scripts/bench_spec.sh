@@ -24,7 +24,9 @@
 # output tok/s, TPOT P50/P99 and E2E latency P50/P99 of both and the ratio, and each request's
 # E2E latency with speculation over its own without (both runs send the same prompts and emit
 # the same tokens): its quantiles and how many requests were more than 5% slower; then the same
-# of its TTFT and of its decoding (E2E less TTFT).
+# of its TTFT and of its decoding (E2E less TTFT); then scripts/step_attribution.py's split of
+# each request's decoding into the steps it waited on (the servers log each step at debug
+# level, as JSON lines, kept under $LOGS, default a temporary directory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -33,6 +35,7 @@ OUT=${OUT:-docs/bench/speculative/$($PY -c 'import json, sys; print(json.loads(s
 CONCURRENCY=${CONCURRENCY:-"1 4 32"}
 WORKLOADS=${WORKLOADS:-"sharegpt repeat"}
 SERVE_ARGS=${SERVE_ARGS:-}  # more `serve` flags for both servers (e.g. the target's mode)
+LOGS=${LOGS:-$(mktemp -d)}
 mkdir -p "$OUT"
 lscpu | grep -E "Model name" || true
 for workload in $WORKLOADS; do
@@ -48,8 +51,8 @@ for workload in $WORKLOADS; do
     echo "== $workload, concurrency $c, $n prompts"
     $PY -m sluiceway.cli bench compare --policies continuous --speculative-config "$SPEC" \
       --dataset-name "$workload" --num-prompts "$n" --max-concurrency "$c" \
-      "${lengths[@]}" --seed 1 ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} \
-      --save-result "$out" | tail -12
+      "${lengths[@]}" --seed 1 --serve-args "--log-level debug --log-format json $SERVE_ARGS" \
+      --server-log-dir "$LOGS/$workload-c$c" --save-result "$out" | tail -12
     $PY - "$out" <<'EOF'
 import json, statistics, sys
 configurations = {c["label"]: c for c in json.load(open(sys.argv[1]))["configurations"]}
@@ -86,5 +89,6 @@ for part, of in (("TTFT", lambda r: r["ttft_ms"]),
     print(f"  {part}: P50 {q[49]:.2f}, P90 {q[89]:.2f}, P99 {q[98]:.2f}; "
           f"{sum(r > 1.05 for r in part_ratios)} of {len(part_ratios)} more than 5% slower")
 EOF
+    $PY scripts/step_attribution.py "$out" "$LOGS/$workload-c$c"
   done
 done

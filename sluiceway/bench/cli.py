@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 
 from sluiceway.argtypes import positive_int
@@ -55,48 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="start a server per configuration (and/or the transformers baseline), run the "
         "same workload on each, print one comparison table",
     )
-    compare.add_argument(
-        "--backend",
-        "--backends",
-        default="sluiceway",
-        help="comma list of sluiceway, transformers (batched generate, static batches)",
-    )
-    compare.add_argument(
-        "--policies", default="static,continuous", help="comma list of scheduling policies"
-    )
-    compare.add_argument(
-        "--max-num-seqs", default="256", help="comma list: one continuous configuration each"
-    )
-    compare.add_argument(
-        "--static-batch-size",
-        type=positive_int,
-        default=32,
-        help="batch of the static policy and of the transformers baseline",
-    )
-    compare.add_argument(
-        "--reference",
-        default=None,
-        help="the column the ratios compare against: a label or its start, e.g. static "
-        "(default: continuous)",
-    )
-    compare.add_argument(
-        "--speculative-config",
-        type=speculative_config_arg,
-        default="",
-        help="speculative decoding (`sluiceway serve`'s flag, vLLM's JSON): each continuous "
-        'configuration runs a second time with it, in a column "... + spec" ("": none)',
-    )
-    compare.add_argument(
-        "--serve-args",
-        default="",
-        help="extra `sluiceway serve` flags for every sluiceway configuration, one string",
-    )
-    compare.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="dtype of the transformers baseline (auto: as the worker resolves it)",
-    )
+    add_compare_args(compare)
     add_workload_args(compare)
     step = bench_sub.add_parser(
         "step", help="time the worker's model step on a synthetic decode batch (the hot path)"
@@ -115,6 +75,61 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     add_quality_args(quality)
     add_roofline_args(bench_sub.add_parser("roofline", help=ROOFLINE_HELP))
+
+
+def add_compare_args(p: argparse.ArgumentParser) -> None:
+    """`bench compare`'s own flags (the workload's are `add_workload_args`')."""
+    p.add_argument(
+        "--backend",
+        "--backends",
+        default="sluiceway",
+        help="comma list of sluiceway, transformers (batched generate, static batches)",
+    )
+    p.add_argument(
+        "--policies", default="static,continuous", help="comma list of scheduling policies"
+    )
+    p.add_argument(
+        "--max-num-seqs", default="256", help="comma list: one continuous configuration each"
+    )
+    p.add_argument(
+        "--static-batch-size",
+        type=positive_int,
+        default=32,
+        help="batch of the static policy and of the transformers baseline",
+    )
+    p.add_argument(
+        "--reference",
+        default=None,
+        help="the column the ratios compare against: a label or its start, e.g. static "
+        "(default: continuous)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=speculative_config_arg,
+        default="",
+        help="speculative decoding (`sluiceway serve`'s flag, vLLM's JSON): each continuous "
+        'configuration runs a second time with it, in a column "... + spec" ("": none)',
+    )
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help="extra `sluiceway serve` flags for every sluiceway configuration, one string",
+    )
+    p.add_argument(
+        "--server-log-dir",
+        type=pathlib.Path,
+        default=None,
+        metavar="DIR",
+        help="keep each sluiceway server's log as DIR/LABEL.log (default: a temporary file, "
+        "its tail printed if the server fails to start); with --serve-args '--log-level "
+        "debug --log-format json' scripts/step_attribution.py reads them",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="dtype of the transformers baseline (auto: as the worker resolves it)",
+    )
 
 
 def bench_command(args: argparse.Namespace) -> int:

@@ -16,7 +16,9 @@ import asyncio
 import datetime
 import json
 import os
+import pathlib
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from typing import IO
 
 from sluiceway.bench.machine_rates import cpu_model
 from sluiceway.bench.serve import BenchRun, json_safe, per_request, print_figures, run_workload
@@ -138,6 +141,21 @@ def comparison_table(
     return "\n".join([line(header), sep, *(line(r) for r in rows)]), ratios
 
 
+def server_log_path(log_dir: pathlib.Path, label: str) -> pathlib.Path:
+    """`--server-log-dir`'s file of a configuration: `log_dir`/LABEL.log, the label's
+    characters other than letters, digits, '_', '.' and '-' as '-'."""
+    return log_dir / (re.sub(r"[^\w.-]+", "-", label) + ".log")
+
+
+def server_log(label: str, log_dir: pathlib.Path | None) -> IO[str]:
+    """Where a configuration's server writes its log: `server_log_path` (the directory
+    made), else a temporary file."""
+    if log_dir is None:
+        return tempfile.TemporaryFile("w+")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return open(server_log_path(log_dir, label), "w+")
+
+
 def run_sluiceway(
     config: Configuration,
     extra_serve_args: list[str],
@@ -157,7 +175,7 @@ def run_sluiceway(
            "--http-port", "-1",
            "--log-format", "console", *config.serve_args, *extra_serve_args]  # fmt: skip
     print(f"[{config.label}] {shlex.join(cmd[2:])}", flush=True)
-    with tempfile.TemporaryFile("w+") as log:
+    with server_log(config.label, args.server_log_dir) as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + SERVER_START_TIMEOUT_S
@@ -244,6 +262,8 @@ def compare_command(args: argparse.Namespace) -> int:
     figures = {label: run.figures for label, run in runs.items()}
     table, ratios = comparison_table(labels, figures, reference)
     rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate} req/s"
+    if args.max_concurrency:
+        rate += f", at most {args.max_concurrency} in flight"
     print(f"\n{len(requests)} {args.dataset_name} prompts, {rate}")
     print(table)
     roofline = None

@@ -23,6 +23,7 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)  # gaps between streamed chunks
     error: str = ""
+    request_id: str = ""  # what the client sent (the server's logs name the request by it)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -144,7 +144,7 @@ async def run_openai_workload(
             if not warmup.ok:
                 raise RuntimeError(f"warm-up request failed: {warmup.error}")
         results, duration = await send_workload(
-            lambda r: _one(client, base_url, model, r, ignore_eos),
+            lambda _, r: _one(client, base_url, model, r, ignore_eos),
             requests, intervals, max_concurrency, desc,
         )  # fmt: skip
     return results, summarize(results, duration)

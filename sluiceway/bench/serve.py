@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +53,10 @@ async def _one(
     request: SampledRequest,
     ignore_eos: bool,
     metadata: tuple[tuple[str, str], ...] = (),
+    request_id: str = "",
 ) -> RequestResult:
     req = inference_pb2.GenerateRequest(
+        request_id=request_id,
         sampling=inference_pb2.SamplingParams(
             temperature=0.0, max_tokens=request.output_len, ignore_eos=ignore_eos
         ),
@@ -62,7 +65,7 @@ async def _one(
         req.prompt_token_ids.ids.extend(request.prompt_token_ids)
     else:
         req.prompt = request.prompt
-    result = RequestResult(ok=False, prompt_len=request.prompt_len)
+    result = RequestResult(ok=False, prompt_len=request.prompt_len, request_id=request_id)
     t0 = last = time.perf_counter()
     try:
         async for response in stub.Generate(req, metadata=metadata):
@@ -100,7 +103,8 @@ async def run_workload(
     (`num_free_kv_blocks_after`, waiting up to FREE_BLOCKS_WAIT_S for them to
     come back: a leak shows as fewer than `num_kv_blocks`). Raises RuntimeError if that warm-up fails and
     grpc.aio.AioRpcError if `GetModelInfo` does; a failed `Generate` during
-    the run is counted, not raised. `connection`: `sluiceway.client.connection`'s keyword
+    the run is counted, not raised. Request i is sent as request_id ``bench-RUN-i`` (RUN: 8
+    hex digits, one per call), saved with its figures. `connection`: `sluiceway.client.connection`'s keyword
     arguments (the API key, TLS), from `sluiceway.targets.client_options`.
     """
     metadata, credentials = client_connection(**(connection or {}))
@@ -116,8 +120,9 @@ async def run_workload(
             if not warmup.ok:
                 raise RuntimeError(f"warm-up request failed: {warmup.error}")
         before = await stub.GetModelInfo(info, metadata=metadata)
+        run = uuid.uuid4().hex[:8]
         results, duration = await send_workload(
-            lambda r: _one(stub, r, ignore_eos, metadata),
+            lambda i, r: _one(stub, r, ignore_eos, metadata, f"bench-{run}-{i}"),
             requests,
             intervals,
             max_concurrency,
@@ -179,7 +184,8 @@ def json_safe(value: object) -> object:
 
 def per_request(results: list[RequestResult]) -> list[dict[str, object]]:
     """Each request's figures, in request order, for the saved JSON: ok, prompt and output
-    tokens, TTFT and E2E latency (ms; 0 for a failed request) and the error, if any."""
+    tokens, TTFT and E2E latency (ms; 0 for a failed request), the request_id it was sent
+    with and the error, if any."""
     return [
         {
             "ok": r.ok,
@@ -187,6 +193,7 @@ def per_request(results: list[RequestResult]) -> list[dict[str, object]]:
             "output_len": r.output_len,
             "ttft_ms": r.ttft * 1e3,
             "e2e_ms": r.e2e * 1e3,
+            **({"request_id": r.request_id} if r.request_id else {}),
             **({"error": r.error} if r.error else {}),
         }
         for r in results

@@ -36,32 +36,32 @@ def request_intervals(n: int, request_rate: float, burstiness: float, seed: int)
 
 
 async def send_workload(
-    send: Callable[[SampledRequest], Awaitable[RequestResult]],
+    send: Callable[[int, SampledRequest], Awaitable[RequestResult]],
     requests: list[SampledRequest],
     intervals: list[float],
     max_concurrency: int | None,
     desc: str = "requests",
 ) -> tuple[list[RequestResult], float]:
     """Sends request i after waiting ``intervals[i]`` seconds, at most ``max_concurrency`` in
-    flight (None: no limit), each through ``send``, with a progress bar; returns the results
+    flight (None: no limit), each as ``send(i, request)``, with a progress bar; returns the results
     in request order and the run's duration in seconds (first send to last result)."""
     from tqdm import tqdm
 
     sem = asyncio.Semaphore(max_concurrency or len(requests) or 1)
     progress = tqdm(total=len(requests), desc=desc, unit="req")
 
-    async def limited(r: SampledRequest) -> RequestResult:
+    async def limited(i: int, r: SampledRequest) -> RequestResult:
         async with sem:
-            result = await send(r)
+            result = await send(i, r)
         progress.update(1)
         return result
 
     t0 = time.perf_counter()
     tasks = []
-    for r, wait_s in zip(requests, intervals, strict=True):
+    for i, (r, wait_s) in enumerate(zip(requests, intervals, strict=True)):
         if wait_s:
             await asyncio.sleep(wait_s)
-        tasks.append(asyncio.create_task(limited(r)))
+        tasks.append(asyncio.create_task(limited(i, r)))
     results = list(await asyncio.gather(*tasks))
     duration = time.perf_counter() - t0
     progress.close()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
 pytestmark = pytest.mark.slow
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_bench_compare_short_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -19,8 +21,10 @@ def test_bench_compare_short_run(tmp_path) -> None:  # type: ignore[no-untyped-d
             "--backend", "sluiceway,transformers", "--policies", "static,continuous",
             "--static-batch-size", "2", "--dataset-name", "random", "--num-prompts", "4",
             "--random-input-len", "16", "--random-output-len", "4", "--ignore-eos",
-            "--serve-args", "--dtype float32 --kv-cache-memory 256MiB", "--dtype", "float32",
-            "--save-result", str(out), "--plot", str(png),
+            "--serve-args",
+            "--dtype float32 --kv-cache-memory 256MiB --log-level debug --log-format json",
+            "--dtype", "float32", "--save-result", str(out), "--plot", str(png),
+            "--server-log-dir", str(tmp_path / "logs"),
         ],
         check=True, timeout=600, capture_output=True, text=True,
     )  # fmt: skip
@@ -45,3 +49,15 @@ def test_bench_compare_short_run(tmp_path) -> None:  # type: ignore[no-untyped-d
     assert "continuous vs static (batch 2)" in header
     assert "continuous vs transformers (batch 2)" in header
     assert result["machine"]["cpu_count"] >= 1 and result["command"].startswith("sluiceway bench")
+    # each request was sent as bench-RUN-i, and the servers' kept logs split its decoding
+    for config in result["configurations"][:2]:
+        ids = [r["request_id"] for r in config["requests"]]
+        assert [i.rsplit("-", 1)[1] for i in ids] == ["0", "1", "2", "3"], ids
+    attribution = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/step_attribution.py"), str(out), str(tmp_path / "logs"),
+         "--a", "continuous", "--b", "static (batch 2)"],
+        check=True, timeout=60, capture_output=True, text=True,
+    )  # fmt: skip
+    assert attribution.stdout.startswith(
+        "4 requests with 2+ tokens; static (batch 2) over continuous"
+    )

@@ -14,6 +14,7 @@ import pytest
 from sluiceway.client import Client
 from sluiceway.kernels import cpu_ops
 from sluiceway.model_files import embedded_model_path
+from sluiceway.speculative import SpeculativeConfig
 from sluiceway.v1 import inference_pb2
 from tests.integration.conftest import (
     generate_concurrently,
@@ -46,6 +47,11 @@ def _run(
     stack = start_stack(*flags)
     try:
         scheduler = metrics_urls(stack.log)["scheduler"]
+        if "--speculative-config" in flags:  # the scheduler says it speculates, and how
+            config = SpeculativeConfig.parse(flags[flags.index("--speculative-config") + 1])
+            assert any(
+                "speculative_decoding_on" in line and config.to_json() in line for line in stack.log
+            ), "".join(stack.log[-30:])
         with stack.client() as client:
             tokens = generate_concurrently(client, requests)
             info = wait_for_free_blocks(client)
