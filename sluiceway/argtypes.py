@@ -4,6 +4,7 @@ traceback, and the help formatter every `sluiceway` parser uses."""
 from __future__ import annotations
 
 import argparse
+import pathlib
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -138,6 +139,15 @@ def metrics_port_number(text: str) -> int:
     if not -1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number 0..65535 or -1 (off), got {value}")
     return value
+
+
+def directory_path(text: str) -> pathlib.Path:
+    """A directory to write in: one that exists, or a path where nothing is yet (made when
+    used). Raises argparse.ArgumentTypeError for a file or other non-directory there."""
+    path = pathlib.Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: exists and is not a directory")
+    return path
 
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 from sluiceway.bench.metrics import RequestResult, server_figures, summarize
@@ -287,3 +289,18 @@ def test_the_workloads_token_counter_is_the_models_tokenizer() -> None:
     texts = [turn["value"] for conv in conversations[:100] for turn in conv[:2]]
     assert [counter(t).input_ids for t in texts] == [tokenizer(t).input_ids for t in texts]
     assert len(counter) == len(tokenizer) == 49152
+
+
+def test_bench_compare_keeps_server_logs_only_in_a_directory(tmp_path: pathlib.Path) -> None:
+    from sluiceway.cli import build_parser
+    from tests.test_cli import usage_error
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    assert usage_error("bench", "compare", "--server-log-dir", str(a_file)) == (
+        f"sluiceway bench compare: error: argument --server-log-dir: {a_file}: exists and is not "
+        "a directory (see sluiceway bench compare --help)"
+    )
+    new = tmp_path / "logs" / "run-1"  # made when the first server starts
+    args = build_parser().parse_args(["bench", "compare", "--server-log-dir", str(new)])
+    assert args.server_log_dir == new

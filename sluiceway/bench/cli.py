@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 
-from sluiceway.argtypes import positive_int
+from sluiceway.argtypes import directory_path, positive_int
 from sluiceway.bench.grammar import add_grammar_args
 from sluiceway.bench.quality import add_quality_args
 from sluiceway.bench.roofline import ROOFLINE_HELP, add_roofline_args
@@ -117,10 +116,11 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--server-log-dir",
-        type=pathlib.Path,
+        type=directory_path,
         default=None,
         metavar="DIR",
-        help="keep each sluiceway server's log as DIR/LABEL.log (default: a temporary file, "
+        help="keep each sluiceway server's log as DIR/LABEL.log, the label's spaces and "
+        "signs as '-', e.g. continuous-spec.log (default: a temporary file, "
         "its tail printed if the server fails to start); with --serve-args '--log-level "
         "debug --log-format json' scripts/step_attribution.py reads them",
     )

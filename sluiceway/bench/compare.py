@@ -141,6 +141,15 @@ def comparison_table(
     return "\n".join([line(header), sep, *(line(r) for r in rows)]), ratios
 
 
+def match_label(labels: list[str], wanted: str) -> str | None:
+    """The configuration label `wanted` names: itself, else the only label that starts with
+    it; None when none or several do."""
+    if wanted in labels:
+        return wanted
+    matching = [label for label in labels if label.startswith(wanted)]
+    return matching[0] if len(matching) == 1 else None
+
+
 def server_log_path(log_dir: pathlib.Path, label: str) -> pathlib.Path:
     """`--server-log-dir`'s file of a configuration: `log_dir`/LABEL.log, the label's
     characters other than letters, digits, '_', '.' and '-' as '-'."""
@@ -235,14 +244,13 @@ def compare_command(args: argparse.Namespace) -> int:
         print(f"sluiceway bench compare: {e}", file=sys.stderr)
         return 2
     labels = [c.label for c in configs]
-    reference = args.reference or "continuous"
-    matching = [label for label in labels if label == reference or label.startswith(reference)]
-    reference = matching[0] if len(matching) == 1 or reference in labels else reference
-    if args.reference is None and reference not in labels:
+    reference = match_label(labels, args.reference or "continuous")
+    if reference is None and args.reference is None:
         reference = labels[0]
-    if reference not in labels:
+    if reference is None:
         print(
-            f"sluiceway bench compare: --reference {reference!r} not in {labels}", file=sys.stderr
+            f"sluiceway bench compare: --reference {args.reference!r} not in {labels}",
+            file=sys.stderr,
         )
         return 2
     try:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from sluiceway.bench.compare import server_log_path
+from sluiceway.bench.compare import match_label, server_log_path
 from sluiceway.internal.v1 import worker_pb2
 from sluiceway.scheduler import step_loop
 from tests.scheduler.test_scheduler import make_scheduler, make_seq, run_step
@@ -142,4 +142,62 @@ def test_the_script_reads_the_logs_bench_compare_keeps(
     printed = capsys.readouterr().out
     assert "3 requests with 2+ tokens" in printed
     assert "decoding steps' time: P10 2.00, P50 2.00, P90 2.00, P99 2.00" in printed
-    assert "continuous: prompt steps 0.0 s, spec steps 0.0 s, plain steps 0.1 s" in printed
+    assert "    continuous: prompt steps 0.0 s, spec steps 0.0 s, plain steps 0.1 s" in printed
+
+
+def test_the_script_refuses_what_it_cannot_read_naming_it(tmp_path: pathlib.Path) -> None:
+    module = attribution()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for label in ("continuous", "continuous + spec"):
+        write(server_log_path(logs, label), [
+            json.dumps({"event": "request_added", "request_id": "bench-a-0", "seq_id": 1}),
+            step(1, 10.0, {1: 1}),
+            step(2, 10.0, {1: 1}),
+        ])  # fmt: skip
+    requests = [{"ok": True, "output_len": 2, "request_id": "bench-a-0"}]
+    result = tmp_path / "run.json"
+
+    def save(configurations: dict[str, list[dict[str, Any]]]) -> None:
+        result.write_text(json.dumps({"configurations": [
+            {"label": label, "requests": r} for label, r in configurations.items()
+        ]}))  # fmt: skip
+
+    def refused(*argv: str) -> str:
+        with pytest.raises(SystemExit) as e:
+            module.main([*argv])
+        return str(e.value.code)
+
+    save({"continuous": requests, "continuous + spec": requests})
+    assert refused(str(tmp_path / "nothing.json"), str(logs)).endswith(
+        "nothing.json: No such file or directory"
+    )
+    assert refused(str(server_log_path(logs, "continuous")), str(logs)).endswith(
+        "continuous.log: not a `bench compare --save-result` JSON (configurations, requests)"
+    )
+    assert refused(str(result), str(tmp_path / "none")).endswith(
+        "none/continuous.log: No such file or directory (bench compare --server-log-dir's directory?)"
+    )
+    assert refused(str(result), str(logs), "--a", "static") == (
+        "--a 'static': not one of the result's configurations ['continuous', 'continuous + spec']"
+    )
+    assert refused(str(result), str(logs), "--b", "continuous") == (
+        "--a and --b name the same configuration, 'continuous'"
+    )
+    save({"continuous": [{"ok": True, "output_len": 2}], "continuous + spec": requests})
+    assert refused(str(result), str(logs)).endswith(
+        "continuous.log: names none of the result's requests (a result saved before requests "
+        "carried their request_id, or the logs of another run)"
+    )
+    save({"continuous": requests, "continuous + spec": requests * 2})
+    assert refused(str(result), str(logs)) == (
+        "'continuous' and 'continuous + spec' ran different requests (not one bench compare)"
+    )
+
+
+def test_a_label_is_named_whole_or_by_the_only_label_it_starts() -> None:
+    labels = ["continuous (64)", "continuous", "continuous + spec", "static (batch 32)"]
+    assert match_label(labels, "continuous") == "continuous"  # whole, though others start so
+    assert match_label(labels, "static") == "static (batch 32)"
+    assert match_label(labels, "continuous ") is None  # two start with it
+    assert match_label(labels, "transformers") is None
