@@ -7,6 +7,13 @@ block 16, bfloat16 queries: decodes of batch
 ``fp8_e4m3``), in int8 (e4m3) with per-token scales (kernels/kv_quant.py). Prints one JSON line: microseconds per call, the minimum and the median of
 the calls made in ``--seconds`` per case (on a shared machine quote the minimum).
 
+``--forward`` times instead what a decode step's forward asks of it (issue 33): one call per
+layer over as many layers' pools (30 for SmolLM2), each from memory as between the GEMMs of a
+forward, at ``--forward-batch`` sequences of ``--forward-context`` tokens; the same calls with
+every sequence on the same blocks (cache-resident: the kernel's arithmetic alone); and B, the
+streaming read rate of ``bench roofline`` measured before and after. It prints the K/V bytes,
+their floor (bytes / B) and the attention time as a multiple of it.
+
 Before/after: run it with ``PYTHONPATH`` on each tree in turn (each builds its own kernels);
 ``--window`` needs a tree whose kernel takes one. Threads: ``OMP_NUM_THREADS``.
 """
@@ -72,12 +79,60 @@ def time_case(
     return times
 
 
+def forward_case(batch: int, context: int, layers: int, reps: int) -> dict[str, float]:
+    """Decode attention of ``batch`` sequences of ``context`` tokens over ``layers`` pools
+    (bfloat16, shuffled block ids), seconds per pass over all layers: scattered blocks from
+    memory, and the same calls on one sequence's blocks shared by all (cache-resident); with
+    B (bytes/s) measured before and after them (the higher counts)."""
+    from sluiceway.bench.machine_rates import l3_cache_bytes, measure_bandwidth
+
+    blocks = -(-context // BLOCK)
+    pools = [make_pool(batch * blocks, "auto") for _ in range(layers)]
+    scattered = torch.randperm(batch * blocks).view(batch, blocks).to(torch.int32)
+    shared = torch.arange(blocks, dtype=torch.int32).repeat(batch, 1)
+    context_lens = torch.full((batch,), context, dtype=torch.int32)
+    starts = torch.arange(batch + 1, dtype=torch.int32)
+    query = torch.randn(batch, HQ, D).to(torch.bfloat16)
+    out = torch.empty_like(query)
+
+    def one_pass(tables: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        for pool in pools:
+            torch.ops.sluiceway.paged_attention(
+                out, query, pool, tables, context_lens, starts, D**-0.5, 0
+            )
+        return time.perf_counter() - t0
+
+    one_pass(scattered)
+    bandwidth = measure_bandwidth(8 * l3_cache_bytes())
+    memory, cached = [], []
+    for _ in range(reps):
+        memory.append(one_pass(scattered))
+        cached.append(one_pass(shared))
+    bandwidth = max(bandwidth, measure_bandwidth(8 * l3_cache_bytes()))
+    kv_bytes = 2 * batch * context * HKV * D * 2 * layers  # K and V, bfloat16
+    return {
+        "attention_ms": round(min(memory) * 1e3, 2),
+        "attention_median_ms": round(statistics.median(memory) * 1e3, 2),
+        "cache_resident_ms": round(min(cached) * 1e3, 2),
+        "kv_gb": round(kv_bytes / 1e9, 4),
+        "bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "floor_ms": round(kv_bytes / bandwidth * 1e3, 2),
+        "of_floor": round(min(memory) / (kv_bytes / bandwidth), 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--window", type=int, default=0, help="sliding window (0: none)")
     parser.add_argument("--seconds", type=float, default=1.5, help="timing per case")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8_e4m3"), default="auto")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="gemma3", help="heads, dim")
+    parser.add_argument("--forward", action="store_true", help="a decode forward's attention")
+    parser.add_argument("--forward-batch", type=int, default=200, help="sequences (--forward)")
+    parser.add_argument("--forward-context", type=int, default=320, help="tokens (--forward)")
+    parser.add_argument("--forward-layers", type=int, default=30, help="pools (--forward)")
+    parser.add_argument("--forward-reps", type=int, default=7, help="passes (--forward)")
     args = parser.parse_args()
     global HQ, HKV, D
     HQ, HKV, D = SHAPES[args.shape]
@@ -89,6 +144,12 @@ def main() -> None:
         "kv_cache_dtype": args.kv_cache_dtype,
         "shape": args.shape,
     }
+    if args.forward:
+        case = (args.forward_batch, args.forward_context, args.forward_layers, args.forward_reps)
+        result["forward"] = {"batch": case[0], "context": case[1], "layers": case[2]}
+        result["forward"].update(forward_case(*case))
+        print(json.dumps(result))
+        return
     for batch, context, rows in CASES:
         times = time_case(batch, context, rows, args.window, args.seconds, args.kv_cache_dtype)
         result[f"b{batch}_ctx{context}_q{rows}"] = {

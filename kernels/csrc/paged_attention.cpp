@@ -8,12 +8,16 @@
 // product of the query with the int8 key times the key's scale; its values are summed with
 // weight probability * the value's scale: the same order for a row whatever the batch.
 //
-// One work item is (sequence, KV head, tile of up to kRowTile query rows of its chunk): the G
-// query heads of that KV head (grouped-query attention) go through each K and V block
-// together, so a block is read from memory once per KV head per tile, and the next blocks are
-// prefetched. When a step has fewer items than threads (a decode of one sequence on a model
-// with one KV head), each item's G heads are cut into smaller groups, one item each, so every
-// core works: a head's arithmetic is the same in any group. Each row keeps an online softmax
+// One work item is (sequence, tile of up to kRowTile query rows of its chunk, its KV heads): the
+// G query heads of a KV head (grouped-query attention) go through each K and V block together,
+// so a block is read from memory once per KV head per tile. An item reads a block's KV heads
+// one after the other (the pool keeps them adjacent: one run of memory per block for K and one
+// for V, not one per head), and before each it prefetches the same head of its next block into
+// L2, or, at its last block, of the next item's first (each thread claims its next item before
+// running the current one). When a step has fewer items than threads, its items are cut into
+// one KV head each, then each item's G heads into smaller groups (a decode of one sequence on
+// a model with one KV head), so every core works: a head's arithmetic is the same in any
+// group. Each row keeps an online softmax
 // (Milakov & Gimelshein 2018, as in FlashAttention) over the blocks in order: for every block
 // its scores (a dot product per key, vectorized over the block's keys), the new running max,
 // and the rescaled sum and output (vectorized over D). A row reads only the blocks up to its
@@ -40,16 +44,19 @@ namespace sluiceway {
 namespace {
 
 constexpr int kRowTile = 16;
-constexpr int kPrefetchBlocks = 2;  // how many blocks ahead a work item prefetches
+// A step reading more K/V than this prefetches into L2, else into L1 (see prefetch_head): the
+// L3 of the machines measured (32 MiB; glibc's sysconf reports the host's 320 MiB in this VM).
+constexpr int64_t kL2PrefetchBytes = int64_t{32} << 20;
 
 struct WorkItem {
   int32_t seq;
-  int32_t kv_head;
+  int32_t kv_head_begin;  // KV heads [kv_head_begin, kv_head_end)
+  int32_t kv_head_end;
   int32_t row_begin;  // rows of the flattened batch
   int32_t row_end;
   int32_t head_begin;  // query heads of the KV head's group: [head_begin, head_end)
   int32_t head_end;
-  int64_t cost;  // rows x heads x blocks read: the order items are claimed in
+  int64_t cost;  // rows x query heads x blocks read: the order items are claimed in
 };
 
 // Bytes of scale per token that follow a cache row's values: 4 for int8 (one float32), else 0.
@@ -184,105 +191,168 @@ struct Step {
   int head_dim;
   int block_size;
   int window;  // 0: full causal attention
+  bool prefetch_to_l2;  // the step reads more K/V than the L3 holds (see prefetch_head)
   float scale;
   T* out;
 };
 
-// Asks for the K and V of a block a few blocks ahead: blocks are scattered runs of bs * D
-// elements, the hardware prefetchers do not see the next one coming (memory latency, not
-// bandwidth, bounds the block loop otherwise).
+// The first block an item reads (its first row's window start) and one past its last.
 template <typename T, typename C>
-inline void prefetch_block(const Step<T, C>& st, int64_t block, int64_t head_offset) {
-  const int64_t ahead = block * st.cache_block_stride + head_offset;
-  const char* kn = reinterpret_cast<const char*>(st.key_cache + ahead);
-  const char* vn = reinterpret_cast<const char*>(st.value_cache + ahead);
-  const int block_bytes = static_cast<int>(st.cache_head_stride * sizeof(C));
-  for (int line = 0; line < block_bytes; line += 64) {
-    __builtin_prefetch(kn + line);
-    __builtin_prefetch(vn + line);
+inline int first_block_of(const WorkItem& item, const Step<T, C>& st) {
+  const int chunk_start = st.query_start_loc[item.seq];
+  const int chunk_len = st.query_start_loc[item.seq + 1] - chunk_start;
+  const int row0_pos = st.context_lens[item.seq] - chunk_len + (item.row_begin - chunk_start);
+  return window_start(row0_pos, st.window) / st.block_size;
+}
+
+template <typename T, typename C>
+inline int end_block_of(const WorkItem& item, const Step<T, C>& st) {
+  const int chunk_start = st.query_start_loc[item.seq];
+  const int chunk_len = st.query_start_loc[item.seq + 1] - chunk_start;
+  const int last_pos = st.context_lens[item.seq] - chunk_len + (item.row_end - 1 - chunk_start);
+  return last_pos / st.block_size + 1;
+}
+
+// Asks for the K and V of the item's h-th KV head in its `b`-th block (its table's), if the
+// item reads it. Blocks are scattered runs of block_size * D elements that the hardware
+// prefetchers do not see coming. Measured on an AMD EPYC (Zen 4, 2 cores;
+// scripts/cpu_attention_bench.py --forward: batch 200, context 320, SmolLM2's heads over 30
+// layers' pools): one head of the next block ahead did as well as 2 or 3 blocks, and into L2
+// (prefetcht1) 1.4x faster than into L1 (prefetcht0, which holds one of a core's few
+// outstanding L1 misses per line). A step whose K/V fits in the L3 keeps the earlier kernel's
+// L1 hint (not measured to lose there).
+// always_inline: GCC 12 counts a prefetch as no side effect, took a function holding only
+// prefetches for a `const` one and deleted its calls (no prefetch left in the object).
+template <typename T, typename C>
+__attribute__((always_inline)) inline void prefetch_head(const Step<T, C>& st,
+                                                        const WorkItem& item, int b, int h) {
+  if (h >= item.kv_head_end - item.kv_head_begin || b >= end_block_of(item, st)) return;
+  const int64_t at = st.tables[item.seq * st.table_stride + b] * st.cache_block_stride +
+                     (item.kv_head_begin + h) * st.cache_head_stride;
+  const char* kn = reinterpret_cast<const char*>(st.key_cache + at);
+  const char* vn = reinterpret_cast<const char*>(st.value_cache + at);
+  const int bytes = static_cast<int>(st.cache_head_stride * sizeof(C));
+  if (st.prefetch_to_l2) {
+    for (int line = 0; line < bytes; line += 64) {
+      __builtin_prefetch(kn + line, 0, 2);
+      __builtin_prefetch(vn + line, 0, 2);
+    }
+  } else {
+    for (int line = 0; line < bytes; line += 64) {
+      __builtin_prefetch(kn + line, 0, 3);
+      __builtin_prefetch(vn + line, 0, 3);
+    }
+  }
+}
+
+// The rows of an item against one KV head's K and V in block b: lanes [lane0, lane0 + rows *
+// heads) hold (row, query head) pairs of that KV head.
+template <typename C, int ND>
+inline void attend_head_block(const C* kb, const C* vb, int b, int bs, int d, int rows,
+                              int heads, int row0_pos, int window, float* q, float* acc,
+                              float* run_max, float* run_sum, float* s) {
+  // an int8 row's scales follow its bs * d values (unused for a float cache)
+  const float* ks = reinterpret_cast<const float*>(kb + bs * d);
+  const float* vs = reinterpret_cast<const float*>(vb + bs * d);
+  for (int r = 0; r < rows; ++r) {
+    const int pos = row0_pos + r;
+    const int valid = std::min(bs, pos - b * bs + 1);  // keys of this block the row sees
+    const int first = std::max(0, window_start(pos, window) - b * bs);
+    if (valid <= first) continue;  // past the row's position, or before its window
+    if constexpr (ND == 0) {
+      for (int g = 0; g < heads; ++g) {
+        const int lane = r * heads + g;
+        attend_block_generic(q + lane * d, acc + lane * d, run_max + lane, run_sum + lane, kb,
+                             vb, ks, vs, bs, d, first, valid, s);
+      }
+    } else {
+      for (int g = 0; g < heads; g += 4) {
+        const int lane = r * heads + g;
+        float *ql = q + lane * d, *al = acc + lane * d;
+        float *mx = run_max + lane, *sm = run_sum + lane;
+        switch (std::min(4, heads - g)) {
+          case 4: attend_block<C, ND, 4>(ql, al, mx, sm, kb, vb, ks, vs, bs, first, valid); break;
+          case 3: attend_block<C, ND, 3>(ql, al, mx, sm, kb, vb, ks, vs, bs, first, valid); break;
+          case 2: attend_block<C, ND, 2>(ql, al, mx, sm, kb, vb, ks, vs, bs, first, valid); break;
+          default: attend_block<C, ND, 1>(ql, al, mx, sm, kb, vb, ks, vs, bs, first, valid);
+        }
+      }
+    }
   }
 }
 
 // One work item: rows [row_begin, row_end) of a sequence's chunk against its blocks, for query
-// heads [head_begin, head_end) of one KV head's group. ND > 0: the vectorized path with
-// D = 16 * ND; 0: generic. Blocks run from the first one the item's first row needs (its
-// window's start) to its last row's position; each row skips the blocks before its own.
+// heads [head_begin, head_end) of the groups of KV heads [kv_head_begin, kv_head_end). ND > 0:
+// the vectorized path with D = 16 * ND; 0: generic. Blocks run from the first one the item's
+// first row needs (its window's start) to its last row's position; each row skips the blocks
+// before its own. `next` (or null): the item this thread runs after this one.
 template <typename T, typename C, int ND>
-void attend_item(const WorkItem& item, const Step<T, C>& st, std::vector<float>& scratch) {
+void attend_item(const WorkItem& item, const WorkItem* next, const Step<T, C>& st,
+                 std::vector<float>& scratch) {
   const int d = ND ? 16 * ND : st.head_dim;
   const int bs = st.block_size;
   const int group = st.num_heads / st.num_kv_heads;
   const int heads = item.head_end - item.head_begin;
+  const int kv_heads = item.kv_head_end - item.kv_head_begin;
   const int rows = item.row_end - item.row_begin;
-  const int lanes = rows * heads;  // (row, query head) pairs
+  const int per_head = rows * heads;  // lanes of one KV head: (row, query head) pairs
+  const int lanes = kv_heads * per_head;
   scratch.resize(static_cast<size_t>(lanes) * (2 * d + 2) + bs);
-  float* q = scratch.data();         // [lanes, D], scaled
+  float* q = scratch.data();         // [kv_heads, rows, heads, D], scaled
   float* acc = q + lanes * d;        // [lanes, D]
   float* run_max = acc + lanes * d;  // [lanes]
   float* run_sum = run_max + lanes;  // [lanes]
   float* s = run_sum + lanes;        // [bs], generic path's scores
 
-  const int chunk_start = st.query_start_loc[item.seq];
-  const int chunk_len = st.query_start_loc[item.seq + 1] - chunk_start;
-  const int first_pos = st.context_lens[item.seq] - chunk_len;  // the chunk's first row's
-  const int64_t first_head = static_cast<int64_t>(item.kv_head) * group + item.head_begin;
-  for (int r = 0; r < rows; ++r) {
-    const T* qrow = st.query + static_cast<int64_t>(item.row_begin + r) * st.query_row_stride +
-                    first_head * d;
-    for (int i = 0; i < heads * d; ++i) q[r * heads * d + i] = to_float(qrow[i]) * st.scale;
+  // the item's query heads of KV head h start at query head first_head(h)
+  auto first_head = [&](int h) -> int64_t {
+    return static_cast<int64_t>(item.kv_head_begin + h) * group + item.head_begin;
+  };
+  for (int h = 0; h < kv_heads; ++h) {
+    for (int r = 0; r < rows; ++r) {
+      const T* qrow = st.query + static_cast<int64_t>(item.row_begin + r) * st.query_row_stride +
+                      first_head(h) * d;
+      float* qd = q + static_cast<int64_t>(h * per_head + r * heads) * d;
+      for (int i = 0; i < heads * d; ++i) qd[i] = to_float(qrow[i]) * st.scale;
+    }
   }
   std::fill(acc, acc + lanes * d, 0.0f);
   std::fill(run_max, run_max + lanes, -std::numeric_limits<float>::infinity());
   std::fill(run_sum, run_sum + lanes, 0.0f);
 
-  const int row0_pos = first_pos + (item.row_begin - chunk_start);
-  const int last_pos = first_pos + (item.row_end - 1 - chunk_start);
-  const int first_block = window_start(row0_pos, st.window) / bs;
-  const int num_blocks = last_pos / bs + 1;
+  const int chunk_start = st.query_start_loc[item.seq];
+  const int chunk_len = st.query_start_loc[item.seq + 1] - chunk_start;
+  const int row0_pos = st.context_lens[item.seq] - chunk_len + (item.row_begin - chunk_start);
+  const int first_block = first_block_of(item, st);
+  const int num_blocks = end_block_of(item, st);
+  const int next_first = next ? first_block_of(*next, st) : 0;
   const int32_t* table = st.tables + item.seq * st.table_stride;
-  const int64_t head_offset = static_cast<int64_t>(item.kv_head) * st.cache_head_stride;
   for (int b = first_block; b < num_blocks; ++b) {
     const int64_t block = table[b];
-    const C* kb = st.key_cache + block * st.cache_block_stride + head_offset;
-    const C* vb = st.value_cache + block * st.cache_block_stride + head_offset;
-    // an int8 row's scales follow its bs * d values (unused for a float cache)
-    const float* ks = reinterpret_cast<const float*>(kb + bs * d);
-    const float* vs = reinterpret_cast<const float*>(vb + bs * d);
-    if (b + kPrefetchBlocks < num_blocks)
-      prefetch_block(st, table[b + kPrefetchBlocks], head_offset);
-    for (int r = 0; r < rows; ++r) {
-      const int pos = row0_pos + r;
-      const int valid = std::min(bs, pos - b * bs + 1);  // keys of this block the row sees
-      const int first = std::max(0, window_start(pos, st.window) - b * bs);
-      if (valid <= first) continue;  // past the row's position, or before its window
-      if constexpr (ND == 0) {
-        for (int g = 0; g < heads; ++g) {
-          const int lane = r * heads + g;
-          attend_block_generic(q + lane * d, acc + lane * d, run_max + lane, run_sum + lane,
-                               kb, vb, ks, vs, bs, d, first, valid, s);
-        }
-      } else {
-        for (int g = 0; g < heads; g += 4) {
-          const int lane = r * heads + g;
-          float *ql = q + lane * d, *al = acc + lane * d;
-          float *mx = run_max + lane, *sm = run_sum + lane;
-          switch (std::min(4, heads - g)) {
-            case 4: attend_block<C, ND, 4>(ql, al, mx, sm, kb, vb, ks, vs, bs, first, valid); break;
-            case 3: attend_block<C, ND, 3>(ql, al, mx, sm, kb, vb, ks, vs, bs, first, valid); break;
-            case 2: attend_block<C, ND, 2>(ql, al, mx, sm, kb, vb, ks, vs, bs, first, valid); break;
-            default: attend_block<C, ND, 1>(ql, al, mx, sm, kb, vb, ks, vs, bs, first, valid);
-          }
-        }
+    for (int h = 0; h < kv_heads; ++h) {
+      if (b + 1 < num_blocks) {
+        prefetch_head(st, item, b + 1, h);
+      } else if (next != nullptr) {
+        prefetch_head(st, *next, next_first, h);
       }
+      const int64_t at = block * st.cache_block_stride +
+                         (item.kv_head_begin + h) * st.cache_head_stride;
+      const int64_t lane = static_cast<int64_t>(h) * per_head;
+      attend_head_block<C, ND>(st.key_cache + at, st.value_cache + at, b, bs, d, rows, heads,
+                               row0_pos, st.window, q + lane * d, acc + lane * d,
+                               run_max + lane, run_sum + lane, s);
     }
   }
-  for (int r = 0; r < rows; ++r) {
-    T* orow = st.out + (static_cast<int64_t>(item.row_begin + r) * st.num_heads + first_head) * d;
-    for (int g = 0; g < heads; ++g) {
-      const int lane = r * heads + g;
-      const float inv = 1.0f / run_sum[lane];
-      const float* al = acc + lane * d;
-      for (int i = 0; i < d; ++i) orow[g * d + i] = from_float<T>(al[i] * inv);
+  for (int h = 0; h < kv_heads; ++h) {
+    for (int r = 0; r < rows; ++r) {
+      T* orow =
+          st.out + (static_cast<int64_t>(item.row_begin + r) * st.num_heads + first_head(h)) * d;
+      for (int g = 0; g < heads; ++g) {
+        const int lane = h * per_head + r * heads + g;
+        const float inv = 1.0f / run_sum[lane];
+        const float* al = acc + lane * d;
+        for (int i = 0; i < d; ++i) orow[g * d + i] = from_float<T>(al[i] * inv);
+      }
     }
   }
 }
@@ -315,8 +385,21 @@ std::vector<WorkItem> plan_items(const int32_t* ctx, const int32_t* qsl, const i
       const int64_t blocks =
           last_pos / block_size - window_start(first_pos, window) / block_size + 1;
       const int64_t cost = static_cast<int64_t>(end - r) * group * blocks;
-      for (int h = 0; h < num_kv_heads; ++h) items.push_back({s, h, r, end, 0, group, cost});
+      items.push_back({s, 0, num_kv_heads, r, end, 0, group, cost * num_kv_heads});
     }
+  }
+  if (static_cast<int64_t>(items.size()) < threads && num_kv_heads > 1) {  // a KV head each
+    std::vector<WorkItem> split;
+    for (const WorkItem& it : items) {
+      for (int h = 0; h < num_kv_heads; ++h) {
+        WorkItem part = it;
+        part.kv_head_begin = h;
+        part.kv_head_end = h + 1;
+        part.cost = it.cost / num_kv_heads;
+        split.push_back(part);
+      }
+    }
+    items.swap(split);
   }
   const int64_t parts =
       std::min<int64_t>(group, threads / std::max<int64_t>(static_cast<int64_t>(items.size()), 1));
@@ -370,7 +453,12 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   st.cache_head_stride = kv_cache.stride(2);
   st.out = out.data_ptr<T>();
   st.scale = static_cast<float>(scale);
-  void (*attend)(const WorkItem&, const Step<T, C>&, std::vector<float>&) =
+  int64_t step_bytes = 0;  // the K and V the step's items read
+  for (const WorkItem& it : items)
+    step_bytes += int64_t{2} * (end_block_of(it, st) - first_block_of(it, st)) *
+                  (it.kv_head_end - it.kv_head_begin) * st.cache_head_stride * sizeof(C);
+  st.prefetch_to_l2 = step_bytes > kL2PrefetchBytes;
+  void (*attend)(const WorkItem&, const WorkItem*, const Step<T, C>&, std::vector<float>&) =
       attend_item<T, C, 0>;
   if (st.block_size % 16 == 0) {
     switch (st.head_dim) {
@@ -384,9 +472,16 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Te
   }
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
+  const bool claim_ahead = n >= 4 * static_cast<int64_t>(threads);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) attend(items[i], st, scratch);
+    // with many items a thread claims its next one before it runs the current one, to
+    // prefetch its blocks (with few, claiming ahead would leave another thread idle)
+    for (int64_t i = next.fetch_add(1); i < n;) {
+      const int64_t after = claim_ahead ? next.fetch_add(1) : n;
+      attend(items[i], after < n ? &items[after] : nullptr, st, scratch);
+      i = claim_ahead ? after : next.fetch_add(1);
+    }
   });
 }
 
