@@ -37,6 +37,7 @@ CASES = [
     [(0, 1)],  # a one-token prompt
     [(16, 4), (15, 1), (0, 16), (31, 33)],  # block boundaries, a chunk of several row tiles
     [(70, 40), (100, 1)],
+    [(i * 7 + 3, 1) for i in range(10)],  # >= 4 items a thread: each claims its next ahead
 ]
 
 
