@@ -5,11 +5,13 @@ block 16, bfloat16 queries: decodes of batch
 1/32/128/200 at contexts 320 and 2,000, and a 512-token prefill chunk, full attention and, with
 ``--window``, a sliding window; the KV pool in bfloat16 or, with ``--kv-cache-dtype int8`` (or
 ``fp8_e4m3``), in int8 (e4m3) with per-token scales (kernels/kv_quant.py). Prints one JSON line: microseconds per call, the minimum and the median of
-the calls made in ``--seconds`` per case (on a shared machine quote the minimum).
+the calls made in ``--seconds`` per case (on a shared machine quote the minimum; with another job on
+the cores, a 2-thread call waits for its second thread: time with ``OMP_NUM_THREADS=1`` there).
 
 ``--forward`` times instead what a decode step's forward asks of it (issue 33): one call per
 layer over as many layers' pools (30 for SmolLM2), each from memory as between the GEMMs of a
-forward, at ``--forward-batch`` sequences of ``--forward-context`` tokens; the same calls with
+forward, at ``--forward-batch`` sequences of ``--forward-context`` tokens, full attention (``--window``
+is refused) in ``--kv-cache-dtype``; the same calls with
 every sequence on the same blocks (cache-resident: the kernel's arithmetic alone); and B, the
 streaming read rate of ``bench roofline`` measured before and after. It prints the K/V bytes,
 their floor (bytes / B) and the attention time as a multiple of it.
@@ -79,15 +81,17 @@ def time_case(
     return times
 
 
-def forward_case(batch: int, context: int, layers: int, reps: int) -> dict[str, float]:
+def forward_case(
+    batch: int, context: int, layers: int, reps: int, kv_cache_dtype: str
+) -> dict[str, float]:
     """Decode attention of ``batch`` sequences of ``context`` tokens over ``layers`` pools
-    (bfloat16, shuffled block ids), seconds per pass over all layers: scattered blocks from
-    memory, and the same calls on one sequence's blocks shared by all (cache-resident); with
-    B (bytes/s) measured before and after them (the higher counts)."""
+    (shuffled block ids) in ``kv_cache_dtype``, seconds per pass over all layers: scattered
+    blocks from memory, and the same calls on one sequence's blocks shared by all
+    (cache-resident); with B (bytes/s) measured before and after them (the higher counts)."""
     from sluiceway.bench.machine_rates import l3_cache_bytes, measure_bandwidth
 
     blocks = -(-context // BLOCK)
-    pools = [make_pool(batch * blocks, "auto") for _ in range(layers)]
+    pools = [make_pool(batch * blocks, kv_cache_dtype) for _ in range(layers)]
     scattered = torch.randperm(batch * blocks).view(batch, blocks).to(torch.int32)
     shared = torch.arange(blocks, dtype=torch.int32).repeat(batch, 1)
     context_lens = torch.full((batch,), context, dtype=torch.int32)
@@ -110,7 +114,8 @@ def forward_case(batch: int, context: int, layers: int, reps: int) -> dict[str, 
         memory.append(one_pass(scattered))
         cached.append(one_pass(shared))
     bandwidth = max(bandwidth, measure_bandwidth(8 * l3_cache_bytes()))
-    kv_bytes = 2 * batch * context * HKV * D * 2 * layers  # K and V, bfloat16
+    token_bytes = D * 2 if kv_cache_dtype == "auto" else D + 4  # bfloat16, or 1-byte + scale
+    kv_bytes = 2 * batch * context * HKV * token_bytes * layers  # K and V
     return {
         "attention_ms": round(min(memory) * 1e3, 2),
         "attention_median_ms": round(statistics.median(memory) * 1e3, 2),
@@ -134,6 +139,8 @@ def main() -> None:
     parser.add_argument("--forward-layers", type=int, default=30, help="pools (--forward)")
     parser.add_argument("--forward-reps", type=int, default=7, help="passes (--forward)")
     args = parser.parse_args()
+    if args.forward and args.window:
+        parser.error("--window: --forward times full attention only")
     global HQ, HKV, D
     HQ, HKV, D = SHAPES[args.shape]
     cpu_ops.load()
@@ -147,7 +154,7 @@ def main() -> None:
     if args.forward:
         case = (args.forward_batch, args.forward_context, args.forward_layers, args.forward_reps)
         result["forward"] = {"batch": case[0], "context": case[1], "layers": case[2]}
-        result["forward"].update(forward_case(*case))
+        result["forward"].update(forward_case(*case, args.kv_cache_dtype))
         print(json.dumps(result))
         return
     for batch, context, rows in CASES:
