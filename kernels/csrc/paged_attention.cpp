@@ -12,9 +12,10 @@
 // G query heads of a KV head (grouped-query attention) go through each K and V block together,
 // so a block is read from memory once per KV head per tile. An item reads a block's KV heads
 // one after the other (the pool keeps them adjacent: one run of memory per block for K and one
-// for V, not one per head), and before each it prefetches the same head of its next block into
-// L2, or, at its last block, of the next item's first (each thread claims its next item before
-// running the current one). When a step has fewer items than threads, its items are cut into
+// for V, not one per head), and before each it prefetches the same head of its next block (into
+// L2 when the step reads more than kL2PrefetchBytes, else L1), or, at its last block, of the
+// next item's first (with many items each thread claims its next one before running the
+// current one). When a step has fewer items than threads, its items are cut into
 // one KV head each, then each item's G heads into smaller groups (a decode of one sequence on
 // a model with one KV head), so every core works: a head's arithmetic is the same in any
 // group. Each row keeps an online softmax
@@ -199,7 +200,7 @@ struct Step {
   int head_dim;
   int block_size;
   int window;  // 0: full causal attention
-  bool prefetch_to_l2;  // the step reads more K/V than the L3 holds (see prefetch_head)
+  bool prefetch_to_l2;  // the step reads more K/V than kL2PrefetchBytes (see prefetch_head)
   float scale;
   T* out;
 };
