@@ -175,6 +175,9 @@ class LlamaForCausalLM(nn.Module):
         # the layers as one C++ call on the backend it was built for (see _layer_stack)
         self._stack: LayerStack | None = None
         self._stack_backend: AttentionBackend | None = None
+        # True: the per-layer path even where the stack applies (bench step --prefill-tokens
+        # profiles it: one profiler entry per kernel; the same hidden states bitwise)
+        self.per_layer_calls = False
 
     def use_triton_ops(self) -> None:
         """Run every linear layer and the logits on :func:`kernels.triton_matmul.triton_linear`
@@ -309,7 +312,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _layer_stack(self, backend: AttentionBackend) -> LayerStack | None:
         """The layers as one C++ call (:mod:`worker.layer_stack`) on ``backend``, or None
-        (the per-layer path); built on the first forward after the weights are packed."""
+        (the per-layer path, also while ``per_layer_calls``); built on the first forward after
+        the weights are packed."""
+        if self.per_layer_calls:
+            return None
         if self._stack_backend is not backend:
             layers: list[AttentionBlock] = list(self.layers)  # type: ignore[arg-type]
             self._stack = build_layer_stack(layers, backend, DecoderLayer)

@@ -198,9 +198,15 @@ class _Setup:
     setup_s: float
 
 
-def _setup(args: argparse.Namespace, device: torch.device, max_batch: int) -> _Setup:
+def _setup(
+    args: argparse.Namespace,
+    device: torch.device,
+    max_batch: int,
+    prompt_lens: list[int] | None = None,
+) -> _Setup:
     """The runner on `--model` or `--random-model` with a pool of exactly the blocks of the
-    largest batch (or `--kv-cache-memory`), and the context lengths.
+    largest batch (or `--kv-cache-memory`), and the context lengths (``prompt_lens`` where
+    given: `--prefill-tokens`' prompts).
 
     Raises:
         SystemExit: the pool holds fewer blocks than the largest batch needs.
@@ -215,7 +221,7 @@ def _setup(args: argparse.Namespace, device: torch.device, max_batch: int) -> _S
     dtype = resolve_dtype(args.dtype, device)
     t_setup = time.perf_counter()
     if args.random_model:
-        lens = (
+        lens = prompt_lens or (
             [args.context_len] * max_batch
             if args.context_len is not None
             else synthetic_context_lengths(max_batch, args.seed)
@@ -233,13 +239,15 @@ def _setup(args: argparse.Namespace, device: torch.device, max_batch: int) -> _S
             "output_share": f"uniform 1..{OUTPUT_LEN}",
         }
     else:
-        lens = context_lengths(max_batch, args.context_len, args.seed)
+        lens = prompt_lens or context_lengths(max_batch, args.context_len, args.seed)
         model_dir = resolve_model(args.model)
         config = load_config(model_dir)
         model = None
         distribution = {"kind": "sharegpt", "output_share": "uniform 1..128"}
     if args.context_len is not None:
         distribution = {"kind": "fixed", "context_len": args.context_len}
+    if prompt_lens is not None:
+        distribution = {"kind": "prompts", "prompt_lens": prompt_lens}
     from sluiceway.kernels.kv_quant import kv_cache_torch_dtype
 
     kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
@@ -353,21 +361,47 @@ def _read_bytes(runner: ModelRunner) -> int:
     return read_bytes
 
 
-def _write_report(
-    path: pathlib.Path,
+def _prefill_prompts(args: argparse.Namespace) -> list[int] | None:
+    """`--prefill-tokens`' prompt lengths (of `--context-len` tokens, default
+    :data:`step_prefill.DEFAULT_PROMPT_LEN`), or None for the decode batches.
+
+    Raises:
+        SystemExit: `--prefill-tokens` with `--batch-sizes`, or a length below 1.
+    """
+    from sluiceway.bench import step_prefill
+
+    if args.prefill_tokens is None:
+        return None
+    if args.batch_sizes:
+        raise SystemExit("--batch-sizes sets decode batches: leave it out with --prefill-tokens")
+    prompt_len = args.context_len or step_prefill.DEFAULT_PROMPT_LEN
+    try:
+        return step_prefill.prompt_lengths(args.prefill_tokens, prompt_len)
+    except ValueError as e:
+        raise SystemExit(f"--prefill-tokens / --context-len: {e}") from None
+
+
+def _write_json(path: pathlib.Path, report: dict[str, Any]) -> None:
+    """Writes `report` as JSON to `path` (its folder created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+
+
+def _report(
     args: argparse.Namespace,
     setup: _Setup,
     device: torch.device,
     gpu: str | None,
     read_bytes: int,
     results: list[dict[str, Any]],
-) -> None:
-    """Writes every figure of the run as JSON to `path` (its folder created)."""
+) -> dict[str, Any]:
+    """Every figure of the run, as the JSON holds them."""
     import torch
 
     runner = setup.runner
     graphs = runner.cuda_graphs
-    report = {
+    return {
         "model": runner.model_id,
         "random_model": args.random_model,
         "device": str(device),
@@ -395,9 +429,6 @@ def _write_report(
         "threads": torch.get_num_threads(),
         "results": results,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(f"wrote {path}")
 
 
 def _print_profile(runner: ModelRunner, chunks: list[ScheduledChunk]) -> None:
@@ -421,14 +452,20 @@ def step_command(args: argparse.Namespace) -> int:
     `--json` writes the same figures."""
     import torch
 
+    from sluiceway.bench import step_prefill
+
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
-    sizes = _batch_sizes(args)
+    prompts = _prefill_prompts(args)
+    sizes = [len(prompts)] if prompts else _batch_sizes(args)
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
-    setup = _setup(args, device, max(sizes))
+    setup = _setup(args, device, max(sizes), prompts)
     runner, lens = setup.runner, setup.lens
-    chunks = _decode_chunks(runner, lens, args.seed)
+    if prompts:
+        chunks = step_prefill.prompt_chunks(runner, lens, args.seed, BLOCK_SIZE)
+    else:
+        chunks = _decode_chunks(runner, lens, args.seed)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(
         f"{runner.model_id}: {runner.dtype} on {device} ({gpu or platform.processor() or 'cpu'}),"
@@ -438,6 +475,7 @@ def step_command(args: argparse.Namespace) -> int:
         f"{torch.get_num_threads()} threads"
     )
     read_bytes = _read_bytes(runner)
+    prefill = step_prefill.prefill_step(args, runner, chunks) if prompts else None
     results = [
         _bench_batch(
             runner,
@@ -447,10 +485,13 @@ def step_command(args: argparse.Namespace) -> int:
             read_bytes=read_bytes,
             bytes_per_token=setup.bytes_per_block // BLOCK_SIZE,
         )
-        for b in sizes
+        for b in ([] if prompts else sizes)
     ]
     if args.json:
-        _write_report(pathlib.Path(args.json), args, setup, device, gpu, read_bytes, results)
+        report = _report(args, setup, device, gpu, read_bytes, results)
+        if prefill is not None:
+            report["prefill"] = prefill
+        _write_json(pathlib.Path(args.json), report)
     if args.profile:
         _print_profile(runner, chunks)
     return 0
@@ -469,6 +510,15 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
         f"1..{OUTPUT_LEN} generated tokens; default: none)",
     )
     p.add_argument("--num-seqs", type=int, default=200, help="sequences of the decode batch")
+    p.add_argument(
+        "--prefill-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="time a step of N prompt rows instead of decode batches: prompts of --context-len "
+        "tokens (default 256) from position 0; on a CPU also its split (linears, attention, "
+        "other) and the linears against P, the same GEMM alone at these shapes (issue 33)",
+    )
     p.add_argument(
         "--batch-sizes",
         default=None,

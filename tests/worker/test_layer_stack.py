@@ -31,9 +31,7 @@ def _runner(
     if window is not None:  # every layer slides (before the stack is built)
         for layer in runner.model.layers:
             layer.window = window  # type: ignore[assignment]
-    if per_layer:  # the stack "built" as None for this backend: the per-layer loop runs
-        runner.model._stack_backend = runner.model.attention_backend
-        runner.model._stack = None
+    runner.model.per_layer_calls = per_layer  # bench step --prefill-tokens' profiled path
     return runner
 
 
