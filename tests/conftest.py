@@ -15,6 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# helper modules whose asserts should show their values as a test file's do
+pytest.register_assert_rewrite("tests.deploy_config", "tests.cli_helpers")
+
 
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:

@@ -293,7 +293,7 @@ def test_the_workloads_token_counter_is_the_models_tokenizer() -> None:
 
 def test_bench_compare_keeps_server_logs_only_in_a_directory(tmp_path: pathlib.Path) -> None:
     from sluiceway.cli import build_parser
-    from tests.test_cli import usage_error
+    from tests.cli_helpers import usage_error
 
     a_file = tmp_path / "a-file"
     a_file.write_text("")

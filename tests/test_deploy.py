@@ -1,278 +1,67 @@
-"""The deployment files against the code, without a Docker engine or a cluster.
+"""compose.yaml and the files it mounts against the code, without a Docker engine.
 
 compose.yaml is validated against the Compose specification's JSON schema
-(`check-jsonschema`, offline), and compose.yaml, deploy/envoy, deploy/prometheus,
-deploy/grafana and deploy/k8s are checked against each other and against the code:
-every command line parses with the real `sluiceway` parser, every port is the one the
+(`check-jsonschema`, offline), and compose.yaml, deploy/envoy, deploy/prometheus and
+deploy/grafana are checked against each other and against the code: every command line
+(deploy/k8s's too) parses with the real `sluiceway` parser, every port is the one the
 code defaults to or the one the other side dials (the gRPC port and the OpenAI HTTP
 port alike), every mounted file exists, and each model replica has one worker per GPU
 with ranks 0..N-1. Envoy's HTTP health check asks a route the router's real FastAPI app
-serves. deploy/healthcheck.py (the containers' healthcheck) is run against a real gRPC
-health service.
+serves. deploy/k8s: tests/test_deploy_k8s.py; deploy/healthcheck.py and deploy/nginx:
+tests/test_deploy_healthcheck.py; compose.cpu.yaml: tests/test_deploy_cpu.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import contextlib
-import functools
-import io
 import json
 import re
 import subprocess
-import sys
-from collections import Counter
 from pathlib import Path
-from typing import Any
 from unittest import mock
 from urllib.parse import urlsplit
 
-import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from sluiceway import cli
-from sluiceway.options import ProcessConfig, flag
-from sluiceway.router.config import RouterConfig
-from sluiceway.scheduler.config import SchedulerConfig
-from sluiceway.worker.config import WorkerConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-COMPOSE = ROOT / "compose.yaml"
-K8S = ROOT / "deploy" / "k8s"
-HEALTHCHECK = ROOT / "deploy" / "healthcheck.py"
-APP = "/app"  # where the Dockerfile copies the repository
-PROCESSES = ("router", "scheduler", "worker")
-# Each process's config, whose fields are its flags; its defaults are the flags' defaults.
-CONFIGS: dict[str, type[ProcessConfig]] = {
-    "router": RouterConfig,
-    "scheduler": SchedulerConfig,
-    "worker": WorkerConfig,
-}
-ROUTER, SCHEDULER, WORKER = RouterConfig(), SchedulerConfig(), WorkerConfig()
-ANY_HOST = "0.0.0.0"
-# The Compose specification's JSON schema ships inside check-jsonschema: no network.
-CHECK_JSONSCHEMA = [
-    sys.executable,
-    "-m",
-    "check_jsonschema",
-    "--builtin-schema",
-    "vendor.compose-spec",
-]
-
-
-# ---------------------------------------------------------------------------- helpers
-
-
-def _yaml(path: Path) -> Any:
-    return yaml.safe_load(path.read_text())
-
-
-@functools.cache
-def _compose() -> dict[str, Any]:
-    data = _yaml(COMPOSE)
-    assert isinstance(data, dict)
-    return data
-
-
-def _services() -> dict[str, dict[str, Any]]:
-    return dict(_compose()["services"])
-
-
-def _repo_services() -> dict[str, dict[str, Any]]:
-    """Services whose image is built from this repository (by them or by another one)."""
-    services = _services()
-    built = {s.get("image") for s in services.values() if "build" in s}
-    return {n: s for n, s in services.items() if "build" in s or s.get("image") in built}
-
-
-def _process_services() -> dict[str, dict[str, Any]]:
-    """The repository's services that run a router, scheduler or worker (not `cache`,
-    which fills the cache volume and exits)."""
-    return {n: s for n, s in _repo_services().items() if _command(s)[0] in PROCESSES}
-
-
-def _parse(argv: list[Any], where: str) -> argparse.Namespace:
-    """`sluiceway ARGV` as the real parser reads it; a clear failure if it rejects it."""
-    args = [str(a) for a in argv]
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return cli.build_parser().parse_args(args)
-    except SystemExit:
-        pytest.fail(f"{where}: `sluiceway {' '.join(args)}` does not parse:\n{err.getvalue()}")
-
-
-def _command(service: dict[str, Any]) -> list[str]:
-    command = service.get("command")
-    assert isinstance(command, list), "give the command as a list (exec form)"
-    return [str(a) for a in command]
-
-
-def _hostport(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    assert host and port.isdigit(), f"{address!r} is not host:port"
-    return host, int(port)
-
-
-def _grpc_port(args: argparse.Namespace) -> int:
-    """The port a router, scheduler or worker serves gRPC on."""
-    if args.command == "router":
-        return int(args.port)
-    return _hostport(args.listen)[1]
-
-
-def _http_address(args: argparse.Namespace) -> tuple[str, int]:
-    """Where a router serves the OpenAI-compatible HTTP API (--http-host defaults to
-    --host)."""
-    assert args.command == "router"
-    assert args.http_port >= 0, "the HTTP API is off (--http-port -1)"
-    return args.http_host or args.host, int(args.http_port)
-
-
-def _by_process() -> dict[str, dict[str, argparse.Namespace]]:
-    out: dict[str, dict[str, argparse.Namespace]] = {p: {} for p in PROCESSES}
-    for name, service in _process_services().items():
-        args = _parse(_command(service), f"compose service {name}")
-        out[args.command][name] = args
-    return out
-
-
-def _bind_mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
-    """(host path, container path) of the service's bind mounts (short syntax)."""
-    mounts = []
-    for volume in service.get("volumes", []):
-        source, target = volume.split(":")[:2]
-        if source.startswith(("./", "../", "/")):
-            mounts.append((source, target))
-    return mounts
-
-
-def _mounted(service: dict[str, Any], container_path: str) -> Path:
-    """The repository file or folder a service mounts at `container_path`."""
-    for source, target in _bind_mounts(service):
-        if target == container_path:
-            return (ROOT / source).resolve()
-    raise AssertionError(f"nothing is mounted at {container_path}")
-
-
-def _sluiceway_exe() -> list[str]:
-    exe = Path(sys.executable).with_name("sluiceway")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "sluiceway.cli"]
-
-
-def _subcommands() -> list[str]:
-    """Every process kind compose.yaml and deploy/k8s start."""
-    found = {_command(s)[0] for s in _process_services().values()}
-    found |= {c["args"][0] for c in _k8s_containers()}
-    return sorted(found)
-
-
-def _command_lines() -> list[list[str]]:
-    """Every `sluiceway` command line of compose.yaml and deploy/k8s, subcommand first."""
-    lines = [_command(s) for s in _process_services().values()]
-    return lines + [[str(a) for a in c["args"]] for c in _k8s_containers()]
-
-
-def _k8s_docs() -> list[tuple[str, dict[str, Any]]]:
-    docs = []
-    for path in sorted(K8S.glob("*.yaml")):
-        if path.name == "kustomization.yaml":
-            continue
-        docs += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d]
-    return docs
-
-
-def _k8s(kind: str) -> list[dict[str, Any]]:
-    return [d for _, d in _k8s_docs() if d["kind"] == kind]
-
-
-def _k8s_containers() -> list[dict[str, Any]]:
-    return [
-        c
-        for _, d in _k8s_docs()
-        if d["kind"] in ("Deployment", "StatefulSet")
-        for c in d["spec"]["template"]["spec"]["containers"]
-    ]
-
-
-def _pod_args(workload: dict[str, Any]) -> dict[str, argparse.Namespace]:
-    """Container name -> its parsed `sluiceway` command line."""
-    out = {}
-    for c in workload["spec"]["template"]["spec"]["containers"]:
-        where = f"{workload['kind']} {workload['metadata']['name']}, container {c['name']}"
-        assert c.get("command") == ["sluiceway"], f"{where}: command is the entry point"
-        out[c["name"]] = _parse(c["args"], where)
-    return out
-
-
-def _container_ports(container: dict[str, Any]) -> dict[str, int]:
-    return {p["name"]: int(p["containerPort"]) for p in container.get("ports", [])}
-
-
-def _envoy() -> dict[str, Any]:
-    data = _yaml(_mounted(_services()["envoy"], "/etc/envoy/envoy.yaml"))
-    assert isinstance(data, dict)
-    return data
-
-
-def _envoy_hcm(listener: dict[str, Any]) -> dict[str, Any]:
-    """The listener's HTTP connection manager config (its only filter)."""
-    (chain,) = listener["filter_chains"]
-    (hcm,) = chain["filters"]
-    assert hcm["name"] == "envoy.filters.network.http_connection_manager"
-    return dict(hcm["typed_config"])
-
-
-def _envoy_routes(listener: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        r["route"]
-        for vhost in _envoy_hcm(listener)["route_config"]["virtual_hosts"]
-        for r in vhost["routes"]
-    ]
-
-
-def _envoy_upstream(health_check: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(listener, cluster) of the one cluster whose health check is `health_check`
-    (grpc_health_check: the gRPC API; http_health_check: the HTTP API) and the one
-    listener that routes to it."""
-    static = _envoy()["static_resources"]
-    (cluster,) = [
-        c for c in static["clusters"] if any(health_check in h for h in c["health_checks"])
-    ]
-    (listener,) = [
-        lst
-        for lst in static["listeners"]
-        if {r["cluster"] for r in _envoy_routes(lst)} == {cluster["name"]}
-    ]
-    return listener, cluster
-
-
-def _envoy_endpoints(cluster: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        e["endpoint"]["address"]["socket_address"]
-        for group in cluster["load_assignment"]["endpoints"]
-        for e in group["lb_endpoints"]
-    ]
-
-
-def _selects(service: dict[str, Any], workload: dict[str, Any]) -> bool:
-    labels = workload["spec"]["template"]["metadata"]["labels"]
-    return all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
-
+from sluiceway.options import flag
+from tests.deploy_config import (
+    ANY_HOST,
+    APP,
+    COMPOSE,
+    CONFIGS,
+    HEALTHCHECK,
+    PROCESSES,
+    ROOT,
+    ROUTER,
+    SCHEDULER,
+    WORKER,
+    _bind_mounts,
+    _by_process,
+    _check_jsonschema,
+    _check_model_splits,
+    _check_ranks,
+    _command,
+    _command_lines,
+    _compose,
+    _envoy,
+    _envoy_endpoints,
+    _envoy_hcm,
+    _envoy_routes,
+    _envoy_upstream,
+    _grpc_port,
+    _hostport,
+    _http_address,
+    _mounted,
+    _parse,
+    _process_services,
+    _repo_services,
+    _services,
+    _sluiceway_exe,
+    _subcommands,
+    _yaml,
+)
 
 # -------------------------------------------------------- compose: the spec's schema
-
-
-def _check_jsonschema(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*CHECK_JSONSCHEMA, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_compose_file_follows_the_compose_specification() -> None:
@@ -432,36 +221,6 @@ def test_each_worker_reserves_exactly_one_gpu_of_its_own() -> None:
         assert service["ipc"] == "host", f"{name}: CUDA IPC across containers"
         assert service["shm_size"], name
     assert len(set(gpus)) == len(gpus), f"two workers on one GPU: {gpus}"
-
-
-def _check_ranks(where: str, size: int, workers: dict[str, argparse.Namespace]) -> str | None:
-    """The workers of one model instance are ranks 0..size-1 of a group of `size` that
-    meet at one rendezvous; returns rank 0's name (None without tensor parallelism)."""
-    assert len(workers) == size, f"{where}: --tensor-parallel-size {size}, {len(workers)} workers"
-    assert {a.tensor_parallel_size for a in workers.values()} == {size}, where
-    assert sorted(a.rank for a in workers.values()) == list(range(size)), where
-    (init,) = {a.distributed_init_method for a in workers.values()}
-    if size == 1:
-        assert init is None, f"{where}: one rank needs no rendezvous"
-        return None
-    assert urlsplit(init).scheme == "tcp", where
-    return next(n for n, a in workers.items() if a.rank == 0)
-
-
-def _check_model_splits(where: str, size: int, workers: dict[str, argparse.Namespace]) -> None:
-    """The model the workers serve can be split `size` ways: the check each rank makes at
-    start (a refused model exits 2, and the orchestrator restarts it forever)."""
-    from sluiceway.model_files import resolve_model
-    from sluiceway.worker.loader import load_config
-    from sluiceway.worker.parallel import check_tensor_parallel
-
-    (model,) = {a.model for a in workers.values()}
-    assert model is None or model.startswith("/models/"), f"{where}: --model {model}"
-    if model is None:  # the embedded default; a mounted model is the user's to check
-        try:
-            check_tensor_parallel(load_config(resolve_model(None)), size)
-        except ValueError as e:
-            pytest.fail(f"{where}: {e}")
 
 
 def test_each_replica_has_one_worker_per_tensor_parallel_rank() -> None:
@@ -643,198 +402,3 @@ def test_third_party_images_are_pinned() -> None:
             continue
         image, _, tag = service["image"].rpartition(":")
         assert image and tag and "latest" not in tag, f"{name}: pin {service['image']}"
-
-
-# --------------------------------------------------------------------- kubernetes
-
-
-def test_k8s_manifests_parse_and_kustomization_lists_them() -> None:
-    docs = _k8s_docs()
-    assert {d["kind"] for _, d in docs} >= {"Deployment", "StatefulSet", "Service"}
-    for file, doc in docs:
-        assert doc.get("apiVersion") and doc["metadata"].get("name"), file
-    kustomization = _yaml(K8S / "kustomization.yaml")
-    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
-    assert set(kustomization["resources"]) == files
-
-
-def test_k8s_routers_serve_on_the_default_port_behind_their_service() -> None:
-    (deployment,) = [d for d in _k8s("Deployment") if "router" in d["metadata"]["name"]]
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    args = _pod_args(deployment)[container["name"]]
-    assert args.command == "router"
-    assert (args.host, args.port) == (ANY_HOST, ROUTER.port)
-    assert args.metrics_port == ROUTER.metrics_port
-    assert _http_address(args) == (ANY_HOST, ROUTER.http_port)
-    ports = _container_ports(container)
-    assert ports["grpc"] == args.port and ports["metrics"] == args.metrics_port
-    assert ports["http"] == args.http_port
-    assert container["readinessProbe"]["grpc"]["port"] == args.port
-    assert deployment["spec"]["replicas"] >= 2
-    (service,) = [s for s in _k8s("Service") if _selects(s, deployment)]
-    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
-    assert set(service_ports) == {"grpc", "http"}, "the two APIs; metrics are scraped per pod"
-    for name, port in service_ports.items():
-        assert port["targetPort"] == name, f"{name}: target the container's named port"
-    assert service_ports["grpc"]["port"] == ROUTER.port
-    assert service_ports["http"]["port"] == ROUTER.http_port
-
-    # --scheduler: <statefulset>-<i>.<headless service>:<scheduler port>, each existing.
-    (replica,) = _k8s("StatefulSet")
-    sched_port = _hostport(_pod_args(replica)["scheduler"].listen)[1]
-    name, headless = replica["metadata"]["name"], replica["spec"]["serviceName"]
-    listed = []
-    for address in args.scheduler.split(","):
-        host, port_ = _hostport(address)
-        pod, _, domain = host.partition(".")
-        assert domain == headless and port_ == sched_port, address
-        assert pod.startswith(f"{name}-"), address
-        listed.append(int(pod.removeprefix(f"{name}-")))
-    assert listed == list(range(int(replica["spec"]["replicas"]))), "one per replica pod"
-    (svc,) = [s for s in _k8s("Service") if s["metadata"]["name"] == headless]
-    assert svc["spec"]["clusterIP"] == "None" and _selects(svc, replica)
-    (svc_port,) = svc["spec"]["ports"]
-    assert svc_port["port"] == sched_port
-
-
-def test_k8s_replica_pod_holds_its_scheduler_and_one_worker_per_gpu() -> None:
-    (replica,) = _k8s("StatefulSet")
-    pod = replica["spec"]["template"]["spec"]
-    containers = {c["name"]: c for c in pod["containers"]}
-    parsed = _pod_args(replica)
-    (scheduler,) = [n for n, a in parsed.items() if a.command == "scheduler"]
-    workers = {n: a for n, a in parsed.items() if a.command == "worker"}
-    sched = parsed[scheduler]
-    host, sched_port = _hostport(sched.listen)
-    assert host == ANY_HOST and sched_port == _hostport(SCHEDULER.listen)[1]
-    assert sched.metrics_port == SCHEDULER.metrics_port
-
-    size = sched.tensor_parallel_size
-    _check_ranks("replica pod", size, workers)
-    _check_model_splits("replica pod", size, workers)
-    init = next(iter(workers.values())).distributed_init_method
-    ports_in_pod: list[int] = []
-    if init is not None:
-        assert urlsplit(init).hostname == "127.0.0.1", "one pod, one network"
-        ports_in_pod.append(urlsplit(init).port or 0)
-
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    for name, args in parsed.items():
-        container = containers[name]
-        grpc_port = _grpc_port(args)
-        ports_in_pod += [grpc_port, args.metrics_port]
-        declared = set(_container_ports(container).values())
-        assert {grpc_port, args.metrics_port} <= declared, name
-        probes = [container.get(k) for k in ("startupProbe", "readinessProbe", "livenessProbe")]
-        grpc_probes = [p["grpc"]["port"] for p in probes if p and "grpc" in p]
-        assert grpc_probes and set(grpc_probes) == {grpc_port}, f"{name}: gRPC health probes"
-        for mount in container.get("volumeMounts", []):
-            assert mount["name"] in volumes, f"{name}: no volume {mount['name']}"
-        if name in workers:
-            assert args.scheduler == f"127.0.0.1:{sched_port}", name
-            assert args.advertise == f"127.0.0.1:{grpc_port}", name
-            assert args.device == "cuda", name
-            assert container["resources"]["limits"]["nvidia.com/gpu"] == 1, name
-            (shm,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
-            assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory", name
-    dupes = [p for p, n in Counter(ports_in_pod).items() if n > 1]
-    assert not dupes, f"ports used twice in one pod: {dupes}"
-
-
-# ---------------------------------------------------------- deploy/healthcheck.py
-
-
-def _run_healthcheck(*args: str) -> int:
-    result = subprocess.run(
-        [sys.executable, str(HEALTHCHECK), *args], capture_output=True, timeout=30
-    )
-    return result.returncode
-
-
-def test_healthcheck_exits_0_only_when_serving() -> None:
-    async def main() -> list[int]:
-        server = grpc.aio.server()
-        servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        address = f"127.0.0.1:{port}"
-        codes = []
-        try:
-            serving = health_pb2.HealthCheckResponse.SERVING
-            not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-            for status, extra in [
-                (serving, ()),
-                (not_serving, ()),
-                (serving, ("--service", "sluiceway.v1.Inference")),  # unknown: NOT_FOUND
-            ]:
-                await servicer.set("", status)
-                codes.append(await asyncio.to_thread(_run_healthcheck, address, *extra))
-        finally:
-            await server.stop(None)
-        return codes
-
-    assert asyncio.run(main()) == [0, 1, 1]
-
-
-def test_healthcheck_exits_1_when_nothing_listens() -> None:
-    from sluiceway.ports import free_port
-
-    assert _run_healthcheck(f"127.0.0.1:{free_port()}", "--timeout", "1") == 1
-
-
-def test_nginx_conf_listens_and_balances_like_envoy() -> None:
-    """deploy/nginx/nginx.conf, the alternative to Envoy (run for real by
-    tests/integration/test_load_balancer.py): the same public ports, the compose routers'
-    ports upstream, nothing that would hold a stream back or cut it."""
-    text = (ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
-    conf = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
-    (router_name,) = _by_process()["router"]
-    args = _by_process()["router"][router_name]
-    _, http_port = _http_address(args)
-    assert re.findall(r"listen (\d+) http2;", conf) == [str(ROUTER.port)]
-    assert re.findall(r"listen (\d+);", conf) == [str(ROUTER.http_port)]
-    servers = re.findall(r"server ([\w.-]+):(\d+) ", conf)
-    assert servers == [(router_name, str(_grpc_port(args))), (router_name, str(http_port))]
-    assert "grpc_pass grpc://routers_grpc;" in conf
-    assert "proxy_pass http://routers_http;" in conf
-    assert "proxy_buffering off;" in conf and "gzip on" not in conf
-    for directive in ("grpc_read_timeout", "grpc_send_timeout", "proxy_read_timeout"):
-        assert re.search(rf"{directive} \d+d;", conf), directive
-    # Envoy listens on the same two ports.
-    listen = sorted(
-        listener["address"]["socket_address"]["port_value"]
-        for listener in _envoy()["static_resources"]["listeners"]
-    )
-    assert listen == sorted([ROUTER.port, ROUTER.http_port])
-
-
-def test_healthcheck_asks_a_tls_router_over_tls(tmp_path: Path) -> None:
-    """A router serving TLS (--ssl-certfile; a client certificate required with
-    --ssl-ca-certs) is asked with --ssl-ca-certs (and the client certificate); plaintext fails."""
-    from tests.tls_certs import make_certs
-
-    certs = make_certs(tmp_path)
-    credentials = grpc.ssl_server_credentials(
-        [(certs.server_key.read_bytes(), certs.server_cert.read_bytes())],
-        root_certificates=certs.ca.read_bytes(),
-        require_client_auth=True,
-    )
-
-    async def main() -> list[int]:
-        server = grpc.aio.server()
-        servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        address = f"127.0.0.1:{server.add_secure_port('127.0.0.1:0', credentials)}"
-        await server.start()
-        tls = ["--ssl-ca-certs", str(certs.ca)]
-        client = ["--ssl-certfile", str(certs.client_cert), "--ssl-keyfile", str(certs.client_key)]
-        try:
-            return [
-                await asyncio.to_thread(_run_healthcheck, address, *args, "--timeout", "2")
-                for args in ([*tls, *client], tls, [])
-            ]
-        finally:
-            await server.stop(None)
-
-    assert asyncio.run(main()) == [0, 1, 1]

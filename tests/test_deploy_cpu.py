@@ -26,7 +26,7 @@ import yaml
 from sluiceway.router.config import RouterConfig
 from sluiceway.scheduler.config import SchedulerConfig
 from sluiceway.worker.config import WorkerConfig
-from tests.test_deploy import (
+from tests.deploy_config import (
     APP,
     HEALTHCHECK,
     ROOT,
