@@ -96,10 +96,20 @@ inline v16f load16(const float* p) {
   return v;
 }
 
+// With AVX-512 one vpmovzxwd from memory and one shift: GCC 12 tuned for Zen 4 (-march=native)
+// splits the generic form into 256-bit halves, 6 instructions per vector, which in the
+// attention's loops competed with its FMAs. The same values; measured on an AMD EPYC (Zen 4,
+// 2 cores), SmolLM2's heads over 30 layers' pools: prefill attention of 8 x 256 rows 187 ->
+// 150 ms, decode of batch 200 at context 320 89 -> 82 ms (cache-resident 47 -> 38 ms).
 inline v16f load16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#else
   v16u16 raw;
   std::memcpy(&raw, p, sizeof(raw));
   return reinterpret_cast<v16f>(__builtin_convertvector(raw, v16i) << 16);
+#endif
 }
 
 inline v16f load16(const c10::Half* p) {
