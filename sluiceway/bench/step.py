@@ -38,7 +38,7 @@ from sluiceway.worker.config import WorkerConfig
 if TYPE_CHECKING:
     import torch
 
-    from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk
+    from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
 
 # Built-in configs for `--random-model` (HF config.json fields, read by ModelConfig).
 RANDOM_MODELS: dict[str, dict[str, Any]] = {
@@ -274,24 +274,42 @@ def _setup(
     return _Setup(runner, lens, distribution, bytes_per_block, kv_cache_memory, setup_s)
 
 
-def _decode_chunks(runner: ModelRunner, lens: list[int], seed: int) -> list[ScheduledChunk]:
+def _sequences(runner: ModelRunner, lens: list[int], seed: int) -> list[SequenceData]:
     """One greedy sequence of random tokens per context length, its blocks contiguous from
-    block 0 on, each decoding its last token (the pool zeroed first: no NaN or denormals
-    from uninitialized memory in the timings)."""
+    block 0 on (the pool zeroed first: no NaN or denormals from uninitialized memory in the
+    timings)."""
     from sluiceway.sampling_params import SamplingParams
-    from sluiceway.worker.model_runner import ScheduledChunk
 
     runner.kv_pool.zero_()
     rng = random.Random(seed)
-    chunks, next_block = [], 0
+    seqs, next_block = [], 0
     greedy = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
     for i, n in enumerate(lens):
         seq = runner.make_sequence(i, [rng.randrange(runner.vocab_size) for _ in range(n)], greedy)
         nb = -(-n // BLOCK_SIZE)
         seq.block_table.extend(range(next_block, next_block + nb))
         next_block += nb
-        chunks.append(ScheduledChunk(seq, n - 1, 1))
-    return chunks
+        seqs.append(seq)
+    return seqs
+
+
+def _decode_chunks(runner: ModelRunner, lens: list[int], seed: int) -> list[ScheduledChunk]:
+    """:func:`_sequences`, each decoding its last token."""
+    from sluiceway.worker.model_runner import ScheduledChunk
+
+    return [
+        ScheduledChunk(s, n - 1, 1)
+        for s, n in zip(_sequences(runner, lens, seed), lens, strict=True)
+    ]
+
+
+def _prompt_chunks(runner: ModelRunner, lens: list[int], seed: int) -> list[ScheduledChunk]:
+    """:func:`_sequences`, each computing its whole prompt (`--prefill-tokens`)."""
+    from sluiceway.worker.model_runner import ScheduledChunk
+
+    return [
+        ScheduledChunk(s, 0, n) for s, n in zip(_sequences(runner, lens, seed), lens, strict=True)
+    ]
 
 
 def _bench_batch(
@@ -359,26 +377,6 @@ def _read_bytes(runner: ModelRunner) -> int:
         emb = runner.model.embed_weight
         read_bytes -= emb.numel() * emb.element_size()
     return read_bytes
-
-
-def _prefill_prompts(args: argparse.Namespace) -> list[int] | None:
-    """`--prefill-tokens`' prompt lengths (of `--context-len` tokens, default
-    :data:`step_prefill.DEFAULT_PROMPT_LEN`), or None for the decode batches.
-
-    Raises:
-        SystemExit: `--prefill-tokens` with `--batch-sizes`, or a length below 1.
-    """
-    from sluiceway.bench import step_prefill
-
-    if args.prefill_tokens is None:
-        return None
-    if args.batch_sizes:
-        raise SystemExit("--batch-sizes sets decode batches: leave it out with --prefill-tokens")
-    prompt_len = args.context_len or step_prefill.DEFAULT_PROMPT_LEN
-    try:
-        return step_prefill.prompt_lengths(args.prefill_tokens, prompt_len)
-    except ValueError as e:
-        raise SystemExit(f"--prefill-tokens / --context-len: {e}") from None
 
 
 def _write_json(path: pathlib.Path, report: dict[str, Any]) -> None:
@@ -455,7 +453,7 @@ def step_command(args: argparse.Namespace) -> int:
     from sluiceway.bench import step_prefill
 
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
-    prompts = _prefill_prompts(args)
+    prompts = step_prefill.prompt_lengths_of(args)
     sizes = [len(prompts)] if prompts else _batch_sizes(args)
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -463,7 +461,7 @@ def step_command(args: argparse.Namespace) -> int:
     setup = _setup(args, device, max(sizes), prompts)
     runner, lens = setup.runner, setup.lens
     if prompts:
-        chunks = step_prefill.prompt_chunks(runner, lens, args.seed, BLOCK_SIZE)
+        chunks = _prompt_chunks(runner, lens, args.seed)
     else:
         chunks = _decode_chunks(runner, lens, args.seed)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None

@@ -14,7 +14,6 @@ same GEMM's best time at these shapes and row counts measured now
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from collections.abc import Iterable
@@ -51,26 +50,22 @@ def prompt_lengths(tokens: int, prompt_len: int) -> list[int]:
     return [prompt_len] * full + ([rest] if rest else [])
 
 
-def prompt_chunks(
-    runner: ModelRunner, lens: list[int], seed: int, block_size: int
-) -> list[ScheduledChunk]:
-    """One greedy sequence of random tokens per length, blocks of ``block_size`` tokens
-    contiguous from block 0, each computing its whole prompt (the pool zeroed first, as the
-    decode batch's)."""
-    from sluiceway.sampling_params import SamplingParams
-    from sluiceway.worker.model_runner import ScheduledChunk
+def prompt_lengths_of(args: argparse.Namespace) -> list[int] | None:
+    """`--prefill-tokens`' prompt lengths (of `--context-len` tokens, default
+    :data:`DEFAULT_PROMPT_LEN`), or None for the decode batches.
 
-    runner.kv_pool.zero_()
-    rng = random.Random(seed)
-    greedy = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
-    chunks, next_block = [], 0
-    for i, n in enumerate(lens):
-        seq = runner.make_sequence(i, [rng.randrange(runner.vocab_size) for _ in range(n)], greedy)
-        nb = -(-n // block_size)
-        seq.block_table.extend(range(next_block, next_block + nb))
-        next_block += nb
-        chunks.append(ScheduledChunk(seq, 0, n))
-    return chunks
+    Raises:
+        SystemExit: `--prefill-tokens` with `--batch-sizes`, or a length below 1.
+    """
+    if args.prefill_tokens is None:
+        return None
+    if args.batch_sizes:
+        raise SystemExit("--batch-sizes sets decode batches: leave it out with --prefill-tokens")
+    prompt_len = args.context_len or DEFAULT_PROMPT_LEN
+    try:
+        return prompt_lengths(args.prefill_tokens, prompt_len)
+    except ValueError as e:
+        raise SystemExit(f"--prefill-tokens / --context-len: {e}") from None
 
 
 @dataclass(slots=True)
@@ -146,7 +141,7 @@ def linear_flops(runner: ModelRunner, rows: int, sampled_rows: int) -> int:
 def prefill_step(
     args: argparse.Namespace, runner: ModelRunner, chunks: list[ScheduledChunk]
 ) -> dict[str, Any]:
-    """Times ``--iters`` steps of the prompt ``chunks`` (:func:`prompt_chunks`) after
+    """Times ``--iters`` steps of the prompt ``chunks`` (each a whole prompt) after
     ``--warmup`` ones, prints the step and, on a CPU, its split and the linears against P;
     returns the figures (the JSON's ``prefill``)."""
     lens = [c.num_new_tokens for c in chunks]
