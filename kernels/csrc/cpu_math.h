@@ -155,6 +155,24 @@ inline void store16(T* p, v16f v) {
   for (int i = 0; i < 16; ++i) p[i] = from_float<T>(v[i]);
 }
 
+// from_float<BFloat16>'s rounding on 16 lanes at once. GCC vectorized the loop above for
+// bfloat16 only while load16 was generic vector code: with load16's intrinsics it went lane
+// by lane and silu_and_mul took 3.2x as long (2,048 x 3,072: 30 -> 97 ms for 30 calls).
+inline void store16(c10::BFloat16* p, v16f v) {
+#if defined(__AVX512F__)
+  const __m512i bits = reinterpret_cast<__m512i>(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+  const __m512i out = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(out));
+#else
+  for (int i = 0; i < 16; ++i) p[i] = from_float<c10::BFloat16>(v[i]);
+#endif
+}
+
 // exp(x) in float32 to about 2 ulp, lane by lane (Cephes' expf: x = n ln2 + r with a
 // two-constant Cody-Waite reduction, a degree-5 minimax polynomial for e^r, 2^n built in the
 // exponent bits). exp(-inf) and anything below -87.3 is 0; above 88.3 it saturates at e^88.3.

@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sluiceway.argtypes import byte_size, positive_int
+from sluiceway.argtypes import byte_size, non_negative_int, positive_int
+from sluiceway.bench.random_models import RANDOM_MODELS
 from sluiceway.options import add_option
 from sluiceway.worker.config import WorkerConfig
 
@@ -39,51 +40,6 @@ if TYPE_CHECKING:
     import torch
 
     from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk, SequenceData
-
-# Built-in configs for `--random-model` (HF config.json fields, read by ModelConfig).
-RANDOM_MODELS: dict[str, dict[str, Any]] = {
-    # Llama 2 7B (meta-llama/Llama-2-7b-hf): 6.74e9 parameters, 13.5 GB in bfloat16.
-    "llama-2-7b": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    },
-    # A few million parameters with the same structure (untied, GQA), to dry-run on a CPU.
-    "tiny": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 1024,
-        "hidden_size": 256,
-        "intermediate_size": 688,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    },
-}
-# `tiny` with Gemma 3's 262,144-token vocabulary, tied: the logits and sampling of a large
-# vocabulary dominate its step.
-RANDOM_MODELS["tiny-262k"] = {
-    **RANDOM_MODELS["tiny"],
-    "vocab_size": 262_144,
-    "tie_word_embeddings": True,
-}
 
 # ShareGPT-shaped prompt lengths without the dataset: a lognormal whose log-space mean and
 # standard deviation were fitted to 2000 ShareGPT V3 prompts sampled as vLLM does (seed 0,
@@ -239,7 +195,10 @@ def _setup(
             "output_share": f"uniform 1..{OUTPUT_LEN}",
         }
     else:
-        lens = prompt_lens or context_lengths(max_batch, args.context_len, args.seed)
+        try:
+            lens = prompt_lens or context_lengths(max_batch, args.context_len, args.seed)
+        except FileNotFoundError as e:  # no ShareGPT package: --context-len needs none
+            raise SystemExit(f"bench step: {e} (or give --context-len)") from None
         model_dir = resolve_model(args.model)
         config = load_config(model_dir)
         model = None
@@ -254,19 +213,22 @@ def _setup(
     bytes_per_block = kv_bytes_per_block(config, config.num_kv_heads, BLOCK_SIZE, kv_dtype)
     needed = sum(-(-n // BLOCK_SIZE) for n in lens)
     kv_cache_memory = args.kv_cache_memory or needed * bytes_per_block
-    runner = ModelRunner(
-        model_dir,
-        device=str(device),
-        dtype=args.dtype,
-        quantization=args.quantization,
-        block_size=BLOCK_SIZE,
-        kv_cache_memory=kv_cache_memory,
-        max_model_len=max(lens),
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        model=model,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    try:
+        runner = ModelRunner(
+            model_dir,
+            device=str(device),
+            dtype=args.dtype,
+            quantization=args.quantization,
+            block_size=BLOCK_SIZE,
+            kv_cache_memory=kv_cache_memory,
+            max_model_len=max(lens),
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+            model=model,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+    except ValueError as e:  # e.g. a context past the model's max_position_embeddings
+        raise SystemExit(f"bench step: {e}") from None
     del model
     setup_s = time.perf_counter() - t_setup
     if needed > runner.num_kv_blocks:
@@ -379,10 +341,34 @@ def _read_bytes(runner: ModelRunner) -> int:
     return read_bytes
 
 
+def _json_path(text: str | None) -> pathlib.Path | None:
+    """`--json`'s file, its folder created now (before the run, not after it).
+
+    Raises:
+        SystemExit: a folder, or a folder that cannot be made.
+    """
+    if text is None:
+        return None
+    path = pathlib.Path(text)
+    if path.is_dir():
+        raise SystemExit(f"--json: {text} is a folder, give a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--json: cannot make {path.parent}: {e.strerror}") from None
+    return path
+
+
 def _write_json(path: pathlib.Path, report: dict[str, Any]) -> None:
-    """Writes `report` as JSON to `path` (its folder created)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    """Writes `report` as JSON to `path`.
+
+    Raises:
+        SystemExit: the file cannot be written.
+    """
+    try:
+        path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    except OSError as e:
+        raise SystemExit(f"--json: cannot write {path}: {e.strerror}") from None
     print(f"wrote {path}")
 
 
@@ -458,6 +444,9 @@ def step_command(args: argparse.Namespace) -> int:
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this torch sees no CUDA device")
+    json_path = _json_path(args.json)
     setup = _setup(args, device, max(sizes), prompts)
     runner, lens = setup.runner, setup.lens
     if prompts:
@@ -485,11 +474,11 @@ def step_command(args: argparse.Namespace) -> int:
         )
         for b in ([] if prompts else sizes)
     ]
-    if args.json:
+    if json_path is not None:
         report = _report(args, setup, device, gpu, read_bytes, results)
         if prefill is not None:
             report["prefill"] = prefill
-        _write_json(pathlib.Path(args.json), report)
+        _write_json(json_path, report)
     if args.profile:
         _print_profile(runner, chunks)
     return 0
@@ -514,8 +503,9 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="time a step of N prompt rows instead of decode batches: prompts of --context-len "
-        "tokens (default 256) from position 0; on a CPU also its split (linears, attention, "
-        "other) and the linears against P, the same GEMM alone at these shapes (issue 33)",
+        "tokens (default 256) from position 0; on a CPU with the C++ kernels also its split "
+        "(linears, attention, other) and the linears against P, bench roofline's dense GEMM "
+        "alone at these shapes (issue 33)",
     )
     p.add_argument(
         "--batch-sizes",
@@ -524,7 +514,10 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
         "batch of n takes the first n sequences of the largest",
     )
     p.add_argument(
-        "--context-len", type=int, default=None, help="fixed context (default: ShareGPT-like)"
+        "--context-len",
+        type=positive_int,
+        default=None,
+        help="fixed context (default: ShareGPT-like)",
     )
     p.add_argument(
         "--device",
@@ -570,8 +563,8 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="torch CPU threads (default: every core)",
     )
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--iters", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first")
+    p.add_argument("--iters", type=positive_int, default=10, help="timed steps")
     p.add_argument("--seed", type=int, default=0, help="seed of the context lengths and weights")
     p.add_argument(
         "--json", default=None, metavar="PATH", help="write every figure as JSON (default: none)"

@@ -6,9 +6,10 @@ token, the last prompt shorter when ``N`` is not a multiple. It prints the step 
 CPU, where the time goes: torch's profiler over a few steps of the per-layer path (the layer
 stack off, so each kernel is its own entry; the same kernels on the same tensors), split into
 the linears (the GEMM kernels), attention and the rest, and the linears' time against P: the
-same GEMM's best time at these shapes and row counts measured now
+dense bfloat16 GEMM's best time at these shapes and row counts measured now
 (:func:`sluiceway.bench.machine_rates.measure_gemm`, as `bench roofline` does), so "linears at
-90% of P" means the step's GEMMs ran at 90% of the rate they reach alone.
+90% of P" means the step's GEMMs ran at 90% of the rate that GEMM reaches alone (with
+`--quantization gguf` or `gguf_a8` the step's GEMMs are other kernels, P the same dense one).
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ def gemm_floor_seconds(runner: ModelRunner, rows: int, sampled_rows: int) -> tup
     from sluiceway.bench.machine_rates import linear_shapes, measure_gemm
 
     config = runner.model.config
-    figures = measure_gemm(config, runner.dtype, rows=sorted({rows, sampled_rows}))
+    figures = measure_gemm(
+        config, runner.dtype, rows=sorted({rows, sampled_rows}), max_head_rows=sampled_rows
+    )
     seconds = 0.0
     for shape in linear_shapes(config):
         at = sampled_rows if shape.name == "lm_head" else rows
@@ -162,13 +165,14 @@ def prefill_step(
         "tokens_per_s": rows / step_s,
     }
     last = f", the last of {lens[-1]}" if lens[-1] != lens[0] else ""
+    plural = "s" if len(lens) > 1 else ""
     print(
-        f"prefill {rows} rows ({len(lens)} prompts of {lens[0]} tokens{last}): "
+        f"prefill {rows} rows ({len(lens)} prompt{plural} of {lens[0]} tokens{last}): "
         f"{1e3 * step_s:.1f} ms/step (median of {args.iters}, min {1e3 * min(times):.1f}), "
         f"{rows / step_s:.0f} prompt tokens/s"
     )
-    if runner.device.type != "cpu":
-        print("(the split by kernel and P are measured on a CPU only)")
+    if runner.device.type != "cpu" or runner.attention_backend.name != "cpu":
+        print("(the split by kernel and P: on a CPU with the C++ kernels, --attention-backend cpu)")
         return result
     split = profile_split(runner, chunks)
     kernel, floor_s = gemm_floor_seconds(runner, rows, len(lens))
@@ -188,7 +192,8 @@ def prefill_step(
         f"{1e3 * split.linears:.1f} ms ({100 * split.linears / split.total:.0f}%), attention "
         f"{1e3 * split.attention:.1f} ms ({100 * split.attention / split.total:.0f}%), other "
         f"{1e3 * split.other:.1f} ms; linears {flops / 1e9:.1f} GFLOP at "
-        f"{result['linears_gflops']:.0f} GFLOPS = {100 * result['linears_of_p']:.0f}% of P "
-        f"({kernel} alone at these shapes now: {result['p_gflops']:.0f} GFLOPS)"
+        f"{result['linears_gflops']:.0f} GFLOPS (quantization {runner.quantization}) = "
+        f"{100 * result['linears_of_p']:.0f}% of P (bench roofline's: {kernel} alone at these "
+        f"shapes now, {result['p_gflops']:.0f} GFLOPS)"
     )
     return result

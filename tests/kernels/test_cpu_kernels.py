@@ -154,6 +154,27 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
     torch.testing.assert_close(cpu_ops.silu_and_mul(x).float(), ref, **tol)
 
 
+def test_bfloat16_rows_round_alike_in_the_vector_and_the_scalar_path() -> None:
+    """silu_and_mul writes 16 bfloat16 lanes at a time (cpu_math.h's store16) and the row's
+    tail one by one (from_float): the same rounding to nearest even, NaN as 0x7FC0, the same
+    bits. A row of 15 goes through the scalar path only, the same 15 values in a row of 16
+    through the vector one."""
+    up = torch.tensor(
+        [1.0, 1.0, 1.0, 1.0, 3.0, -3.0, 1e-3, 7.5, 1.0, 1.0, 1.0, 0.5, 2.0, 1.0, 1.0, 1.0]
+    )
+    gate = torch.tensor(
+        [float("nan"), float("inf"), float("-inf"), -0.0, 1.00390625, -2.5, 1e-38, 0.1,
+         -1e-3, 4.0, 88.0, -90.0, 1.0078125, 20.0, -0.5, 3.0]
+    )  # fmt: skip
+    # both rows hold the same bfloat16 inputs (each rounded once from these)
+    x16 = torch.cat([gate, up]).to(torch.bfloat16)[None]
+    x15 = torch.cat([gate[:15], up[:15]]).to(torch.bfloat16)[None]
+    vector = cpu_ops.silu_and_mul(x16)[0, :15].view(torch.int16)
+    scalar = cpu_ops.silu_and_mul(x15)[0].view(torch.int16)
+    assert torch.equal(vector, scalar)
+    assert int(scalar[0]) == 0x7FC0  # NaN
+
+
 def test_fast_exp_accuracy() -> None:
     """The kernels' exp (inside silu here): relative error near float32 rounding over the
     whole useful range, 0 far below it."""
