@@ -105,10 +105,11 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_steps(
+def _step_seconds(
     runner: ModelRunner, chunks: list[ScheduledChunk], warmup: int, iters: int
-) -> dict[str, float]:
-    """Mean and median seconds of `iters` steps after `warmup` ones (each step synchronized)."""
+) -> tuple[list[float], list[float]]:
+    """Seconds of each of `iters` steps after `warmup` ones (each step synchronized), and of
+    each one's forward."""
     for _ in range(warmup):
         runner.execute(chunks)
     _sync(runner.device)
@@ -119,6 +120,14 @@ def _time_steps(
         _sync(runner.device)
         times.append(time.perf_counter() - t0)
         forward.append(runner.last_timings.forward_s)
+    return times, forward
+
+
+def _time_steps(
+    runner: ModelRunner, chunks: list[ScheduledChunk], warmup: int, iters: int
+) -> dict[str, float]:
+    """Mean and median seconds of `iters` steps after `warmup` ones (each step synchronized)."""
+    times, forward = _step_seconds(runner, chunks, warmup, iters)
     mean = statistics.fmean(times)
     return {
         "ms_per_step": 1e3 * mean,
@@ -462,7 +471,10 @@ def step_command(args: argparse.Namespace) -> int:
         f"{torch.get_num_threads()} threads"
     )
     read_bytes = _read_bytes(runner)
-    prefill = step_prefill.prefill_step(args, runner, chunks) if prompts else None
+    prefill = None
+    if prompts:
+        times, _ = _step_seconds(runner, chunks, args.warmup, args.iters)
+        prefill = step_prefill.prefill_step(runner, chunks, times)
     results = [
         _bench_batch(
             runner,

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from sluiceway.bench.machine_rates import LinearShape
     from sluiceway.worker.model_runner import ModelRunner, ScheduledChunk
 
 DEFAULT_PROMPT_LEN = 256  # the W1 workload's prompts (bench_vs_vllm.sh)
@@ -113,49 +113,51 @@ def profile_split(runner: ModelRunner, chunks: list[ScheduledChunk]) -> StepSpli
     return split_self_times(entries, PROFILED_STEPS)
 
 
-def gemm_floor_seconds(runner: ModelRunner, rows: int, sampled_rows: int) -> tuple[str, float]:
-    """The GEMM kernel's name and the seconds the step's linears take at P: each layer shape's
-    best time at ``rows`` rows (times the layers) plus the LM head's at ``sampled_rows`` rows,
-    measured now by :func:`sluiceway.bench.machine_rates.measure_gemm`."""
-    from sluiceway.bench.machine_rates import linear_shapes, measure_gemm
+def _step_linears(
+    runner: ModelRunner, rows: int, sampled_rows: int
+) -> list[tuple[LinearShape, int]]:
+    """The step's linears and the rows each runs on: the layers' on every row, the LM head's
+    on the rows that sample."""
+    from sluiceway.bench.machine_rates import linear_shapes
 
-    config = runner.model.config
+    return [
+        (shape, sampled_rows if shape.name == "lm_head" else rows)
+        for shape in linear_shapes(runner.model.config)
+    ]
+
+
+def gemm_floor_seconds(runner: ModelRunner, rows: int, sampled_rows: int) -> tuple[str, float]:
+    """The GEMM kernel's name and the seconds the step's linears (:func:`_step_linears`)
+    take at P: each shape's best time at its rows (times its count), measured now by
+    :func:`sluiceway.bench.machine_rates.measure_gemm`."""
+    from sluiceway.bench.machine_rates import measure_gemm
+
     figures = measure_gemm(
-        config, runner.dtype, rows=sorted({rows, sampled_rows}), max_head_rows=sampled_rows
+        runner.model.config,
+        runner.dtype,
+        rows=sorted({rows, sampled_rows}),
+        max_head_rows=sampled_rows,
     )
-    seconds = 0.0
-    for shape in linear_shapes(config):
-        at = sampled_rows if shape.name == "lm_head" else rows
-        seconds += figures.seconds[at][shape.name] * shape.count
+    seconds = sum(
+        figures.seconds[at][shape.name] * shape.count
+        for shape, at in _step_linears(runner, rows, sampled_rows)
+    )
     return figures.kernel, seconds
 
 
 def linear_flops(runner: ModelRunner, rows: int, sampled_rows: int) -> int:
-    """FLOPs of the step's linears: 2 x rows x the layers' weights, plus the LM head's on the
-    rows that sample."""
-    from sluiceway.bench.machine_rates import linear_shapes
-
-    total = 0
-    for shape in linear_shapes(runner.model.config):
-        total += 2 * (sampled_rows if shape.name == "lm_head" else rows) * shape.weights
-    return total
+    """FLOPs of the step's linears (:func:`_step_linears`): 2 x its rows x its weights each."""
+    return sum(2 * at * shape.weights for shape, at in _step_linears(runner, rows, sampled_rows))
 
 
 def prefill_step(
-    args: argparse.Namespace, runner: ModelRunner, chunks: list[ScheduledChunk]
+    runner: ModelRunner, chunks: list[ScheduledChunk], times: list[float]
 ) -> dict[str, Any]:
-    """Times ``--iters`` steps of the prompt ``chunks`` (each a whole prompt) after
-    ``--warmup`` ones, prints the step and, on a CPU, its split and the linears against P;
-    returns the figures (the JSON's ``prefill``)."""
+    """Prints the step of the prompt ``chunks`` (each a whole prompt) that took ``times``
+    seconds and, on a CPU, its split and the linears against P; returns the figures (the
+    JSON's ``prefill``)."""
     lens = [c.num_new_tokens for c in chunks]
     rows = sum(lens)
-    for _ in range(args.warmup):
-        runner.execute(chunks)
-    times = []
-    for _ in range(args.iters):
-        t0 = time.perf_counter()
-        runner.execute(chunks)
-        times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     result: dict[str, Any] = {
         "prefill_tokens": rows,
@@ -168,7 +170,7 @@ def prefill_step(
     plural = "s" if len(lens) > 1 else ""
     print(
         f"prefill {rows} rows ({len(lens)} prompt{plural} of {lens[0]} tokens{last}): "
-        f"{1e3 * step_s:.1f} ms/step (median of {args.iters}, min {1e3 * min(times):.1f}), "
+        f"{1e3 * step_s:.1f} ms/step (median of {len(times)}, min {1e3 * min(times):.1f}), "
         f"{rows / step_s:.0f} prompt tokens/s"
     )
     if runner.device.type != "cpu" or runner.attention_backend.name != "cpu":
